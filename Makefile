@@ -1,0 +1,33 @@
+# Each target creates .venv and installs what it needs, so a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_HOME ?= $(CURDIR)/.venv/prefect-home
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rollflow demo --output demo-out
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	$(PY) bench/client_ceiling.py
+	$(PY) bench/efficiency.py
+	$(PY) bench/memory.py
+
+clean:
+	rm -rf $(VENV) demo-out

@@ -1,0 +1,152 @@
+"""The rollflow pipeline as Prefect flows: plan -> collect chunks -> verify -> concatenate -> report."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from tasks.http import close_loop_session
+
+from settings import RollflowSettings, RunSpec
+from tasks.audit import AuditSummary
+from tasks.collect import ChunkOutcome, CollectContext
+from tasks.plan import RunPlan
+from tasks.prefect_tasks import (
+    collect_chunk_task,
+    concatenate_task,
+    plan_task,
+    preflight_task,
+    verify_task,
+)
+from tasks.progress import ProgressEvent, hub
+from tasks.report import RunMetrics, build_report, render_markdown, write_report
+from tasks.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
+
+
+class RunIncomplete(Exception):
+    """The audit found gaps, so the dataset was not published (the report says what is missing)."""
+
+    def __init__(self, message: str, report: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+async def collect_stage(ctx: CollectContext, plan: RunPlan, chunks_in_flight: int) -> list[ChunkOutcome]:
+    """Run the pending chunks as tasks, a bounded number at once, all under ctx.limit."""
+    gate = asyncio.Semaphore(chunks_in_flight)
+    collect = collect_chunk_task.with_options(retries=ctx.collection.chunk_retries)
+
+    async def run_one(chunk: Any) -> ChunkOutcome:
+        async with gate:
+            return await collect(ctx, chunk)
+
+    results = await asyncio.gather(*(run_one(c) for c in plan.pending), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors and not all(isinstance(e, Exception) for e in errors):
+        raise next(e for e in errors if not isinstance(e, Exception))
+    return [r for r in results if isinstance(r, ChunkOutcome)]
+
+
+def run_metrics(
+    outcomes: list[ChunkOutcome], ctx: CollectContext, wall_s: float, collect_s: float, skipped: int
+) -> RunMetrics:
+    ran = [o for o in outcomes if not o.skipped]
+    collected = sum(o.collected for o in ran)
+    weights = [(o.manifest.stats.get("collected") or 0, o.manifest.stats) for o in ran]
+    total_w = sum(w for w, _ in weights) or 1
+
+    def weighted(key: str) -> float | None:
+        vals = [(w, s[key]) for w, s in weights if s.get(key) is not None]
+        return round(sum(w * v for w, v in vals) / total_w, 6) if vals else None
+
+    return RunMetrics(
+        wall_s=wall_s,
+        collect_s=collect_s,
+        collected=collected,
+        output_tokens=sum(s.get("output_tokens", 0) for _, s in weights),
+        retries=sum(s.get("retries", 0) for _, s in weights),
+        parallelism=ctx.limit.limit,
+        peak_in_flight=ctx.limit.peak,
+        chunks_run=len(ran),
+        chunks_skipped=skipped,
+        latency_p50_s=weighted("latency_p50_s"),
+        latency_p95_s=weighted("latency_p95_s"),
+        backend_s=sum(s.get("backend_s", 0.0) for _, s in weights),
+        verify_s=sum(s.get("verify_s", 0.0) for _, s in weights),
+    )
+
+
+def incomplete_message(summary: AuditSummary, spec: RunSpec) -> str:
+    return (
+        f"The dataset was not published: the audit found {summary.missing:,} of "
+        f"{summary.rows_expected:,} rollouts missing ({summary.failed:,} failed after retries, listed "
+        f"under {spec.output.rstrip('/')}/failures/), {summary.duplicates:,} duplicated and "
+        f"{summary.invalid + summary.missing_reward:,} invalid or without a numeric reward. Everything "
+        f"collected is committed: run the same command again to retry only what is missing, or pass "
+        f"--allow-incomplete to publish what there is."
+    )
+
+
+async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: RunHandles) -> dict[str, Any]:
+    """collect -> verify -> concatenate -> report, for a spec whose parallelism is already decided."""
+    t_start = time.perf_counter()
+    parallelism = spec.collection.parallelism
+    plan = await plan_task(handles, parallelism)
+    pending = plan.pending
+    skipped = len(plan.scan.chunks) - len(pending)
+    remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
+    hub.emit(ProgressEvent("plan", total=remaining))
+    ctx = collect_context(handles, settings, parallelism)
+    t_collect = time.perf_counter()
+    outcomes: list[ChunkOutcome] = []
+    if pending:
+        await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
+        chunks_in_flight = spec.collection.chunks_in_flight or default_chunks_in_flight(
+            parallelism, spec.collection.chunk_size, spec.collection.num_repeats
+        )
+        try:
+            outcomes = await collect_stage(ctx, plan, chunks_in_flight)
+        finally:
+            await close_loop_session()
+    collect_s = time.perf_counter() - t_collect
+    summary = await verify_task(handles, plan)
+    publish = summary.ok or spec.allow_incomplete
+    if publish:
+        await concatenate_task(handles, plan)
+    metrics = run_metrics(outcomes, ctx, time.perf_counter() - t_start, collect_s, skipped)
+    report = build_report(
+        input_url=spec.input,
+        output_url=spec.output,
+        dataset_url=spec.dataset_url(),
+        backend_kind=spec.backend.kind.value,
+        summary=summary,
+        metrics=metrics,
+        published=publish,
+        bad_rows=plan.scan.bad_rows,
+    )
+    await asyncio.to_thread(write_report, handles.store, report)
+    await create_markdown_artifact(
+        render_markdown(report), key="rollflow-report", description="rollflow run report"
+    )
+    if not publish:
+        raise RunIncomplete(incomplete_message(summary, spec), report)
+    return report
+
+
+@flow(name="rollflow-run", log_prints=False)
+async def rollflow_run(spec: RunSpec) -> dict[str, Any]:
+    """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked)."""
+    settings = RollflowSettings()
+    handles = open_run(spec, settings)
+    return await run_collection(spec, settings, handles)
+
+
+@flow(name="rollflow-collect", log_prints=False)
+async def rollflow_collect(spec: RunSpec) -> dict[str, Any]:
+    """Collection at a fixed parallelism, then verify and concatenate."""
+    settings = RollflowSettings()
+    handles = open_run(spec, settings)
+    return await run_collection(spec, settings, handles)

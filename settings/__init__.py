@@ -1,0 +1,25 @@
+"""rollflow configuration: pydantic-settings models, read from ROLLFLOW_* env vars, .env and CLI flags."""
+
+from settings.models import (
+    BackendKind,
+    BackendParams,
+    BackendSettings,
+    CollectionSettings,
+    PipelineSettings,
+    RollflowSettings,
+    StorageSettings,
+    VerifySettings,
+)
+
+__all__ = [
+    "BackendKind",
+    "BackendParams",
+    "BackendSettings",
+    "CollectionSettings",
+    "PipelineSettings",
+    "RollflowSettings",
+    "RunSpec",
+    "StorageSettings",
+    "VerifySettings",
+]
+from settings.spec import RunSpec

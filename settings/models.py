@@ -1,0 +1,119 @@
+"""Configuration models: one source for env vars (ROLLFLOW_*), an optional .env file and CLI flags."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class BackendKind(StrEnum):
+    agent = "agent"
+    responses = "responses"
+    chat = "chat"
+
+
+class BackendParams(BaseModel):
+    """Where rollouts come from and how hard to try for each one (no secrets: safe as a flow parameter)."""
+
+    kind: BackendKind = Field(BackendKind.responses, description="agent | responses | chat")
+    url: str = Field("http://127.0.0.1:8000", description="Base URL of the inference backend or agent server")
+    model: str | None = Field(None, description="Model name sent to responses/chat backends")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (whole request)")
+    connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout")
+    max_retries: int = Field(5, ge=0, le=50, description="Retries per rollout on transient errors")
+    backoff_base_s: float = Field(0.5, ge=0, description="First backoff; doubles each retry, with jitter")
+    backoff_max_s: float = Field(30.0, ge=0, description="Largest backoff, also caps Retry-After")
+
+
+class BackendSettings(BackendParams):
+    """BackendParams plus the API key, which only ever comes from the environment."""
+
+    api_key: SecretStr | None = Field(None, description="Bearer token for the backend; never logged")
+
+    def params(self) -> BackendParams:
+        return BackendParams(**self.model_dump(exclude={"api_key"}))
+
+
+class StorageSettings(BaseModel):
+    """fsspec options for s3:// (or other remote) input and output."""
+
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); default AWS")
+    access_key_id: SecretStr | None = Field(None, description="S3 access key; else the AWS default chain")
+    secret_access_key: SecretStr | None = Field(None, description="S3 secret key; else the AWS default chain")
+    region: str | None = Field(None, description="S3 region")
+
+    def storage_options(self, url: str) -> dict[str, Any]:
+        """fsspec keyword arguments for `url`; empty for local paths."""
+        if not url.startswith(("s3://", "s3a://")):
+            return {}
+        opts: dict[str, Any] = {}
+        client_kwargs: dict[str, Any] = {}
+        if self.endpoint_url:
+            client_kwargs["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client_kwargs["region_name"] = self.region
+        if client_kwargs:
+            opts["client_kwargs"] = client_kwargs
+        if self.access_key_id and self.secret_access_key:
+            opts["key"] = self.access_key_id.get_secret_value()
+            opts["secret"] = self.secret_access_key.get_secret_value()
+        return opts
+
+
+class CollectionSettings(BaseModel):
+    """How the input is planned into chunks and how many requests run at once."""
+
+    parallelism: int = Field(32, ge=1, le=65536, description="Requests in flight across all chunks")
+    chunk_size: int = Field(1000, ge=1, le=1_000_000, description="Input rows per chunk task")
+    num_repeats: int = Field(1, ge=1, le=10_000, description="Rollouts per input row")
+    limit: int | None = Field(None, ge=1, description="Use only the first N rows of the input")
+    chunks_in_flight: int | None = Field(
+        None, ge=1, le=1024, description="Chunks collected at once; default enough to keep parallelism fed"
+    )
+    chunk_retries: int = Field(3, ge=0, le=100, description="Prefect retries of a whole chunk task")
+    skip_bad_rows: bool = Field(False, description="Record malformed input rows in bad_rows.jsonl and go on")
+    agent_name: str | None = Field(None, description="Fills a missing agent_ref.name")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="JSON merged into responses_create_params"
+    )
+    record_latency: bool = Field(
+        False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
+    )
+
+
+class VerifySettings(BaseModel):
+    """How rewards are computed for backends that return none."""
+
+    verifier: str = Field("exact_match", description="exact_match | math | http | none | module:function")
+    url: str | None = Field(None, description="NeMo Gym resources server for the http verifier")
+    timeout_s: float = Field(60.0, gt=0, description="Per-request timeout of the http verifier")
+
+
+class PipelineSettings(BaseModel):
+    """Where the run reads and writes, and what it may do to existing output."""
+
+    input: str | None = Field(None, description="Input JSONL: local path or any fsspec URL (s3://...)")
+    output: str | None = Field(None, description="Output directory: local path or any fsspec URL")
+    restart: bool = Field(False, description="Discard committed chunks of a different run and start over")
+    allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
+
+
+class RollflowSettings(BaseSettings):
+    """Everything rollflow reads from the environment: ROLLFLOW_<GROUP>__<FIELD>, or a .env file."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLFLOW_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+    )
+
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    collection: CollectionSettings = Field(default_factory=CollectionSettings)
+    verify: VerifySettings = Field(default_factory=VerifySettings)
+    pipeline: PipelineSettings = Field(default_factory=PipelineSettings)

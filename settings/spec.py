@@ -1,0 +1,49 @@
+"""RunSpec: the whole description of a run that may travel as a Prefect parameter (it holds no secret)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, SecretStr
+
+from settings.models import (
+    BackendParams,
+    BackendSettings,
+    CollectionSettings,
+    RollflowSettings,
+    VerifySettings,
+)
+
+
+class RunSpec(BaseModel):
+    """What to collect, from where, into where. Secrets are resolved from the environment at run time."""
+
+    input: str = Field(..., description="Input JSONL of NeMo Gym rows: local path or s3://...")
+    output: str = Field(..., description="Output directory (ledger, reports): local path or s3://...")
+    dataset: str | None = Field(
+        None, description="Where to publish the dataset; default <output>/rollouts.jsonl"
+    )
+    backend: BackendParams = Field(default_factory=BackendParams)
+    collection: CollectionSettings = Field(default_factory=CollectionSettings)
+    verify: VerifySettings = Field(default_factory=VerifySettings)
+    restart: bool = Field(False, description="Discard a different run's committed chunks and start over")
+    allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
+
+    @classmethod
+    def from_settings(cls, settings: RollflowSettings, **changes: object) -> RunSpec:
+        """A spec from env/.env settings; `changes` (e.g. CLI flags) win."""
+        base = {
+            "input": settings.pipeline.input,
+            "output": settings.pipeline.output,
+            "backend": settings.backend.params(),
+            "collection": settings.collection,
+            "verify": settings.verify,
+            "restart": settings.pipeline.restart,
+            "allow_incomplete": settings.pipeline.allow_incomplete,
+        }
+        base.update(changes)
+        return cls.model_validate(base)
+
+    def backend_settings(self, api_key: SecretStr | None) -> BackendSettings:
+        return BackendSettings(**self.backend.model_dump(), api_key=api_key)
+
+    def dataset_url(self) -> str:
+        return self.dataset or f"{self.output.rstrip('/')}/rollouts.jsonl"

@@ -1,0 +1,55 @@
+"""Thin Prefect @task wrappers over the plain functions of tasks/: resolve, call, record."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefect import task
+from prefect.cache_policies import NONE
+from prefect.runtime import task_run
+
+from tasks.audit import AuditSummary, audit_run
+from tasks.collect import ChunkOutcome, CollectContext, collect_chunk
+from tasks.concat import concatenate
+from tasks.plan import RunPlan, plan_run
+from tasks.preflight import check_reachable
+from tasks.rows import ChunkSpec
+from tasks.runtime import RunHandles
+
+
+@task(name="plan", cache_policy=NONE)
+async def plan_task(handles: RunHandles, parallelism: int | None) -> RunPlan:
+    return await asyncio.to_thread(
+        plan_run, handles.spec, handles.store, handles.ledger, handles.input_options, parallelism
+    )
+
+
+@task(name="preflight", cache_policy=NONE)
+async def preflight_task(url: str, timeout_s: float) -> None:
+    await check_reachable(url, timeout_s)
+
+
+@task(
+    name="collect-chunk",
+    task_run_name="chunk-{chunk.index:05d}",
+    cache_policy=NONE,
+    retries=3,
+    retry_delay_seconds=[1, 5, 15],
+)
+async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome:
+    return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+
+
+@task(name="verify", cache_policy=NONE)
+async def verify_task(handles: RunHandles, plan: RunPlan) -> AuditSummary:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    return await asyncio.to_thread(
+        audit_run, handles.ledger, plan.scan.chunks, handles.spec.collection.num_repeats, manifests
+    )
+
+
+@task(name="concatenate", cache_policy=NONE)
+async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
+    return await asyncio.to_thread(
+        concatenate, handles.ledger, plan.scan.chunks, handles.spec.dataset_url(), handles.dataset_options
+    )

@@ -1,0 +1,34 @@
+"""Checks that fail a run in seconds, before any chunk starts, when the backend cannot be reached."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from urllib.parse import urlsplit
+
+
+class BackendUnreachable(Exception):
+    """The backend's host does not accept connections; nothing was sent."""
+
+
+async def check_reachable(url: str, timeout_s: float, what: str = "backend") -> None:
+    """Open (and close) one TCP connection to `url`'s host and port."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BackendUnreachable(
+            f"The {what} URL {url!r} is not an http(s) URL. Pass e.g. --backend-url http://127.0.0.1:8000."
+        )
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout_s)
+    except (OSError, TimeoutError) as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise BackendUnreachable(
+            f"The {what} at {parts.scheme}://{parts.hostname}:{port} is unreachable ({reason}). "
+            f"Start it, or point rollflow at a running one with --backend-url. No request was sent and "
+            f"every chunk already committed under the output is kept; run the same command again once "
+            f"it is up."
+        ) from exc
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
