@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import acreate_markdown_artifact
 from tasks.http import close_loop_session
 
 from settings import RollflowSettings, RunSpec
@@ -128,7 +128,7 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
         bad_rows=plan.scan.bad_rows,
     )
     await asyncio.to_thread(write_report, handles.store, report)
-    await create_markdown_artifact(
+    await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )
     if not publish:
