@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from typing import Any
 
@@ -100,7 +101,7 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
     remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
     hub.emit(ProgressEvent("plan", total=remaining))
     ctx = collect_context(handles, settings, parallelism)
-    t_collect = time.perf_counter()
+    t_collect, cpu_collect = time.perf_counter(), time.process_time()
     outcomes: list[ChunkOutcome] = []
     if pending:
         await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
@@ -112,11 +113,14 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
         finally:
             await close_loop_session()
     collect_s = time.perf_counter() - t_collect
+    collect_cpu_s = time.process_time() - cpu_collect
     summary = await verify_task(handles, plan)
     publish = summary.ok or spec.allow_incomplete
     if publish:
         await concatenate_task(handles, plan)
     metrics = run_metrics(outcomes, ctx, time.perf_counter() - t_start, collect_s, skipped)
+    metrics.collect_cpu_s = round(collect_cpu_s, 6)
+    metrics.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     report = build_report(
         input_url=spec.input,
         output_url=spec.output,

@@ -29,6 +29,8 @@ class RunMetrics:
     latency_p95_s: float | None = None
     backend_s: float = 0.0
     verify_s: float = 0.0
+    collect_cpu_s: float = 0.0
+    peak_rss_mb: float = 0.0
 
 
 def build_report(
