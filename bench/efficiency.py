@@ -1,0 +1,61 @@
+"""Efficiency: achieved rollouts/s as a fraction of a backend's capacity.
+
+Simulator with 64 slots x 100 ms (capacity 640 rollouts/s); rollflow at parallelism 64 and 128.
+Goal: >= 0.95 of capacity at both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from harness import run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", type=int, default=4_000)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--latency-ms", type=float, default=100.0)
+    args = ap.parse_args()
+    capacity = args.slots * 1000.0 / args.latency_ms
+    work = Path(tempfile.mkdtemp(prefix="rollflow-bench-"))
+    inp = write_input(work / "input.jsonl", args.rows)
+    sim = spawn_simulator("--latency-ms", str(args.latency_ms), "--slots", str(args.slots))
+    prefect = spawn_prefect_server()
+    print(f"efficiency: simulator {args.slots} slots x {args.latency_ms:.0f} ms = capacity {capacity:,.0f}/s")
+    print(f"  {'parallelism':>11}  {'rollouts':>8}  {'rollouts/s':>10}  {'of capacity':>11}  exit")
+    try:
+        for parallelism in (args.slots, 2 * args.slots):
+            res = run_rollflow(
+                [
+                    "run",
+                    "--input",
+                    str(inp),
+                    "--backend-kind",
+                    "agent",
+                    "--backend-url",
+                    sim.url,
+                    "--num-repeats",
+                    str(args.repeats),
+                    "--parallelism",
+                    str(parallelism),
+                ],
+                prefect.env,
+                work / f"out-{parallelism}",
+            )
+            rate = res.report["rollouts_per_s"]
+            collected = res.report["metrics"]["collected"]
+            print(
+                f"  {parallelism:>11}  {collected:>8,}  {rate:>10,.1f}  {rate / capacity:>11.3f}  {res.returncode}"
+            )
+    finally:
+        sim.stop()
+        prefect.stop()
+    print("  goal: >= 0.95 of capacity")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Memory: peak RSS of the rollflow process must not grow with the number of rows.
+
+Zero-latency simulator; 20,000 and 200,000 rows (1 rollout each); the process reports its own peak RSS.
+Goal: the two peaks differ by under 20% (NeMo Gym's collector holds every row: 338 MB at 5,000 rollouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from harness import run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[20_000, 200_000])
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rollflow-bench-"))
+    sim = spawn_simulator("--latency-ms", "0", "--slots", "4096")
+    prefect = spawn_prefect_server()
+    peaks: list[float] = []
+    print(f"  {'rows':>9}  {'peak RSS MB':>11}  {'rollouts/s':>10}  {'wall s':>7}  exit")
+    try:
+        for rows in args.sizes:
+            inp = write_input(work / f"input-{rows}.jsonl", rows)
+            res = run_rollflow(
+                [
+                    "run",
+                    "--input",
+                    str(inp),
+                    "--backend-kind",
+                    "agent",
+                    "--backend-url",
+                    sim.url,
+                    "--parallelism",
+                    "256",
+                ],
+                prefect.env,
+                work / f"out-{rows}",
+                timeout_s=1800,
+            )
+            peak = res.report["metrics"]["peak_rss_mb"]
+            peaks.append(peak)
+            print(
+                f"  {rows:>9,}  {peak:>11,.1f}  {res.report['rollouts_per_s']:>10,.0f}  "
+                f"{res.wall_s:>7.1f}  {res.returncode}"
+            )
+    finally:
+        sim.stop()
+        prefect.stop()
+    growth = (max(peaks) - min(peaks)) / min(peaks)
+    print(f"  peak RSS difference {growth:.1%}    goal < 20%")
+
+
+if __name__ == "__main__":
+    main()

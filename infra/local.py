@@ -1,0 +1,132 @@
+"""Start local infrastructure as child processes on loopback: simulator, moto S3, Prefect server.
+
+Shared by the tests, the benchmarks and `infra/local-up.sh`, so each starts servers one way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll `url` until it answers at all (any HTTP status), or raise after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with {proc.returncode} before {url} answered")
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError as exc:
+            last = exc
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s: {last}")
+
+
+@dataclass
+class Service:
+    """A child process serving on `url`; stop() terminates it (and waits)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def spawn_simulator(*args: str, port: int | None = None) -> Service:
+    """`python -m infra.simulator` on 127.0.0.1; returns once it answers /health."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_python_env(), stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", 30, proc)
+    except Exception:
+        proc.kill()
+        raise
+    return Service("simulator", proc, url)
+
+
+def spawn_moto(port: int | None = None) -> Service:
+    """An S3-compatible store (moto_server) on 127.0.0.1, with the env vars s3fs needs to reach it."""
+    port = port or free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url, 30, proc)
+    except Exception:
+        proc.kill()
+        raise
+    env = {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    return Service("s3", proc, url, env)
+
+
+def spawn_prefect_server(port: int | None = None, home: str | None = None) -> Service:
+    """`prefect server start` (SQLite) on 127.0.0.1; PREFECT_API_URL for clients is in .env."""
+    port = port or free_port()
+    home = home or tempfile.mkdtemp(prefix="rollflow-prefect-")
+    env = _python_env()
+    env.update(
+        {
+            "PREFECT_HOME": home,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_UI_ENABLED": env.get("PREFECT_UI_ENABLED", "true"),
+        }
+    )
+    exe = Path(sys.executable).with_name("prefect")
+    proc = subprocess.Popen(
+        [str(exe), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/api/health", 90, proc)
+    except Exception:
+        proc.kill()
+        raise
+    return Service("prefect", proc, url, {"PREFECT_API_URL": f"{url}/api"})
