@@ -49,7 +49,8 @@ def main() -> None:
             rate = res.report["rollouts_per_s"]
             collected = res.report["metrics"]["collected"]
             print(
-                f"  {parallelism:>11}  {collected:>8,}  {rate:>10,.1f}  {rate / capacity:>11.3f}  {res.returncode}"
+                f"  {parallelism:>11}  {collected:>8,}  {rate:>10,.1f}  {rate / capacity:>11.3f}  "
+                f"{res.returncode}"
             )
     finally:
         sim.stop()
