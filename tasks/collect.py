@@ -1,9 +1,10 @@
-"""chunked-collect: run one chunk's rollouts under the shared limit and commit them to the ledger."""
+"""chunked-collect: run rollouts under the shared limit and commit each chunk to the ledger."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from statistics import quantiles
@@ -16,11 +17,13 @@ from tasks.backends import BackendClient, BackendError, RolloutResult
 from tasks.http import session_for_loop
 from tasks.ledger import ChunkManifest, Ledger
 from tasks.limiter import ConcurrencyLimit
+from tasks.parts import delete_parts, read_parts
 from tasks.progress import ProgressEvent, hub
 from tasks.rows import ChunkSpec, iter_chunk_rows
 from tasks.verifiers import Verifier
 
 RolloutKey = tuple[int, int]
+WorkItem = tuple[int, dict[str, Any], int]
 
 
 @dataclass
@@ -36,15 +39,17 @@ class CollectContext:
     limit: ConcurrencyLimit
 
 
-@dataclass
-class ChunkOutcome:
-    manifest: ChunkManifest
-    skipped: bool
-    collected: int = 0
+@dataclass(slots=True)
+class RequestRecord:
+    """When one rollout started and ended, and how it failed if it did (for throughput measurement)."""
+
+    start: float
+    end: float
+    error: str | None
 
 
 @dataclass
-class _ChunkStats:
+class RolloutStats:
     latencies: list[float] = field(default_factory=list)
     backend_s: float = 0.0
     verify_s: float = 0.0
@@ -54,15 +59,9 @@ class _ChunkStats:
     reward_count: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        lat = sorted(self.latencies)
-        p50 = p95 = None
-        if len(lat) >= 2:
-            cuts = quantiles(lat, n=20)
-            p50, p95 = cuts[9], cuts[18]
-        elif lat:
-            p50 = p95 = lat[0]
+        p50, p95 = latency_percentiles(self.latencies)
         return {
-            "collected": len(lat),
+            "collected": len(self.latencies),
             "latency_p50_s": p50,
             "latency_p95_s": p95,
             "backend_s": round(self.backend_s, 6),
@@ -74,6 +73,33 @@ class _ChunkStats:
         }
 
 
+def latency_percentiles(latencies: list[float]) -> tuple[float | None, float | None]:
+    if len(latencies) >= 2:
+        cuts = quantiles(latencies, n=20)
+        return round(cuts[9], 6), round(cuts[18], 6)
+    if latencies:
+        return latencies[0], latencies[0]
+    return None, None
+
+
+@dataclass
+class RolloutBatch:
+    """What a set of rollouts produced: output lines and failure lines by (task, rollout), and timings."""
+
+    results: dict[RolloutKey, bytes] = field(default_factory=dict)
+    failures: dict[RolloutKey, bytes] = field(default_factory=dict)
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+@dataclass
+class ChunkOutcome:
+    manifest: ChunkManifest
+    skipped: bool
+    collected: int = 0
+    adopted: int = 0
+
+
 def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str, Any]:
     """Apply --agent-name and --overrides the way NeMo Gym's collector does, without touching the input."""
     if collection.agent_name and not (row.get("agent_ref") or {}).get("name"):
@@ -81,6 +107,44 @@ def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str
     if collection.overrides:
         row = {**row, "responses_create_params": {**row["responses_create_params"], **collection.overrides}}
     return row
+
+
+async def run_rollouts(
+    ctx: CollectContext, items: Iterable[WorkItem], batch: RolloutBatch, limit: ConcurrencyLimit | None = None
+) -> None:
+    """Run every (task, row, rollout) of `items` with at most `limit` (default ctx.limit) in flight."""
+    limit = limit or ctx.limit
+    client = BackendClient(ctx.backend, session_for_loop(ctx.backend))
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:
+        start = time.perf_counter()
+        error: str | None = None
+        try:
+            batch.results[(task_index, rollout)] = await _rollout_line(
+                ctx, client, row, task_index, rollout, batch.stats
+            )
+            hub.emit(ProgressEvent("rollouts", done=1))
+        except BackendError as exc:
+            error = exc.kind
+            batch.failures[(task_index, rollout)] = _failure_line(row, task_index, rollout, exc)
+            hub.emit(ProgressEvent("rollouts", failed=1))
+        finally:
+            limit.release()
+            batch.records.append(RequestRecord(start, time.perf_counter(), error))
+
+    try:
+        for task_index, row, rollout in items:
+            await limit.acquire()
+            t = asyncio.create_task(one(task_index, row, rollout))
+            pending.add(t)
+            t.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.gather(*pending)
+    except BaseException:
+        for t in pending:
+            t.cancel()
+        raise
 
 
 def _committed_rows(ledger: Ledger, chunk: int) -> dict[RolloutKey, bytes]:
@@ -94,76 +158,54 @@ def _committed_rows(ledger: Ledger, chunk: int) -> dict[RolloutKey, bytes]:
     return kept
 
 
+def _adoptable(ctx: CollectContext, chunk: ChunkSpec, committed: bool) -> dict[RolloutKey, bytes]:
+    kept, _problems = read_parts(ctx.ledger.store, chunk.index)
+    if committed:
+        kept.update(_committed_rows(ctx.ledger, chunk.index))
+    return kept
+
+
 async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1) -> ChunkOutcome:
     """Collect every missing rollout of `chunk` and commit it; a committed, complete chunk is skipped."""
     previous = await asyncio.to_thread(ctx.ledger.manifest, chunk.index)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
-    kept = await asyncio.to_thread(_committed_rows, ctx.ledger, chunk.index) if previous else {}
+    kept = await asyncio.to_thread(_adoptable, ctx, chunk, previous is not None)
     rows = await asyncio.to_thread(lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options)))
-
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
     k = ctx.collection.num_repeats
-    client = BackendClient(ctx.backend, session_for_loop(ctx.backend))
-    results: dict[RolloutKey, bytes] = dict(kept)
-    failures: dict[RolloutKey, bytes] = {}
-    stats = _ChunkStats()
-    pending: set[asyncio.Task[None]] = set()
-
-    async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:
-        try:
-            line = await _rollout_line(ctx, client, row, task_index, rollout, stats)
-            results[(task_index, rollout)] = line
-            hub.emit(ProgressEvent("rollouts", done=1))
-        except BackendError as exc:
-            failures[(task_index, rollout)] = _failure_line(row, task_index, rollout, exc)
-            hub.emit(ProgressEvent("rollouts", failed=1))
-        finally:
-            ctx.limit.release()
-
-    try:
-        for task_index, raw in rows:
-            row = prepare_row(raw, ctx.collection)
-            for rollout in range(k):
-                if (task_index, rollout) in results:
-                    continue
-                await ctx.limit.acquire()
-                t = asyncio.create_task(one(task_index, row, rollout))
-                pending.add(t)
-                t.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.gather(*pending)
-    except BaseException:
-        for t in pending:
-            t.cancel()
-        raise
-
-    collected = len(results) - len(kept)
-    data = b"".join(results[key] + b"\n" for key in _ordered_keys(rows, k) if key in results)
-    fail_data = b"".join(failures[key] + b"\n" for key in sorted(failures)) or None
+    batch = RolloutBatch(results=dict(kept))
+    todo = (
+        (task_index, prepare_row(row, ctx.collection), r)
+        for task_index, row in rows
+        for r in range(k)
+        if (task_index, r) not in kept
+    )
+    hub.emit(ProgressEvent("rollouts", done=len(kept)))
+    await run_rollouts(ctx, todo, batch)
+    keys = [(task_index, r) for task_index, _ in rows for r in range(k)]
+    data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
+    fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None
     manifest = ChunkManifest(
         chunk=chunk.index,
         first_task=chunk.first_task,
         num_tasks=chunk.num_tasks,
         rows_expected=chunk.good_rows * k,
-        rows=len(results),
-        failed=len(failures),
+        rows=len(batch.results),
+        failed=len(batch.failures),
         sha256="",
         bytes=len(data),
         started_at=started_at,
         committed_at="",
         wall_s=round(time.perf_counter() - t0, 6),
         attempt=attempt,
-        stats=stats.as_dict(),
+        stats={**batch.stats.as_dict(), "adopted": len(kept)},
     )
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
-    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=len(results), failed=len(failures)))
-    return ChunkOutcome(manifest, skipped=False, collected=collected)
-
-
-def _ordered_keys(rows: list[tuple[int, dict[str, Any]]], k: int) -> list[RolloutKey]:
-    return [(task_index, r) for task_index, _ in rows for r in range(k)]
+    await asyncio.to_thread(delete_parts, ctx.ledger.store, chunk.index)
+    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=len(batch.results), failed=len(batch.failures)))
+    return ChunkOutcome(manifest, skipped=False, collected=len(batch.results) - len(kept), adopted=len(kept))
 
 
 async def _rollout_line(
@@ -172,7 +214,7 @@ async def _rollout_line(
     row: dict[str, Any],
     task_index: int,
     rollout: int,
-    stats: _ChunkStats,
+    stats: RolloutStats,
 ) -> bytes:
     """One rollout, verified, as its output JSONL line (bytes, no newline)."""
     t0 = time.perf_counter()
@@ -180,7 +222,7 @@ async def _rollout_line(
     t1 = time.perf_counter()
     reward = result.reward
     if reward is None and ctx.verifier is not None:
-        reward = await _verify(ctx.verifier, row, result, task_index, rollout)
+        reward = await _verify(ctx.verifier, row, result)
         stats.verify_s += time.perf_counter() - t1
     stats.backend_s += t1 - t0
     stats.latencies.append(result.latency_s)
@@ -200,9 +242,7 @@ async def _rollout_line(
     return orjson.dumps(out)
 
 
-async def _verify(
-    verifier: Verifier, row: dict[str, Any], result: RolloutResult, task_index: int, rollout: int
-) -> float:
+async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult) -> float:
     try:
         return await verifier(row, result)
     except BackendError:
