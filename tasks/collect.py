@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from statistics import quantiles
 from typing import Any
 
 import orjson
+from aiohttp import ClientSession
 
 from settings import BackendSettings, CollectionSettings
 from tasks.backends import BackendClient, BackendError, RolloutResult
@@ -37,6 +38,8 @@ class CollectContext:
     collection: CollectionSettings
     verifier: Verifier | None
     limit: ConcurrencyLimit
+    # Optional: builds the BackendClient (tuning and adaptive mode pass one that counts every attempt).
+    client_factory: Callable[[BackendSettings, ClientSession], BackendClient] | None = None
 
 
 @dataclass(slots=True)
@@ -114,7 +117,7 @@ async def run_rollouts(
 ) -> None:
     """Run every (task, row, rollout) of `items` with at most `limit` (default ctx.limit) in flight."""
     limit = limit or ctx.limit
-    client = BackendClient(ctx.backend, session_for_loop(ctx.backend))
+    client = (ctx.client_factory or BackendClient)(ctx.backend, session_for_loop(ctx.backend))
     pending: set[asyncio.Task[None]] = set()
 
     async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:

@@ -1,0 +1,3 @@
+from infra.simulator.server import main
+
+raise SystemExit(main())
