@@ -94,7 +94,9 @@ def chunk_of(chunks: Sequence[ChunkSpec], task_index: int) -> ChunkSpec:
     return chunks[i]
 
 
-def save_parts(store: Store, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str) -> int:
+def save_parts(
+    store: Store, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str
+) -> int:
     """Write the rollouts as one part per owning chunk; returns how many were saved."""
     by_chunk: dict[int, list[tuple[RolloutKey, bytes]]] = {}
     for key, line in results.items():

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 
-from infra.local import Service, spawn_simulator
+from infra.local import Service
 
 ROWS, REPEATS = 2000, 2
 
@@ -43,13 +38,6 @@ def assert_complete(lines: list[bytes], rows: int, repeats: int) -> None:
 @pytest.fixture(scope="module")
 def input_2000(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_rows(tmp_path_factory.mktemp("input") / "rows.jsonl", ROWS)
-
-
-@pytest.fixture(scope="module")
-def fast_sim() -> Service:
-    sim = spawn_simulator("--latency-ms", "1", "--slots", "256")
-    yield sim
-    sim.stop()
 
 
 @pytest.mark.parametrize("kind", ["agent", "responses", "chat"])
