@@ -155,6 +155,5 @@ class Store:
 
 def open_input(url: str, storage_options: dict[str, Any] | None = None) -> IO[bytes]:
     """The input file as a binary stream (local path or fsspec URL), read in large blocks."""
-    return fsspec.open(
-        url, "rb", block_size=4 * 1024 * 1024, **storage_options_for(url, storage_options)
-    ).open()
+    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    return fs.open(path, "rb", block_size=4 * 1024 * 1024)

@@ -56,3 +56,37 @@ def test_local_output_all_kinds(run_cli, fast_sim: Service, input_2000: Path, tm
     assert report["parallelism"] == 64 and report["metrics"]["peak_in_flight"] <= 64
     assert report["rollouts_per_s"] > 0 and 0.0 <= report["reward_mean"] <= 1.0
     assert sorted(p.name for p in (out / "chunks").iterdir())[:2] == ["00000.json", "00000.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["agent", "responses", "chat"])
+def test_s3_output_all_kinds(run_cli, fast_sim: Service, moto_s3, input_2000: Path, kind: str):
+    bucket = moto_s3.new_bucket()
+    out = f"s3://{bucket}/runs/{kind}"
+    res = run_cli(
+        "run", "--input", str(input_2000), "--output", out, "--backend-kind", kind,
+        "--backend-url", fast_sim.url, "--num-repeats", str(REPEATS), "--parallelism", "64",
+        "--chunk-size", "700", "--verifier", "exact_match", "--no-progress",
+        env=moto_s3.env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    fs = moto_s3.fs()
+    assert_complete(fs.cat_file(f"{out}/rollouts.jsonl").splitlines(), ROWS, REPEATS)
+    report = orjson.loads(fs.cat_file(f"{out}/report.json"))
+    assert report["missing"] == report["duplicates"] == report["failed"] == 0
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{out}/chunks")) == [
+        f"{i:05d}.{ext}" for i in range(3) for ext in ("json", "jsonl")
+    ]
+    assert "testing" not in fs.cat_file(f"{out}/run.json").decode(), "credentials must never be written"
+
+
+def test_s3_input(run_cli, fast_sim: Service, moto_s3, input_2000: Path, tmp_path: Path):
+    bucket = moto_s3.new_bucket()
+    moto_s3.fs().put_file(str(input_2000), f"{bucket}/in/rows.jsonl")
+    out = tmp_path / "out"
+    res = run_cli(
+        "run", "--input", f"s3://{bucket}/in/rows.jsonl", "--output", str(out), "--limit", "300",
+        "--backend-kind", "agent", "--backend-url", fast_sim.url, "--chunk-size", "128", "--no-progress",
+        env=moto_s3.env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 300, 1)
