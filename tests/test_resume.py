@@ -1,0 +1,149 @@
+"""Kill -9 at several points, resume, and get the byte-identical dataset; faults never lose a row."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+from test_pipeline_e2e import assert_complete, write_rows
+
+from infra.local import Service, spawn_simulator
+
+ROWS = 1200
+
+
+@pytest.fixture(scope="module")
+def slow_sim() -> Service:
+    """Slow enough (16 slots x 20 ms = 800 rollouts/s) that a run lasts a few seconds."""
+    sim = spawn_simulator("--latency-ms", "20", "--slots", "16")
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture(scope="module")
+def rows_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_rows(tmp_path_factory.mktemp("resume") / "rows.jsonl", ROWS)
+
+
+def run_args(inp: Path, out: str, sim: Service) -> list[str]:
+    return [
+        "run", "--input", str(inp), "--output", out, "--backend-kind", "agent", "--backend-url", sim.url,
+        "--num-repeats", "2", "--parallelism", "16", "--chunk-size", "40", "--no-progress",
+    ]  # fmt: skip
+
+
+def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    exe = str(Path(sys.executable).with_name("rollflow"))
+    return subprocess.Popen([exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before the kill point: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.02)
+    raise TimeoutError("kill point not reached")
+
+
+def manifests(out: Path) -> int:
+    chunks = out / "chunks"
+    return len(list(chunks.glob("*.json"))) if chunks.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(
+    run_cli, slow_sim: Service, rows_input: Path, tmp_path_factory: pytest.TempPathFactory
+) -> bytes:
+    out = tmp_path_factory.mktemp("reference") / "out"
+    res = run_cli(*run_args(rows_input, str(out), slow_sim))
+    assert res.returncode == 0, res.stderr
+    data = (out / "rollouts.jsonl").read_bytes()
+    assert_complete(data.splitlines(), ROWS, 2)
+    return data
+
+
+def test_kill9_at_several_points_local(run_cli, cli_env, slow_sim, rows_input, reference, tmp_path):
+    out = tmp_path / "out"
+    args = run_args(rows_input, str(out), slow_sim)
+    killed_at: list[int] = []
+    for target in (0, 3, 12, 25):
+        proc = spawn(args, cli_env)
+        if target == 0:
+            wait_until(lambda: (out / "run.json").exists(), proc)
+        else:
+            wait_until(lambda t=target: manifests(out) >= t, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        killed_at.append(manifests(out))
+    assert killed_at == sorted(killed_at) and killed_at[-1] < 60, killed_at
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["metrics"]["chunks_skipped"] >= killed_at[-1] - 1
+
+
+def test_kill9_during_commit_s3(run_cli, cli_env, slow_sim, rows_input, reference, moto_s3):
+    """Freeze the S3 server so the next chunk commit is stuck mid-PUT, kill -9 rollflow, resume."""
+    bucket = moto_s3.new_bucket()
+    out = f"s3://{bucket}/run"
+    env = {**cli_env, **moto_s3.env}
+    args = run_args(rows_input, out, slow_sim)
+    fs = moto_s3.fs()
+
+    def committed() -> int:
+        try:
+            return sum(1 for p in fs.ls(f"{out}/chunks", refresh=True) if p.endswith(".json"))
+        except FileNotFoundError:
+            return 0
+
+    proc = spawn(args, env)
+    wait_until(lambda: committed() >= 3, proc)
+    moto = moto_s3.service.proc
+    moto.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        moto.send_signal(signal.SIGCONT)
+    res = run_cli(*args, env=moto_s3.env)
+    assert res.returncode == 0, res.stderr
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{out}/rollouts.jsonl") == reference
+
+
+def test_faults_and_hangs_every_row_once(run_cli, rows_input, tmp_path):
+    sim = spawn_simulator(
+        "--latency-ms", "5", "--slots", "64", "--fault-rate", "0.1",
+        "--fault-kinds", "429,500,503,reset,malformed,hang", "--retry-after-s", "0.2", "--hang-s", "60",
+    )  # fmt: skip
+    try:
+        out = tmp_path / "out"
+        res = run_cli(
+            "run", "--input", str(rows_input), "--output", str(out), "--limit", "600",
+            "--backend-kind", "responses", "--backend-url", sim.url, "--num-repeats", "2",
+            "--parallelism", "64", "--timeout-s", "1", "--max-retries", "12", "--verifier", "math",
+            "--no-progress",
+            env={"ROLLFLOW_BACKEND__BACKOFF_BASE_S": "0.05", "ROLLFLOW_BACKEND__BACKOFF_MAX_S": "0.5"},
+            timeout=240,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 600, 2)
+        report = orjson.loads((out / "report.json").read_bytes())
+        assert report["failed"] == 0 and report["metrics"]["retries"] > 50
+        import urllib.request
+
+        faults = orjson.loads(urllib.request.urlopen(f"{sim.url}/metrics").read())["faults"]
+        assert faults.get("hang", 0) > 0 and faults.get("reset", 0) > 0
+    finally:
+        sim.stop()
