@@ -1,0 +1,144 @@
+"""Bad input, a changed config, an unreachable backend, a missing bucket: a clear error, nothing lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from test_pipeline_e2e import write_rows
+
+from infra.local import free_port
+
+
+def args_for(inp: Path | str, out: Path | str, url: str, *extra: str) -> list[str]:
+    return [
+        "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent",
+        "--backend-url", url, "--chunk-size", "50", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def one_paragraph(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("rollflow:")]
+    assert lines, stderr
+    return " ".join(stderr[stderr.index("rollflow:") :].split())
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "needle"),
+    [
+        (
+            b'{"responses_create_params": {"input": []}}\n{"responses_create_params": {"inp\n',
+            2,
+            "not valid JSON",
+        ),
+        (
+            b'{"responses_create_params": {"input": []}}\n\n{"prompt": "x"}\n',
+            3,
+            "no 'responses_create_params'",
+        ),
+        (b'{"responses_create_params": {"input": "\xff\xfe"}}\n', 1, "not UTF-8"),
+        (b"[1, 2]\n", 1, "expected a JSON object"),
+    ],
+)
+def test_bad_input_stops_before_any_request(run_cli, fast_sim, tmp_path, content, line, needle):
+    inp = tmp_path / "bad.jsonl"
+    inp.write_bytes(content)
+    res = run_cli(*args_for(inp, tmp_path / "out", fast_sim.url))
+    assert res.returncode == 2
+    message = one_paragraph(res.stderr)
+    assert f"{inp}, line {line}" in message and needle in message and "--skip-bad-rows" in message
+    assert not (tmp_path / "out" / "chunks").exists()
+
+
+def test_empty_input(run_cli, fast_sim, tmp_path):
+    inp = tmp_path / "empty.jsonl"
+    inp.write_bytes(b"\n\n")
+    res = run_cli(*args_for(inp, tmp_path / "out", fast_sim.url))
+    assert res.returncode == 2 and "has no rows" in one_paragraph(res.stderr)
+
+
+def test_missing_input(run_cli, fast_sim, tmp_path):
+    res = run_cli(*args_for(tmp_path / "nope.jsonl", tmp_path / "out", fast_sim.url))
+    assert res.returncode == 2 and "does not exist" in one_paragraph(res.stderr)
+
+
+def test_skip_bad_rows_records_them(run_cli, fast_sim, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 100)
+    with inp.open("ab") as fh:
+        fh.write(b"not json\n")
+    write_rows(tmp_path / "more.jsonl", 20, start=100)
+    inp.write_bytes(inp.read_bytes() + (tmp_path / "more.jsonl").read_bytes())
+    out = tmp_path / "out"
+    res = run_cli(*args_for(inp, out, fast_sim.url, "--skip-bad-rows"))
+    assert res.returncode == 0, res.stderr
+    bad = [orjson.loads(x) for x in (out / "bad_rows.jsonl").read_bytes().splitlines()]
+    assert [(b["line"], b["task_index"]) for b in bad] == [(101, 100)]
+    keys = [orjson.loads(x)["_ng_task_index"] for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
+    assert keys == list(range(100)) + list(range(101, 121))
+
+
+def test_changed_config_is_refused_and_nothing_lost(run_cli, fast_sim, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 120)
+    out = tmp_path / "out"
+    assert run_cli(*args_for(inp, out, fast_sim.url)).returncode == 0
+    before = {p.name: p.read_bytes() for p in (out / "chunks").iterdir()}
+    res = run_cli(
+        *args_for(inp, out, fast_sim.url, "--num-repeats", "3", "--overrides", '{"temperature": 0.2}')
+    )
+    assert res.returncode == 2
+    message = one_paragraph(res.stderr)
+    assert "num_repeats 1 -> 3" in message and "config.overrides" in message and "--restart" in message
+    assert {p.name: p.read_bytes() for p in (out / "chunks").iterdir()} == before
+    write_rows(inp, 121)
+    res = run_cli(*args_for(inp, out, fast_sim.url))
+    assert res.returncode == 2 and "input fingerprint changed" in one_paragraph(res.stderr)
+    res = run_cli(*args_for(inp, out, fast_sim.url, "--restart"))
+    assert res.returncode == 0, res.stderr
+    assert len((out / "rollouts.jsonl").read_bytes().splitlines()) == 121
+
+
+def test_unreachable_backend(run_cli, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 10)
+    res = run_cli(*args_for(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}"), timeout=60)
+    assert res.returncode == 2
+    message = one_paragraph(res.stderr)
+    assert "unreachable" in message and "--backend-url" in message
+
+
+def test_missing_bucket(run_cli, fast_sim, moto_s3, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 10)
+    res = run_cli(*args_for(inp, "s3://no-such-bucket-rf/run", fast_sim.url), env=moto_s3.env, timeout=120)
+    assert res.returncode == 2
+    message = one_paragraph(res.stderr)
+    assert "no-such-bucket-rf" in message and "does not exist" in message
+    assert "testing" not in res.stderr
+
+
+def test_incomplete_run_is_not_published_then_resumes(run_cli, tmp_path):
+    """A backend that fails every request: rows go to failures/, exit 1; fixed backend: re-run completes."""
+    from infra.local import spawn_simulator
+
+    inp = write_rows(tmp_path / "rows.jsonl", 60)
+    out = tmp_path / "out"
+    broken = spawn_simulator("--latency-ms", "1", "--fault-rate", "1", "--fault-kinds", "500")
+    try:
+        res = run_cli(
+            *args_for(inp, out, broken.url, "--max-retries", "1"),
+            env={"ROLLFLOW_BACKEND__BACKOFF_BASE_S": "0.01"},
+        )
+    finally:
+        broken.stop()
+    assert res.returncode == 1
+    assert "not published" in one_paragraph(res.stderr)
+    assert not (out / "rollouts.jsonl").exists()
+    failures = (out / "failures" / "00000.jsonl").read_bytes().splitlines()
+    assert len(failures) == 50 and orjson.loads(failures[0])["error"]["kind"] == "http_500"
+    good = spawn_simulator("--latency-ms", "1")
+    try:
+        res = run_cli(*args_for(inp, out, good.url))
+    finally:
+        good.stop()
+    assert res.returncode == 0, res.stderr
+    assert len((out / "rollouts.jsonl").read_bytes().splitlines()) == 60
+    assert not (out / "failures").exists() or not list((out / "failures").iterdir())
