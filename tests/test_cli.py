@@ -1,0 +1,64 @@
+"""The CLI as users call it: NeMo Gym's arguments, flag validation, secrets kept out of everything."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import orjson
+from test_pipeline_e2e import assert_complete, write_rows
+
+
+def test_nemo_gym_arguments(run_cli, fast_sim, tmp_path: Path):
+    inp = write_rows(tmp_path / "train.jsonl", 80)
+    target = tmp_path / "results" / "rollouts.jsonl"
+    res = run_cli(
+        "collect", "--backend-url", fast_sim.url, "--no-progress",
+        f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={target}", "+num_samples_in_parallel=8",
+        "+limit=50", "+num_repeats=2", "+agent_name=math_agent", "+responses_create_params.temperature=0.5",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = target.read_bytes().splitlines()
+    assert_complete(lines, 50, 2)
+    first = orjson.loads(lines[0])
+    assert first["responses_create_params"]["temperature"] == 0.5
+    report = orjson.loads((tmp_path / "results" / "rollouts.jsonl.rollflow" / "report.json").read_bytes())
+    assert report["parallelism"] == 8 and report["dataset"] == str(target)
+
+
+def test_unknown_nemo_gym_argument(run_cli, tmp_path: Path):
+    res = run_cli("collect", "+input_jsonl_fpath=x.jsonl", "+num_workers=3")
+    assert res.returncode == 2 and "+num_workers" in res.stderr and "+num_samples_in_parallel" in res.stderr
+
+
+def test_invalid_flags(run_cli, tmp_path: Path):
+    res = run_cli("run", "--input", "x", "--output", str(tmp_path), "--parallelism", "0")
+    assert res.returncode == 2 and "parallelism" in res.stderr
+    res = run_cli("run", "--input", "x", "--output", str(tmp_path), "--overrides", "{nope")
+    assert res.returncode == 2 and "--overrides must be a JSON object" in res.stderr
+    res = run_cli("run", "--output", str(tmp_path))
+    assert res.returncode == 2 and "No input" in res.stderr
+
+
+def test_api_key_never_leaves_the_process(run_cli, fast_sim, prefect_server, tmp_path: Path):
+    secret = "sk-rollflow-test-4f1d9c"
+    inp = write_rows(tmp_path / "rows.jsonl", 30)
+    out = tmp_path / "out"
+    res = run_cli(
+        "run", "--input", str(inp), "--output", str(out), "--backend-kind", "chat",
+        "--backend-url", fast_sim.url, "--verbose", "--no-progress",
+        env={"ROLLFLOW_BACKEND__API_KEY": secret},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert secret not in res.stdout + res.stderr
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    req = urllib.request.Request(
+        f"{prefect_server.url}/api/flow_runs/filter",
+        data=b'{"limit": 200}',
+        headers={"Content-Type": "application/json"},
+    )
+    runs = urllib.request.urlopen(req).read()
+    assert b"\"spec\"" in runs, "the flow runs and their RunSpec parameters must be on the server"
+    assert secret.encode() not in runs
