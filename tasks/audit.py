@@ -116,13 +116,15 @@ class AuditSummary:
     output_tokens: int = 0
     chunks_total: int = 0
     chunks_committed: int = 0
+    sha_mismatches: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (
-            self.missing or self.duplicates or self.invalid or self.out_of_order or self.missing_reward
-        ) and (self.chunks_committed == self.chunks_total)
+        flaws = self.missing or self.duplicates or self.invalid or self.out_of_order
+        return not (flaws or self.missing_reward or self.sha_mismatches) and (
+            self.chunks_committed == self.chunks_total
+        )
 
     @property
     def reward_mean(self) -> float | None:
@@ -141,6 +143,7 @@ class AuditSummary:
         self.reward_sum += audit.reward_sum
         self.output_tokens += audit.output_tokens
         self.chunks_committed += int(audit.committed)
+        self.sha_mismatches += int(not audit.sha_matches)
         self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
 
     def as_dict(self) -> dict[str, Any]:
