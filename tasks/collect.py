@@ -115,9 +115,15 @@ def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str
 async def run_rollouts(
     ctx: CollectContext, items: Iterable[WorkItem], batch: RolloutBatch, limit: ConcurrencyLimit | None = None
 ) -> None:
-    """Run every (task, row, rollout) of `items` with at most `limit` (default ctx.limit) in flight."""
+    """Run every (task, row, rollout) of `items` with at most `limit` (default ctx.limit) in flight.
+
+    Each permit drives a worker that takes the next item as soon as its rollout ends, so a slot never
+    waits for another task to be scheduled; a worker gives its permit back when the items run out or
+    the limit shrank below what is in use.
+    """
     limit = limit or ctx.limit
-    client = (ctx.client_factory or BackendClient)(ctx.backend, session_for_loop(ctx.backend))
+    client = BackendClient(ctx.backend, session_for_loop(ctx.backend))
+    source = iter(items)
     pending: set[asyncio.Task[None]] = set()
 
     async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:
@@ -132,14 +138,25 @@ async def run_rollouts(
             error = exc.kind
             batch.failures[(task_index, rollout)] = _failure_line(row, task_index, rollout, exc)
             hub.emit(ProgressEvent("rollouts", failed=1))
+        batch.records.append(RequestRecord(start, time.perf_counter(), error))
+
+    async def worker(item: WorkItem) -> None:
+        try:
+            while True:
+                await one(*item)
+                if limit.in_use > limit.limit:
+                    return
+                nxt = next(source, None)
+                if nxt is None:
+                    return
+                item = nxt
         finally:
             limit.release()
-            batch.records.append(RequestRecord(start, time.perf_counter(), error))
 
     try:
-        for task_index, row, rollout in items:
+        for item in source:
             await limit.acquire()
-            t = asyncio.create_task(one(task_index, row, rollout))
+            t = asyncio.create_task(worker(item))
             pending.add(t)
             t.add_done_callback(pending.discard)
         if pending:

@@ -19,7 +19,15 @@ from typing import Any
 
 import orjson
 
-from tasks.collect import CollectContext, RolloutBatch, RolloutKey, WorkItem, prepare_row, run_rollouts
+from tasks.collect import (
+    CollectContext,
+    RequestRecord,
+    RolloutBatch,
+    RolloutKey,
+    WorkItem,
+    prepare_row,
+    run_rollouts,
+)
 from tasks.limiter import ConcurrencyLimit
 from tasks.observe import AttemptLog, rate_limited
 from tasks.parts import read_parts, write_part
@@ -41,6 +49,7 @@ class StepResult:
     retries: int = 0
     attempt_errors: dict[str, int] = field(default_factory=dict)
     saved: int = 0
+    records: list[RequestRecord] = field(default_factory=list, repr=False)
 
     @property
     def rollouts_per_s(self) -> float:
@@ -137,6 +146,7 @@ async def probe_step(
         retries=batch.stats.retries,
         attempt_errors=dict(log.errors),
         saved=saved,
+        records=batch.records,
     )
 
 

@@ -1,19 +1,24 @@
 """Steady-state throughput of one probe step, from its per-request timeline.
 
 A step at parallelism P starts with P requests sent at once and ends with the in-flight count draining
-to zero; neither edge is the rate the backend sustains. The method (`measure_step`):
+to zero; neither edge is the rate the backend sustains, and with short steps (100-200 rollouts) the
+edges are most of the step. Counting completions over a window is fragile too: requests that started
+together finish in waves, and while a backend queue fills up (P above its capacity) completions come
+faster than they will later. So the rate comes from Little's law, which needs no window alignment:
 
-1. Ramp-up: drop the first 10% of completions, and every completion before the in-flight count first
-   reached min(P, n). The window opens at the end time of the first kept completion.
-2. Tail: the window may not reach past the last request's start (after it the in-flight count only
-   falls) nor into the last 10% of completions.
-3. Whole cycles: in a closed loop of P requests, about P completions happen while one request is
-   served, so completion k+P comes one latency after completion k. The window is cut to span a whole
-   number of cycles (a multiple of P completions) so that requests which started together and finish
-   in waves are not counted half a wave short or long. Rate = successes in the window / its length.
-4. A step too short for one whole steady cycle falls back to the whole-span rate (successes / first
-   start to last end), which underestimates; `method` says which was used. Steps of >= 4 P rollouts
-   (see `tasks.tune.step_rollouts`) always get a steady measurement.
+    throughput = mean requests in flight / mean time each one holds its slot
+
+over the steady part of the step (`measure_step`):
+1. Ramp-up: only requests that *started* after the first completion count. By then the first wave has
+   met the backend, so each later request sees the queue (or free slots) the steady state has.
+2. Tail: nothing starts during the drain (it begins at the last start), and requests already running
+   keep the wait they queued for, so no request is dropped. (On a backend that shares its capacity
+   among the requests in flight the last ones finish a little early; the bias is a few percent.)
+3. In flight: the time-weighted mean in-flight count between the first completion and the last start
+   (P whenever the step keeps its limit full, as probes do). Successes only: the rate is multiplied by
+   the share of the counted requests that succeeded.
+A step with fewer than 5 such requests falls back to the whole-span rate (successes / first start to
+last end), which underestimates; `method` says which was used. Steps of >= 2 P rollouts are enough.
 
 p50/p95 latency are over successful requests of the whole step; errors are counted by kind.
 """
@@ -27,8 +32,8 @@ from dataclasses import dataclass, field
 from statistics import quantiles
 from typing import Protocol
 
-RAMP_FRACTION = 0.10
-TAIL_FRACTION = 0.10
+TAIL_FRACTION = 0.0  # share of the latest starts left out (kept as a knob; see the docstring)
+MIN_STEADY = 5
 
 
 class Record(Protocol):
@@ -51,7 +56,7 @@ class StepMeasure:
     wall_s: float = 0.0
     window_s: float = 0.0
     window_completions: int = 0
-    method: str = "steady"
+    method: str = "little"
 
     @property
     def error_count(self) -> int:
@@ -79,40 +84,21 @@ def percentiles(values: Sequence[float]) -> tuple[float | None, float | None]:
     return cuts[9], cuts[18]
 
 
-def ramp_reached_at(records: Sequence[Record], target: int) -> float:
-    """The time the in-flight count first reached `target` (the last start if it never did)."""
-    events = sorted(
-        [(r.start, 1) for r in records] + [(r.end, -1) for r in records], key=lambda e: (e[0], -e[1])
-    )
-    in_flight = 0
-    for t, delta in events:
-        in_flight += delta
-        if in_flight >= target:
-            return t
-    return max(r.start for r in records)
+def mean_in_flight(records: Sequence[Record], t0: float, t1: float) -> float:
+    """Time-weighted mean number of requests in flight between t0 and t1."""
+    if t1 <= t0:
+        return float(sum(1 for r in records if r.start <= t0 < r.end))
+    busy = sum(max(0.0, min(r.end, t1) - max(r.start, t0)) for r in records)
+    return busy / (t1 - t0)
 
 
-def steady_window(records: Sequence[Record], parallelism: int) -> tuple[int, int] | None:
-    """Indices (a, b) into the records sorted by end: the window is (end[a], end[b]]; None if too short."""
-    n = len(records)
-    if n < 4:
-        return None
-    ends = sorted(records, key=lambda r: r.end)
-    p = max(1, min(parallelism, n))
-    t_ramp = ramp_reached_at(records, p)
-    a = max(math.ceil(RAMP_FRACTION * n) - 1, 0)
-    while a < n and ends[a].end < t_ramp:
-        a += 1
-    t_drain = max(r.start for r in records)
-    b = n - 1 - math.ceil(TAIL_FRACTION * n)
-    while b > a and ends[b].end > t_drain:
-        b -= 1
-    if b - a < p:
-        return None
-    b = a + ((b - a) // p) * p
-    if ends[b].end <= ends[a].end:
-        return None
-    return a, b
+def steady_requests(records: Sequence[Record]) -> tuple[list[Record], float, float]:
+    """The requests counted (started after the first completion), and the interval they started in."""
+    first_end = min(r.end for r in records)
+    later = sorted((r for r in records if r.start >= first_end), key=lambda r: r.start)
+    keep = later[: len(later) - math.floor(TAIL_FRACTION * len(later))]
+    last_start = max(r.start for r in records)
+    return keep, first_end, last_start
 
 
 def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
@@ -125,23 +111,24 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
     if n == 0:
         return StepMeasure(parallelism, 0, 0, 0.0, None, None)
     wall = max(r.end for r in records) - min(r.start for r in records)
-    window = steady_window(records, parallelism)
-    if window is None:
+    steady, t0, t1 = steady_requests(records)
+    if len(steady) < MIN_STEADY:
         rate = ok / wall if wall > 0 else 0.0
         return StepMeasure(parallelism, n, ok, rate, p50, p95, dict(errors), wall, wall, n, method="span")
-    a, b = window
-    ends = sorted(records, key=lambda r: r.end)
-    t_a, t_b = ends[a].end, ends[b].end
-    good = sum(1 for r in ends[a + 1 : b + 1] if r.error is None)
+    in_flight = mean_in_flight(records, t0, t1)
+    hold = sum(r.end - r.start for r in steady) / len(steady)
+    good = sum(1 for r in steady if r.error is None)
+    rate = in_flight / hold * good / len(steady) if hold > 0 else 0.0
     return StepMeasure(
         parallelism=parallelism,
         rollouts=n,
         ok=ok,
-        rollouts_per_s=good / (t_b - t_a),
+        rollouts_per_s=rate,
         p50_s=p50,
         p95_s=p95,
         errors=dict(errors),
         wall_s=wall,
-        window_s=t_b - t_a,
-        window_completions=b - a,
+        window_s=max(0.0, t1 - t0),
+        window_completions=len(steady),
+        method="little",
     )

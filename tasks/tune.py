@@ -42,7 +42,7 @@ class TuneOptions:
 
     start: int = 8
     min_rollouts: int = 100
-    cycles: float = 2.5
+    cycles: float = 2.0
     stability_rollouts: int = 200
     stability_cycles: float = 3.0
     plateau_gain: float = 0.10
@@ -188,7 +188,9 @@ def search_stop(
     if gain < 1 + opts.plateau_gain:
         return "plateau"
     u = utilisation(latest, base_latency([*valid, latest]))
-    if u is not None and (u < opts.saturated_utilisation or (u < opts.knee_utilisation and gain < opts.knee_gain)):
+    if u is not None and (
+        u < opts.saturated_utilisation or (u < opts.knee_utilisation and gain < opts.knee_gain)
+    ):
         return "latency-knee"
     if latest.parallelism * 2 > opts.max_parallelism:
         return "max-parallelism"
@@ -218,18 +220,19 @@ def choose(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int:
 
 
 def refine_target(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int | None:
-    """Where to measure next to pin the knee down: the estimate itself, then a bisection toward P95."""
+    """Where to measure next to pin the knee down: the estimate itself, then a bisection between it and
+    the nearest measured point above it (None: the knee is known closely enough)."""
     near = [s for s in valid if abs(s.parallelism - knee) <= opts.near * knee]
     if not near:
         return knee
     peak = max(s.rollouts_per_s for s in valid)
     if any(s.rollouts_per_s >= opts.peak_fraction * peak for s in near):
         return None
-    floor = p95_floor(valid, opts)
-    if floor <= knee:
+    above = [s.parallelism for s in valid if s.parallelism > knee * (1 + opts.near)]
+    if not above:
         return None
-    mid = (knee + floor) // 2
-    if any(abs(s.parallelism - mid) <= opts.near * mid for s in valid) or mid in (knee, floor):
+    mid = (knee + min(above)) // 2
+    if any(abs(s.parallelism - mid) <= opts.near * mid for s in valid):
         return None
     return mid
 
@@ -286,7 +289,7 @@ async def tune(
 
     def valid() -> list[StepResult]:
         good = [s for _, s, _ in history if s.measure.rollouts and not too_many_errors(s, baseline(), opts)]
-        return [s for s in good if s.measure.method == "steady"] or good
+        return [s for s in good if s.measure.method != "span"] or good
 
     def baseline() -> StepResult | None:
         steps = [s for _, s, _ in history if s.measure.rollouts]

@@ -1,9 +1,16 @@
-"""The capacity model: N slots served at once, the rest waiting FIFO, service time growing with load."""
+"""The capacity model: N slots, a FIFO queue, service time growing with load.
+
+Slots are modelled as a heap of the times each slot becomes free, not as a semaphore: a request's start
+is max(arrival, earliest free slot) and its end is start + service time. The simulator then sleeps until
+the end, so its capacity is exactly slots / service time whatever the event loop's own delays.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+import random
+import time
 from dataclasses import dataclass, field
 
 from infra.simulator.config import SimConfig
@@ -29,53 +36,57 @@ class Capacity:
     def __init__(self, config: SimConfig, counters: Counters) -> None:
         self.config = config
         self.counters = counters
-        self.busy = 0
-        self.waiters: deque[asyncio.Future[None]] = deque()
+        self.free_at: list[float] = [0.0] * config.slots
+        self.rng = random.Random(config.seed + 1)
 
-    def _received(self) -> int:
-        return self.busy + len(self.waiters)
+    def resize(self) -> None:
+        """Apply a live change of `slots`: new slots are free now, removed ones are the latest-free."""
+        now = time.monotonic()
+        want = self.config.slots
+        if want > len(self.free_at):
+            self.free_at.extend([now] * (want - len(self.free_at)))
+            heapq.heapify(self.free_at)
+        elif want < len(self.free_at):
+            self.free_at = sorted(self.free_at)[:want]
+            heapq.heapify(self.free_at)
 
-    async def acquire(self) -> None:
-        c = self.counters
-        if self.busy < self.config.slots and not self.waiters:
-            self.busy += 1
-        else:
-            if self.config.max_queue is not None and len(self.waiters) >= self.config.max_queue:
-                raise QueueFull
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.waiters.append(fut)
-            c.queued = len(self.waiters)
-            c.max_in_flight_seen = max(c.max_in_flight_seen, self._received())
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self.release()
-                else:
-                    self.waiters.remove(fut)
-                c.queued = len(self.waiters)
-                raise
-        c.in_flight = self.busy
-        c.queued = len(self.waiters)
-        c.max_served_seen = max(c.max_served_seen, self.busy)
-        c.max_in_flight_seen = max(c.max_in_flight_seen, self._received())
-
-    def release(self) -> None:
-        self.busy -= 1
-        self.wake()
-
-    def wake(self) -> None:
-        while self.waiters and self.busy < self.config.slots:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                self.busy += 1
-                fut.set_result(None)
-        self.counters.in_flight = self.busy
-        self.counters.queued = len(self.waiters)
-
-    def service_s(self, output_tokens: int) -> float:
+    def service_s(self, output_tokens: int, busy: int) -> float:
         cfg = self.config
         base = (cfg.latency_ms + cfg.per_token_ms * output_tokens) / 1000.0
         if cfg.contention and cfg.slots > 1:
-            base *= 1.0 + cfg.contention * (self.busy - 1) / cfg.slots
+            base *= 1.0 + cfg.contention * max(0, busy - 1) / cfg.slots
+        if cfg.jitter:
+            base *= 1.0 + cfg.jitter * (2.0 * self.rng.random() - 1.0)
         return base
+
+    async def serve(self, output_tokens: int) -> None:
+        """Wait in the FIFO queue for a slot, then hold it for the service time."""
+        c = self.counters
+        now = time.monotonic()
+        if len(self.free_at) != self.config.slots:
+            self.resize()
+        earliest = self.free_at[0]
+        start = max(now, earliest)
+        busy = sum(1 for f in self.free_at if f > start) + 1
+        end = start + self.service_s(output_tokens, busy)
+        if start > now:
+            if self.config.max_queue is not None and c.queued >= self.config.max_queue:
+                raise QueueFull
+            heapq.heapreplace(self.free_at, end)
+            c.queued += 1
+            c.max_in_flight_seen = max(c.max_in_flight_seen, c.in_flight + c.queued)
+            try:
+                await asyncio.sleep(start - now)
+            finally:
+                c.queued -= 1
+        else:
+            heapq.heapreplace(self.free_at, end)
+        c.in_flight += 1
+        c.max_served_seen = max(c.max_served_seen, min(c.in_flight, self.config.slots))
+        c.max_in_flight_seen = max(c.max_in_flight_seen, c.in_flight + c.queued)
+        try:
+            delay = end - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        finally:
+            c.in_flight -= 1

@@ -14,6 +14,7 @@ class SimConfig:
     latency_ms: float = 50.0
     per_token_ms: float = 0.0
     contention: float = 0.0
+    jitter: float = 0.0
     max_queue: int | None = None
     seed: int = 0
     correct_rate: float = 0.7
@@ -24,7 +25,16 @@ class SimConfig:
     min_tokens: int = 16
     max_tokens: int = 256
 
-    LIVE = ("slots", "latency_ms", "per_token_ms", "contention", "max_queue", "fault_rate", "fault_kinds")
+    LIVE = (
+        "slots",
+        "latency_ms",
+        "per_token_ms",
+        "contention",
+        "jitter",
+        "max_queue",
+        "fault_rate",
+        "fault_kinds",
+    )
 
     def update(self, changes: dict[str, object]) -> None:
         for key, value in changes.items():

@@ -83,16 +83,10 @@ class Simulator:
             cfg.correct_rate, cfg.min_tokens, cfg.max_tokens,
         )  # fmt: skip
         try:
-            await self.capacity.acquire()
+            await self.capacity.serve(out_tok)
         except QueueFull:
             self.counters.faults["queue_full"] = self.counters.faults.get("queue_full", 0) + 1
             return web.Response(status=503, text="over capacity: queue full")
-        try:
-            delay = self.capacity.service_s(out_tok)
-            if delay > 0:
-                await asyncio.sleep(delay)
-        finally:
-            self.capacity.release()
         c.completed += 1
         model = params.get("model")
         if endpoint == "chat":
@@ -131,7 +125,7 @@ class Simulator:
         )
 
     async def reset_metrics(self, request: web.Request) -> web.Response:
-        fresh = Counters(in_flight=self.capacity.busy, queued=len(self.capacity.waiters))
+        fresh = Counters(in_flight=self.counters.in_flight, queued=self.counters.queued)
         self.counters.__dict__.update(fresh.__dict__)
         return _json({"status": "reset"})
 
@@ -140,7 +134,7 @@ class Simulator:
             self.config.update(orjson.loads(await request.read()))
         except (ValueError, TypeError) as exc:
             return _json({"error": str(exc)}, status=400)
-        self.capacity.wake()
+        self.capacity.resize()
         return _json(asdict(self.config))
 
 
@@ -187,6 +181,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="base service time")
     p.add_argument("--per-token-ms", type=float, default=d.per_token_ms, help="added per output token")
     p.add_argument("--contention", type=float, default=d.contention, help="service-time growth with load")
+    p.add_argument(
+        "--jitter", type=float, default=d.jitter, help="service time varies uniformly by +-this fraction"
+    )
     p.add_argument("--max-queue", type=int, default=None, help="beyond this many waiting, answer 503")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--correct-rate", type=float, default=d.correct_rate)
@@ -204,7 +201,7 @@ def make_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         slots=args.slots, latency_ms=args.latency_ms, per_token_ms=args.per_token_ms,
-        contention=args.contention, max_queue=args.max_queue, seed=args.seed,
+        contention=args.contention, jitter=args.jitter, max_queue=args.max_queue, seed=args.seed,
         correct_rate=args.correct_rate, fault_rate=args.fault_rate,
         fault_kinds=parse_fault_kinds(args.fault_kinds), retry_after_s=args.retry_after_s,
         hang_s=args.hang_s, min_tokens=args.min_tokens, max_tokens=args.max_tokens,

@@ -1,0 +1,212 @@
+"""The diagnose-bottleneck and tune-parallelism stages as flows, and the `auto` step of `rollflow run`.
+
+Thin: resolve settings, plan the run, call the cores through thin tasks, write throughput.png and the
+diagnosis/tuning sections of the report, publish Prefect artifacts. Every probe rollout is saved as a
+part, so collection (now or in a later `rollflow run` on the same output) adopts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import orjson
+from prefect import flow
+from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+from pydantic import BaseModel, Field
+
+from settings import RollflowSettings, RunSpec
+from tasks.http import close_loop_session
+from tasks.plan import RunPlan
+from tasks.plot import data_uri, diagnosis_markdown, steps_table, throughput_png, tuning_markdown
+from tasks.prefect_tasks import plan_task, preflight_task
+from tasks.prefect_tuning_tasks import diagnose_task, tune_task
+from tasks.probe import ProbeFeed
+from tasks.runtime import RunHandles, collect_context, open_run
+from tasks.tune import TuneOptions
+
+
+class TuningParams(BaseModel):
+    """Diagnosis and tuning knobs (candidates for settings.TuningSettings / RunSpec.tuning)."""
+
+    diagnose_low: int = Field(5, ge=1, description="Low parallelism of the diagnosis")
+    diagnose_high: int = Field(20, ge=2, description="High parallelism of the diagnosis")
+    diagnose_rows: int = Field(100, ge=10, description="Rollouts at each diagnosis level")
+    tune_start: int = Field(8, ge=1, description="First level of the search when there is no diagnosis")
+    tune_step_rollouts: int = Field(100, ge=10, description="Fewest rollouts per search step")
+    plateau_gain: float = Field(0.10, gt=0, description="A doubling that gains less than this is a plateau")
+    max_error_rate: float = Field(0.02, ge=0, description="Failure rate that stops the search")
+    headroom: float = Field(0.8, gt=0, le=1, description="chosen >= headroom x knee (see tasks/tune.py)")
+    max_parallelism: int = Field(4096, ge=1, description="Never search above this")
+
+    def options(self) -> TuneOptions:
+        return TuneOptions(
+            start=self.tune_start,
+            min_rollouts=self.tune_step_rollouts,
+            plateau_gain=self.plateau_gain,
+            max_error_rate=self.max_error_rate,
+            headroom=self.headroom,
+            max_parallelism=self.max_parallelism,
+        )
+
+
+def _params(spec: RunSpec, params: TuningParams | None) -> TuningParams:
+    """Explicit params, else RunSpec.tuning once settings carry it, else the defaults."""
+    if params is not None:
+        return params
+    found = getattr(spec, "tuning", None)
+    if found is None:
+        return TuningParams()
+    return TuningParams.model_validate(found, from_attributes=True)
+
+
+async def _publish(handles: RunHandles, found: dict[str, Any]) -> None:
+    """throughput.png in the output, a table artifact of the steps, a markdown artifact with the plot."""
+    parts: list[str] = []
+    if "diagnosis" in found:
+        parts.append(diagnosis_markdown(found["diagnosis"]))
+    if "tuning" in found:
+        tuning = found["tuning"]
+        png = throughput_png(tuning)
+        await asyncio.to_thread(handles.store.write_bytes, "throughput.png", png)
+        await acreate_table_artifact(
+            steps_table(tuning), key="rollflow-tuning-steps", description="tune-parallelism steps"
+        )
+        parts.append(tuning_markdown(tuning, image=data_uri(png)))
+    await acreate_markdown_artifact(
+        "# rollflow diagnosis and tuning\n\n" + "\n".join(parts),
+        key="rollflow-tuning",
+        description="diagnose-bottleneck and tune-parallelism",
+    )
+
+
+async def choose_parallelism(
+    spec: RunSpec,
+    settings: RollflowSettings,
+    handles: RunHandles,
+    plan: RunPlan,
+    *,
+    tune_too: bool = True,
+    params: TuningParams | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Diagnose, then tune: (chosen parallelism, {"diagnosis": ..., "tuning": ...} for report.json).
+
+    Call inside a flow, after planning and before collection; the probes' rollouts are saved as parts
+    that collection adopts. With tune_too=False only the diagnosis runs (the value is the high level).
+    """
+    params = _params(spec, params)
+    ctx = collect_context(handles, settings, 1)
+    await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
+    feed = ProbeFeed(ctx, plan)
+    found: dict[str, Any] = {}
+    try:
+        diagnosis = await diagnose_task(
+            ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
+        )
+        found["diagnosis"] = diagnosis.as_dict()
+        chosen = params.diagnose_high
+        if tune_too:
+            tuning = await tune_task(ctx, plan, params.options(), feed, [diagnosis.low, diagnosis.high])
+            found["tuning"] = tuning.as_dict()
+            found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
+            chosen = tuning.chosen_parallelism
+    finally:
+        feed.close()
+        await close_loop_session()
+    await asyncio.to_thread(handles.ledger.update_parallelism, chosen)
+    await _publish(handles, found)
+    return chosen, found
+
+
+async def _stage(spec: RunSpec, tune_too: bool, params: TuningParams | None) -> dict[str, Any]:
+    settings = RollflowSettings()
+    handles = open_run(spec, settings)
+    plan = await plan_task(handles, None)
+    chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too, params=params)
+    name = "tuning.json" if tune_too else "diagnosis.json"
+    await asyncio.to_thread(
+        handles.store.write_bytes, name, orjson.dumps({**found, "chosen_parallelism": chosen}, option=2)
+    )
+    return {**found, "chosen_parallelism": chosen, "output": spec.output}
+
+
+@flow(name="rollflow-diagnose", log_prints=False)
+async def rollflow_diagnose(spec: RunSpec, params: TuningParams | None = None) -> dict[str, Any]:
+    """diagnose-bottleneck alone: the verdict, with its figures, in <output>/diagnosis.json."""
+    return await _stage(spec, tune_too=False, params=params)
+
+
+@flow(name="rollflow-tune", log_prints=False)
+async def rollflow_tune(spec: RunSpec, params: TuningParams | None = None) -> dict[str, Any]:
+    """diagnose-bottleneck then tune-parallelism: <output>/tuning.json and throughput.png."""
+    return await _stage(spec, tune_too=True, params=params)
+
+
+# ---- CLI entry points (hooked into flows/cli.py by `rollflow diagnose` / `rollflow tune`) ------------
+
+
+def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("diagnosis and tuning")
+    g.add_argument("--diagnose-low", type=int, help="low parallelism of the diagnosis (default 5)")
+    g.add_argument("--diagnose-high", type=int, help="high parallelism of the diagnosis (default 20)")
+    g.add_argument("--diagnose-rows", type=int, help="rollouts at each diagnosis level (default 100)")
+    g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
+
+
+def params_from_args(args: argparse.Namespace) -> TuningParams:
+    given = {
+        key: getattr(args, key)
+        for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom")
+        if getattr(args, key, None) is not None
+    }
+    return TuningParams(**given)
+
+
+def _run(args: argparse.Namespace, tune_too: bool) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flows.cli import _quiet_prefect, build_spec
+    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors
+
+    spec = build_spec(args, [])
+    params = params_from_args(args)
+    _quiet_prefect(getattr(args, "verbose", False))
+    console = Console(stderr=True)
+    flow_fn = rollflow_tune if tune_too else rollflow_diagnose
+    try:
+        found = asyncio.run(flow_fn(spec, params))
+    except (*_user_errors(), RuntimeError, ValueError) as exc:
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False)
+        return EXIT_ERROR
+    d = found["diagnosis"]
+    console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
+    console.print(f"next step: {d['next_step']}", highlight=False)
+    if "tuning" in found:
+        t = found["tuning"]
+        table = Table(title="tune-parallelism", title_justify="left")
+        for col in ("phase", "parallelism", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
+            table.add_column(col, justify="left" if col in ("phase", "note") else "right")
+        for row in steps_table(t):
+            table.add_row(*("-" if v is None else str(v) for v in row.values()))
+        console.print(table)
+        console.print(
+            f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
+            f"({t['total_probe_rollouts']:,} probe rollouts, all kept, {t['discarded']} discarded); "
+            f"plot: {spec.output.rstrip('/')}/throughput.png",
+            highlight=False,
+        )
+    if getattr(args, "json", False):
+        print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
+    return EXIT_OK
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """`rollflow diagnose`: the verdict and its next step."""
+    return _run(args, tune_too=False)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`rollflow tune`: diagnosis, then the tuning table and the chosen parallelism."""
+    return _run(args, tune_too=True)

@@ -1,0 +1,84 @@
+"""diagnose-bottleneck: verdicts on synthetic steps, and against simulators whose limits are known."""
+
+from __future__ import annotations
+
+import pytest
+from tuning_support import closed_loop, setup_run
+
+from infra.local import spawn_simulator
+from tasks.diagnose import diagnose, verdict
+from tasks.http import close_loop_session
+from tasks.parts import read_parts
+from tasks.probe import StepResult
+from tasks.throughput import measure_step
+
+
+def step(p: int, slots: int, latency: float = 0.05, **kw) -> StepResult:
+    return StepResult(f"p{p}", p, measure_step(closed_loop(100, p, slots, latency), p), **kw)
+
+
+def test_verdicts_from_synthetic_steps() -> None:
+    assert verdict(step(5, 64), step(20, 64)).verdict == "parallelism-bound"
+    assert verdict(step(5, 8), step(20, 8)).verdict == "partly-parallelism-bound"
+    backend = verdict(step(5, 4, backend_s=5.0, verify_s=0.1), step(20, 4, backend_s=20.0, verify_s=0.1))
+    assert backend.verdict == "backend-bound" and "replicas" in backend.next_step
+    verifier = verdict(step(5, 4, backend_s=2.0, verify_s=3.0), step(20, 4, backend_s=2.0, verify_s=18.0))
+    assert verifier.verdict == "verifier-bound"
+    limited = verdict(step(5, 64), step(20, 64, attempt_errors={"http_429": 12}))
+    assert limited.verdict == "rate-limited" and "429" in limited.reason
+    flaky = verdict(step(5, 64, attempt_errors={"http_500": 3}), step(20, 64, attempt_errors={"http_500": 3}))
+    assert flaky.verdict == "parallelism-bound"  # steady faults at any load are not over capacity
+    over = verdict(step(5, 64), step(20, 64, attempt_errors={"http_503": 30, "timeout": 4}))
+    assert over.verdict == "over-capacity" and "timeout" in over.reason
+    d = verdict(step(5, 64), step(20, 64)).as_dict()
+    assert set(d) >= {"verdict", "throughput", "errors", "time_split", "next_step"} and d["discarded"] == 0
+
+
+CASES = [
+    (("--slots", "64", "--latency-ms", "40"), {}, "agent", "parallelism-bound"),
+    (("--slots", "8", "--latency-ms", "40"), {}, "agent", "partly-parallelism-bound"),
+    (("--slots", "4", "--latency-ms", "40"), {}, "agent", "backend-bound"),
+    (
+        ("--slots", "64", "--latency-ms", "20"),
+        {"verifier": "slow_verifier:verify"},
+        "responses",
+        "verifier-bound",
+    ),
+    (
+        (
+            "--slots",
+            "64",
+            "--latency-ms",
+            "40",
+            "--fault-rate",
+            "0.1",
+            "--fault-kinds",
+            "429",
+            "--retry-after-s",
+            "0.02",
+        ),
+        {},
+        "agent",
+        "rate-limited",
+    ),
+    (
+        ("--slots", "6", "--latency-ms", "40", "--max-queue", "2"),
+        {"max_retries": 1, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
+        "agent",
+        "over-capacity",
+    ),
+]
+
+
+@pytest.mark.parametrize(("sim_args", "extra", "kind", "expected"), CASES, ids=[c[3] for c in CASES])
+async def test_verdicts_against_the_simulator(tmp_path, sim_args, extra, kind, expected) -> None:
+    sim = spawn_simulator(*sim_args)
+    try:
+        s = setup_run(tmp_path, sim.url, rows=400, kind=kind, chunk_size=100, **extra)
+        d = await diagnose(s.ctx, s.plan, low=5, high=20, rows=100)
+        await close_loop_session()
+    finally:
+        sim.stop()
+    assert d.verdict == expected, (d.verdict, d.reason)
+    saved = sum(len(read_parts(s.handles.store, c.index)[0]) for c in s.plan.scan.chunks)
+    assert saved == d.low.saved + d.high.saved == d.low.measure.ok + d.high.measure.ok

@@ -1,0 +1,66 @@
+"""Steady throughput from request timelines: synthetic closed loops with known rates, and a real simulator."""
+
+from __future__ import annotations
+
+import pytest
+from tuning_support import closed_loop, setup_run
+
+from infra.local import spawn_simulator
+from tasks.collect import RequestRecord
+from tasks.http import close_loop_session
+from tasks.probe import ProbeFeed, probe_step
+from tasks.throughput import measure_step, percentiles
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "slots", "n"),
+    [
+        (5, 64, 100),
+        (20, 64, 100),
+        (32, 32, 100),
+        (40, 32, 100),
+        (64, 32, 200),
+        (128, 128, 256),
+        (160, 128, 320),
+    ],
+)
+def test_short_steps_measure_the_steady_rate(parallelism: int, slots: int, n: int) -> None:
+    latency = 0.05
+    truth = min(parallelism, slots) / latency
+    m = measure_step(closed_loop(n, parallelism, slots, latency), parallelism)
+    assert m.method == "little"
+    assert m.rollouts_per_s == pytest.approx(truth, rel=0.05)
+
+
+def test_errors_by_kind_and_percentiles() -> None:
+    records = closed_loop(100, 10, 100, 0.1)
+    for i in (3, 50, 70):
+        records[i] = RequestRecord(records[i].start, records[i].end, "http_429")
+    records[80] = RequestRecord(records[80].start, records[80].end, "timeout")
+    m = measure_step(records, 10)
+    assert m.errors == {"http_429": 3, "timeout": 1} and m.ok == 96 and m.error_count == 4
+    assert m.rollouts_per_s == pytest.approx(100 * 0.96, rel=0.05)
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, pytest.approx(4.8))
+    assert measure_step([], 4).rollouts == 0
+
+
+def test_too_short_falls_back_to_span() -> None:
+    m = measure_step(closed_loop(4, 4, 4, 0.1), 4)
+    assert m.method == "span" and m.rollouts_per_s == pytest.approx(40, rel=0.01)
+
+
+async def test_real_simulator_short_step(tmp_path) -> None:
+    sim = spawn_simulator("--slots", "16", "--latency-ms", "40")
+    try:
+        s = setup_run(tmp_path, sim.url, rows=400)
+        feed = ProbeFeed(s.ctx, s.plan)
+        below = await probe_step(s.ctx, feed.take(120), 8, chunks=s.plan.scan.chunks)
+        above = await probe_step(s.ctx, feed.take(160), 32, chunks=s.plan.scan.chunks)
+        feed.close()
+        await close_loop_session()
+    finally:
+        sim.stop()
+    capacity = 16 / 0.04
+    assert 0.8 * 8 / 0.04 <= below.rollouts_per_s <= 1.05 * 8 / 0.04
+    assert 0.8 * capacity <= above.rollouts_per_s <= 1.1 * capacity
+    assert below.saved == 120 and above.saved == 160

@@ -1,0 +1,111 @@
+"""tune-parallelism: the search and choice on synthetic curves, the knee on real simulators, no waste."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from tuning_support import closed_loop, setup_run, sim_metrics
+
+from infra.local import spawn_simulator
+from tasks.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
+from tasks.collect import collect_chunk
+from tasks.diagnose import diagnose
+from tasks.http import close_loop_session
+from tasks.parts import read_parts
+from tasks.plot import throughput_png, tuning_markdown
+from tasks.probe import ProbeFeed, StepResult
+from tasks.throughput import measure_step
+from tasks.tune import TuneOptions, choose, knee_estimate, refine_target, search_stop, step_rollouts, tune
+
+
+def step(p: int, slots: int, latency: float = 0.05, n: int | None = None) -> StepResult:
+    n = n or max(100, 2 * p)
+    return StepResult(f"p{p}", p, measure_step(closed_loop(n, p, slots, latency), p))
+
+
+def test_search_stops_and_choice_on_a_sharp_knee() -> None:
+    opts = TuneOptions()
+    s5, s20, s40 = step(5, 32), step(20, 32), step(40, 32)
+    assert search_stop([s5], s20, s5, opts) is None
+    assert search_stop([s5, s20], s40, s5, opts) == "latency-knee"
+    assert search_stop([s5, s20, s40], step(80, 32), s5, opts) == "plateau"
+    knee = knee_estimate([s5, s20, s40])
+    assert 32 <= knee <= 34  # Little's law on a 100-rollout step overshoots a deterministic queue a little
+    assert refine_target([s5, s20, s40], knee, opts) == knee
+    s32 = step(knee, 32)
+    assert refine_target([s5, s20, s40, s32], knee, opts) is None
+    # 0.8 x knee would give 80% of capacity: the P95 floor keeps the choice at the knee
+    assert choose([s5, s20, s40, s32], knee, opts) == knee
+
+
+def test_choice_trims_a_soft_knee_only_where_throughput_is_kept() -> None:
+    opts = TuneOptions()
+    steps = [step(5, 100), step(20, 100), step(40, 100), step(80, 100), step(160, 100)]
+    knee = knee_estimate(steps)
+    assert 100 <= knee <= 110
+    chosen = choose([*steps, step(100, 100)], knee, opts)
+    assert 95 <= chosen <= 110
+    assert step_rollouts(8, opts) == 100 and step_rollouts(200, opts) == 400
+    assert step_rollouts(200, opts, stability=True) == 600
+
+
+def test_adaptive_decisions() -> None:
+    opts = AdaptiveOptions()
+    st = AdaptiveState(limit=8)
+    assert decide(st, Sample(1.0, 80, {}, 0.1), opts) == (16, "probing upward")
+    assert decide(st, Sample(1.0, 120, {}, 0.1), opts)[1] == "settling"
+    assert decide(st, Sample(1.0, 160, {}, 0.1), opts)[0] == 32  # grew: keep doubling
+    decide(st, Sample(1.0, 250, {}, 0.1), opts)
+    assert decide(st, Sample(1.0, 300, {}, 0.1), opts)[0] == 64
+    decide(st, Sample(1.0, 300, {}, 0.2), opts)
+    new, why = decide(st, Sample(1.0, 305, {}, 0.2), opts)  # 64 bought nothing: settle just above 32
+    assert why.startswith("plateau") and new == 36
+    decide(st, Sample(1.0, 300, {}, 0.11), opts)
+    new, why = decide(st, Sample(1.0, 300, {"http_429": 3}, 0.11), opts)
+    assert why.startswith("errors") and new == 27
+
+
+PROFILES = [
+    # slots, latency ms, extra simulator args, acceptable chosen range
+    (8, 50, (), (7, 15)),
+    (32, 50, (), (29, 60)),
+    (128, 400, (), (115, 240)),
+    (32, 50, ("--fault-rate", "0.03", "--fault-kinds", "500,503,reset"), (29, 60)),
+]
+
+
+@pytest.mark.parametrize(("slots", "latency_ms", "extra", "expected"), PROFILES, ids=lambda v: str(v))
+async def test_knee_on_simulators_and_nothing_wasted(tmp_path, slots, latency_ms, extra, expected) -> None:
+    sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms), *extra)
+    try:
+        s = setup_run(tmp_path, sim.url, rows=3000, backoff_base_s=0.01, backoff_max_s=0.05)
+        feed = ProbeFeed(s.ctx, s.plan)
+        d = await diagnose(s.ctx, s.plan, feed=feed)
+        t = await tune(s.ctx, s.plan, TuneOptions(), feed=feed, seeds=[d.low, d.high])
+        feed.close()
+        lo, hi = expected
+        assert lo <= t.chosen_parallelism <= hi, t.as_dict()
+        assert t.discarded == 0 and t.stable
+        probes = d.probe_rollouts + t.probe_rollouts
+        saved = sum(len(read_parts(s.handles.store, c.index)[0]) for c in s.plan.scan.chunks)
+        before = (await sim_metrics(sim.url))["requests"]
+        # collection adopts every saved probe rollout and asks the backend only for the rest
+        s.ctx.limit.set_limit(t.chosen_parallelism)
+        outcomes = await asyncio.gather(*(collect_chunk(s.ctx, c) for c in s.plan.scan.chunks))
+        await close_loop_session()
+        after = await sim_metrics(sim.url)
+    finally:
+        sim.stop()
+    assert sum(o.adopted for o in outcomes) == saved
+    rows = sum(o.manifest.rows for o in outcomes)
+    assert rows + sum(o.manifest.failed for o in outcomes) == 3000
+    assert saved >= probes - sum(st.errors for st in (d.low, d.high)) - sum(x.errors for x in t.steps)
+    if not extra:
+        assert after["requests"] - before == 3000 - saved
+    md = tuning_markdown(t.as_dict())
+    assert "| refine |" in md or "| stability |" in md
+    assert throughput_png(t.as_dict())[:4] == b"\x89PNG"
+    first = orjson.loads(s.handles.ledger.store.read_bytes("chunks/00000.jsonl").splitlines()[0])
+    assert first["_ng_task_index"] == 0 and "response" in first
