@@ -29,7 +29,8 @@ def main() -> None:
     prefect = spawn_prefect_server()
     print(f"efficiency: simulator {args.slots} slots x {args.latency_ms:.0f} ms = capacity {capacity:,.0f}/s")
     print(
-        f"  {'jitter':>6}  {'parallelism':>11}  {'rollouts':>8}  {'rollouts/s':>10}  {'of capacity':>11}  exit"
+        f"  {'jitter':>6}  {'parallelism':>11}  {'rollouts':>8}  {'rollouts/s':>10}  {'of capacity':>11}"
+        "  exit"
     )
     try:
         for jitter in args.jitters:
