@@ -9,11 +9,11 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
-from tasks.http import close_loop_session
 
 from settings import RollflowSettings, RunSpec
 from tasks.audit import AuditSummary
 from tasks.collect import ChunkOutcome, CollectContext
+from tasks.http import close_loop_session
 from tasks.plan import RunPlan
 from tasks.prefect_tasks import (
     collect_chunk_task,

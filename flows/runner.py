@@ -18,11 +18,10 @@ EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from tasks.ledger import IdentityMismatch
+    from tasks.preflight import BackendUnreachable
     from tasks.rows import InputError
     from tasks.storage import StorageError
     from tasks.verifiers import VerifierError
-
-    from tasks.preflight import BackendUnreachable
 
     return (InputError, StorageError, IdentityMismatch, BackendUnreachable, VerifierError)
 
