@@ -79,6 +79,9 @@ class CollectionSettings(BaseModel):
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="JSON merged into responses_create_params"
     )
+    flush_interval_s: float = Field(
+        5.0, ge=0, le=3600, description="Save a running chunk's finished rollouts this often (0: never)"
+    )
     record_latency: bool = Field(
         False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
     )

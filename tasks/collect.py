@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from tasks.backends import BackendClient, BackendError, RolloutResult
 from tasks.http import session_for_loop
 from tasks.ledger import ChunkManifest, Ledger
 from tasks.limiter import ConcurrencyLimit
-from tasks.parts import delete_parts, read_parts
+from tasks.parts import delete_parts, read_parts, write_part
 from tasks.progress import ProgressEvent, hub
 from tasks.rows import ChunkSpec, iter_chunk_rows
 from tasks.verifiers import Verifier
@@ -122,7 +125,7 @@ async def run_rollouts(
     the limit shrank below what is in use.
     """
     limit = limit or ctx.limit
-    client = BackendClient(ctx.backend, session_for_loop(ctx.backend))
+    client = (ctx.client_factory or BackendClient)(ctx.backend, session_for_loop(ctx.backend))
     source = iter(items)
     pending: set[asyncio.Task[None]] = set()
 
@@ -167,6 +170,28 @@ async def run_rollouts(
         raise
 
 
+async def _flush_periodically(ctx: CollectContext, chunk: int, batch: RolloutBatch, start: int) -> None:
+    """Row-level resume: every flush interval, save the rollouts finished since the last save as a part.
+
+    A kill then costs at most the requests in flight plus one interval; the chunk's commit replaces
+    the parts. The dict keeps insertion order, so new results are the ones past `start`.
+    """
+    interval = ctx.collection.flush_interval_s
+    if interval <= 0:
+        return
+    token = secrets.token_hex(3)
+    seq = 0
+    while True:
+        await asyncio.sleep(interval)
+        keys = list(itertools.islice(batch.results, start, None))
+        if not keys:
+            continue
+        lines = [batch.results[key] for key in keys]
+        await asyncio.to_thread(write_part, ctx.ledger.store, chunk, f"flush-{token}-{seq:05d}", lines)
+        start += len(keys)
+        seq += 1
+
+
 def _committed_rows(ledger: Ledger, chunk: int) -> dict[RolloutKey, bytes]:
     """The rows a partly failed chunk already holds, so a re-run redoes only its failures."""
     kept: dict[RolloutKey, bytes] = {}
@@ -203,7 +228,13 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         if (task_index, r) not in kept
     )
     hub.emit(ProgressEvent("rollouts", done=len(kept)))
-    await run_rollouts(ctx, todo, batch)
+    flusher = asyncio.create_task(_flush_periodically(ctx, chunk.index, batch, len(kept)))
+    try:
+        await run_rollouts(ctx, todo, batch)
+    finally:
+        flusher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flusher
     keys = [(task_index, r) for task_index, _ in rows for r in range(k)]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
     fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None
