@@ -48,6 +48,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--parallelism", type=int, help="requests in flight across all chunks")
     c.add_argument("--chunk-size", type=int, help="input rows per chunk task (default 1000)")
     c.add_argument("--chunks-in-flight", type=int, help="chunks collected at once")
+    c.add_argument("--flush-interval-s", type=float, help="save a running chunk's rollouts this often")
+    c.add_argument("--stall-timeout-s", type=float, help="retry a chunk that makes no progress this long")
+    c.add_argument("--deadline-s", type=float, help="stop cleanly after this many seconds (resumable)")
     c.add_argument("--record-latency", action="store_true", default=None, help="add _rf.latency_s per row")
     v = p.add_argument_group("verify")
     v.add_argument("--verifier", help="exact_match | math | http | none | module:function")
@@ -92,6 +95,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         "output": settings.pipeline.output,
         "restart": settings.pipeline.restart,
         "allow_incomplete": settings.pipeline.allow_incomplete,
+        "deadline_s": settings.pipeline.deadline_s,
     }
     gym = _nemo_gym_args(extra)
     if gym:
@@ -124,6 +128,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         "chunk_size": (collection, "chunk_size"),
         "chunks_in_flight": (collection, "chunks_in_flight"),
         "record_latency": (collection, "record_latency"),
+        "flush_interval_s": (collection, "flush_interval_s"),
+        "stall_timeout_s": (collection, "stall_timeout_s"),
+        "deadline_s": (top, "deadline_s"),
         "verifier": (verify, "verifier"),
         "verifier_url": (verify, "url"),
     }

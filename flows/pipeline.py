@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import flow
@@ -35,8 +36,21 @@ class RunIncomplete(Exception):
         self.report = report
 
 
-async def collect_stage(ctx: CollectContext, plan: RunPlan, chunks_in_flight: int) -> list[ChunkOutcome]:
-    """Run the pending chunks as tasks, a bounded number at once, all under ctx.limit."""
+@dataclass
+class CollectResult:
+    outcomes: list[ChunkOutcome] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stopped: bool = False
+
+
+async def collect_stage(
+    ctx: CollectContext, plan: RunPlan, chunks_in_flight: int, deadline_s: float | None = None
+) -> CollectResult:
+    """Run the pending chunks as tasks, a bounded number at once, all under ctx.limit.
+
+    At the deadline the running chunks are cancelled (saving their finished rollouts as parts) and
+    whatever committed stays committed.
+    """
     gate = asyncio.Semaphore(chunks_in_flight)
     collect = collect_chunk_task.with_options(retries=ctx.collection.chunk_retries)
 
@@ -44,11 +58,21 @@ async def collect_stage(ctx: CollectContext, plan: RunPlan, chunks_in_flight: in
         async with gate:
             return await collect(ctx, chunk)
 
-    results = await asyncio.gather(*(run_one(c) for c in plan.pending), return_exceptions=True)
+    jobs = [asyncio.ensure_future(run_one(c)) for c in plan.pending]
+    _, late = await asyncio.wait(jobs, timeout=deadline_s)
+    for job in late:
+        job.cancel()
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    if late:
+        results = [r for r in results if not isinstance(r, asyncio.CancelledError)]
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors and not all(isinstance(e, Exception) for e in errors):
         raise next(e for e in errors if not isinstance(e, Exception))
-    return [r for r in results if isinstance(r, ChunkOutcome)]
+    return CollectResult(
+        outcomes=[r for r in results if isinstance(r, ChunkOutcome)],
+        errors=[f"{type(e).__name__}: {e}" for e in errors],
+        stopped=bool(late),
+    )
 
 
 def run_metrics(
@@ -80,14 +104,27 @@ def run_metrics(
     )
 
 
-def incomplete_message(summary: AuditSummary, spec: RunSpec) -> str:
+def deadline_message(summary: AuditSummary, spec: RunSpec) -> str:
+    return (
+        f"The run stopped at its deadline ({spec.deadline_s:g}s) with {summary.chunks_committed} of "
+        f"{summary.chunks_total} chunks committed; running chunks saved their finished rollouts. Nothing "
+        f"was published. Run the same command again to resume where it stopped."
+    )
+
+
+def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[str]) -> str:
+    failed_chunks = (
+        f" {len(chunk_errors)} chunk task(s) failed after their retries (first: {chunk_errors[0]})."
+        if chunk_errors
+        else ""
+    )
     return (
         f"The dataset was not published: the audit found {summary.missing:,} of "
         f"{summary.rows_expected:,} rollouts missing ({summary.failed:,} failed after retries, listed "
         f"under {spec.output.rstrip('/')}/failures/), {summary.duplicates:,} duplicated and "
         f"{summary.invalid + summary.missing_reward:,} invalid or without a numeric reward. Everything "
         f"collected is committed: run the same command again to retry only what is missing, or pass "
-        f"--allow-incomplete to publish what there is."
+        f"--allow-incomplete to publish what there is." + failed_chunks
     )
 
 
@@ -102,23 +139,28 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
     hub.emit(ProgressEvent("plan", total=remaining))
     ctx = collect_context(handles, settings, parallelism)
     t_collect, cpu_collect = time.perf_counter(), time.process_time()
-    outcomes: list[ChunkOutcome] = []
+    collected = CollectResult()
     if pending:
         await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
         chunks_in_flight = spec.collection.chunks_in_flight or default_chunks_in_flight(
             parallelism, spec.collection.chunk_size, spec.collection.num_repeats
         )
         try:
-            outcomes = await collect_stage(ctx, plan, chunks_in_flight)
+            left = (
+                None
+                if spec.deadline_s is None
+                else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
+            )
+            collected = await collect_stage(ctx, plan, chunks_in_flight, left)
         finally:
             await close_loop_session()
     collect_s = time.perf_counter() - t_collect
     collect_cpu_s = time.process_time() - cpu_collect
     summary = await verify_task(handles, plan)
-    publish = summary.ok or spec.allow_incomplete
+    publish = (summary.ok or spec.allow_incomplete) and not collected.stopped
     if publish:
         await concatenate_task(handles, plan)
-    metrics = run_metrics(outcomes, ctx, time.perf_counter() - t_start, collect_s, skipped)
+    metrics = run_metrics(collected.outcomes, ctx, time.perf_counter() - t_start, collect_s, skipped)
     metrics.collect_cpu_s = round(collect_cpu_s, 6)
     metrics.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     report = build_report(
@@ -130,13 +172,16 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
         metrics=metrics,
         published=publish,
         bad_rows=plan.scan.bad_rows,
+        extra={"chunk_errors": collected.errors[:20], "stopped_at_deadline": collected.stopped},
     )
     await asyncio.to_thread(write_report, handles.store, report)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )
+    if collected.stopped:
+        raise RunIncomplete(deadline_message(summary, spec), report)
     if not publish:
-        raise RunIncomplete(incomplete_message(summary, spec), report)
+        raise RunIncomplete(incomplete_message(summary, spec, collected.errors), report)
     return report
 
 

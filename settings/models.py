@@ -82,6 +82,9 @@ class CollectionSettings(BaseModel):
     flush_interval_s: float = Field(
         5.0, ge=0, le=3600, description="Save a running chunk's finished rollouts this often (0: never)"
     )
+    stall_timeout_s: float = Field(
+        0.0, ge=0, description="Cancel and retry a chunk when no rollout finishes for this long (0: never)"
+    )
     record_latency: bool = Field(
         False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
     )
@@ -102,6 +105,9 @@ class PipelineSettings(BaseModel):
     output: str | None = Field(None, description="Output directory: local path or any fsspec URL")
     restart: bool = Field(False, description="Discard committed chunks of a different run and start over")
     allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
+    deadline_s: float | None = Field(
+        None, gt=0, description="Stop cleanly after this many seconds, keeping all committed work"
+    )
 
 
 class RollflowSettings(BaseSettings):

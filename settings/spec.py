@@ -26,6 +26,9 @@ class RunSpec(BaseModel):
     verify: VerifySettings = Field(default_factory=VerifySettings)
     restart: bool = Field(False, description="Discard a different run's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
+    deadline_s: float | None = Field(
+        None, gt=0, description="Stop cleanly after this many seconds; run again to resume"
+    )
 
     @classmethod
     def from_settings(cls, settings: RollflowSettings, **changes: object) -> RunSpec:
@@ -38,6 +41,7 @@ class RunSpec(BaseModel):
             "verify": settings.verify,
             "restart": settings.pipeline.restart,
             "allow_incomplete": settings.pipeline.allow_incomplete,
+            "deadline_s": settings.pipeline.deadline_s,
         }
         base.update(changes)
         return cls.model_validate(base)

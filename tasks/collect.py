@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import secrets
 import time
@@ -170,26 +169,61 @@ async def run_rollouts(
         raise
 
 
-async def _flush_periodically(ctx: CollectContext, chunk: int, batch: RolloutBatch, start: int) -> None:
-    """Row-level resume: every flush interval, save the rollouts finished since the last save as a part.
+class ChunkStalled(Exception):
+    """No rollout of the chunk finished for the stall timeout; the task is retried (parts kept)."""
 
-    A kill then costs at most the requests in flight plus one interval; the chunk's commit replaces
-    the parts. The dict keeps insertion order, so new results are the ones past `start`.
+
+class _Flusher:
+    """Row-level resume: saves the rollouts finished since the last save as a part object.
+
+    A kill then costs at most the requests in flight plus one flush interval; the chunk's commit
+    replaces the parts. The results dict keeps insertion order, so new results are those past `saved`.
     """
-    interval = ctx.collection.flush_interval_s
-    if interval <= 0:
-        return
-    token = secrets.token_hex(3)
-    seq = 0
-    while True:
-        await asyncio.sleep(interval)
-        keys = list(itertools.islice(batch.results, start, None))
+
+    def __init__(self, ctx: CollectContext, chunk: int, batch: RolloutBatch, saved: int) -> None:
+        self.ctx, self.chunk, self.batch, self.saved = ctx, chunk, batch, saved
+        self.token = secrets.token_hex(3)
+        self.seq = 0
+
+    async def flush(self) -> None:
+        keys = list(itertools.islice(self.batch.results, self.saved, None))
         if not keys:
-            continue
-        lines = [batch.results[key] for key in keys]
-        await asyncio.to_thread(write_part, ctx.ledger.store, chunk, f"flush-{token}-{seq:05d}", lines)
-        start += len(keys)
-        seq += 1
+            return
+        lines = [self.batch.results[key] for key in keys]
+        name = f"flush-{self.token}-{self.seq:05d}"
+        await asyncio.to_thread(write_part, self.ctx.ledger.store, self.chunk, name, lines)
+        self.saved += len(keys)
+        self.seq += 1
+
+    async def run(self, runner: asyncio.Task[None]) -> None:
+        """Wait for `runner`, flushing every interval and cancelling it if it stops making progress."""
+        interval = self.ctx.collection.flush_interval_s
+        stall_s = self.ctx.collection.stall_timeout_s
+        tick = min(x for x in (interval, stall_s, 1.0) if x > 0)
+        last_flush = last_progress = time.monotonic()
+        seen = 0
+        try:
+            while not runner.done():
+                await asyncio.wait({runner}, timeout=tick)
+                now = time.monotonic()
+                progress = len(self.batch.results) + len(self.batch.failures)
+                if progress != seen:
+                    seen, last_progress = progress, now
+                elif stall_s and now - last_progress > stall_s and not runner.done():
+                    runner.cancel()
+                    await self.flush()
+                    raise ChunkStalled(
+                        f"chunk {self.chunk}: no rollout finished for {stall_s:g}s; retrying it "
+                        f"({self.saved} finished rollouts kept)"
+                    )
+                if interval and now - last_flush >= interval and not runner.done():
+                    await self.flush()
+                    last_flush = now
+            runner.result()
+        except asyncio.CancelledError:
+            runner.cancel()
+            await asyncio.shield(self.flush())
+            raise
 
 
 def _committed_rows(ledger: Ledger, chunk: int) -> dict[RolloutKey, bytes]:
@@ -228,13 +262,8 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         if (task_index, r) not in kept
     )
     hub.emit(ProgressEvent("rollouts", done=len(kept)))
-    flusher = asyncio.create_task(_flush_periodically(ctx, chunk.index, batch, len(kept)))
-    try:
-        await run_rollouts(ctx, todo, batch)
-    finally:
-        flusher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await flusher
+    runner = asyncio.create_task(run_rollouts(ctx, todo, batch))
+    await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
     keys = [(task_index, r) for task_index, _ in rows for r in range(k)]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
     fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None

@@ -186,3 +186,41 @@ def test_row_level_resume_redoes_little(run_cli, cli_env, rows_input, reference,
         assert not list((out / "parts").glob("*/*")), "a committed chunk's parts are removed"
     finally:
         sim.stop()
+
+
+def test_deadline_stops_cleanly_then_resumes(run_cli, slow_sim, rows_input, reference, tmp_path):
+    out = tmp_path / "out"
+    args = run_args(rows_input, str(out), slow_sim)
+    res = run_cli(*args, "--deadline-s", "2.5")
+    assert res.returncode == 1, res.stderr
+    assert "stopped at its deadline" in res.stderr and "run the same command again" in res.stderr.lower()
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["stopped_at_deadline"] and not report["published"]
+    assert 0 < report["rows_written"] < ROWS * 2
+    assert not (out / "rollouts.jsonl").exists()
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+
+
+def test_stalled_chunk_is_cancelled_and_reported(run_cli, rows_input, tmp_path):
+    sim = spawn_simulator(
+        "--latency-ms", "1", "--fault-rate", "1", "--fault-kinds", "hang", "--hang-s", "120"
+    )
+    try:
+        out = tmp_path / "out"
+        t0 = time.monotonic()
+        res = run_cli(
+            "run", "--input", str(rows_input), "--output", str(out), "--limit", "20",
+            "--backend-kind", "agent",
+            "--backend-url", sim.url, "--timeout-s", "100", "--stall-timeout-s", "1", "--no-progress",
+            env={"ROLLFLOW_COLLECTION__CHUNK_RETRIES": "1"},
+            timeout=120,
+        )  # fmt: skip
+        assert res.returncode == 1, res.stderr
+        assert time.monotonic() - t0 < 60, "a stalled chunk must not wait for the request timeout"
+        assert "ChunkStalled" in res.stderr and "no rollout finished for 1s" in res.stderr
+        report = orjson.loads((out / "report.json").read_bytes())
+        assert report["chunk_errors"] and report["missing"] == 20
+    finally:
+        sim.stop()
