@@ -15,10 +15,12 @@ from settings import RollflowSettings, RunSpec
 from tasks.audit import AuditSummary
 from tasks.collect import ChunkOutcome, CollectContext
 from tasks.http import close_loop_session
+from tasks.lease import Lease, LeaseLost
 from tasks.plan import RunPlan
 from tasks.prefect_tasks import (
     collect_chunk_task,
     concatenate_task,
+    lease_task,
     plan_task,
     preflight_task,
     verify_task,
@@ -129,6 +131,28 @@ def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[
 
 
 async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: RunHandles) -> dict[str, Any]:
+    """Hold the output's lease for the whole run; losing it to another run stops this one."""
+    lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
+    await lease_task(handles, lease)
+    main = asyncio.current_task()
+    keeper = asyncio.create_task(lease.keep(on_lost=main.cancel if main else lambda: None))
+    try:
+        return await _collect_verify_publish(spec, settings, handles)
+    except asyncio.CancelledError:
+        if lease.lost:
+            raise LeaseLost(
+                f"Another run took over {spec.output}'s lease, so this run stopped writing. Everything it "
+                f"committed is kept."
+            ) from None
+        raise
+    finally:
+        keeper.cancel()
+        await asyncio.to_thread(lease.release)
+
+
+async def _collect_verify_publish(
+    spec: RunSpec, settings: RollflowSettings, handles: RunHandles
+) -> dict[str, Any]:
     """collect -> verify -> concatenate -> report, for a spec whose parallelism is already decided."""
     t_start = time.perf_counter()
     parallelism = spec.collection.parallelism

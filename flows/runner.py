@@ -17,13 +17,22 @@ EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from tasks.lease import LeaseHeld, LeaseLost
     from tasks.ledger import IdentityMismatch
     from tasks.preflight import BackendUnreachable
     from tasks.rows import InputError
     from tasks.storage import StorageError
     from tasks.verifiers import VerifierError
 
-    return (InputError, StorageError, IdentityMismatch, BackendUnreachable, VerifierError)
+    return (
+        InputError,
+        StorageError,
+        IdentityMismatch,
+        BackendUnreachable,
+        VerifierError,
+        LeaseHeld,
+        LeaseLost,
+    )
 
 
 def summary_table(report: dict[str, Any]) -> Table:

@@ -108,6 +108,9 @@ class PipelineSettings(BaseModel):
     deadline_s: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds, keeping all committed work"
     )
+    lease_ttl_s: float = Field(
+        60.0, ge=1, description="Output lease lifetime; renewed every third of it while the run lives"
+    )
 
 
 class RollflowSettings(BaseSettings):

@@ -11,6 +11,7 @@ from prefect.runtime import task_run
 from tasks.audit import AuditSummary, audit_run
 from tasks.collect import ChunkOutcome, CollectContext, collect_chunk
 from tasks.concat import concatenate
+from tasks.lease import Lease
 from tasks.plan import RunPlan, plan_run
 from tasks.preflight import check_reachable
 from tasks.rows import ChunkSpec
@@ -22,6 +23,12 @@ async def plan_task(handles: RunHandles, parallelism: int | None) -> RunPlan:
     return await asyncio.to_thread(
         plan_run, handles.spec, handles.store, handles.ledger, handles.input_options, parallelism
     )
+
+
+@task(name="lease", cache_policy=NONE)
+async def lease_task(handles: RunHandles, lease: Lease) -> None:
+    await asyncio.to_thread(handles.store.check_writable)
+    await asyncio.to_thread(lease.acquire)
 
 
 @task(name="preflight", cache_policy=NONE)

@@ -10,25 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import orjson
-import pytest
-from test_pipeline_e2e import assert_complete, write_rows
+from test_pipeline_e2e import assert_complete
 
 from infra.local import Service, spawn_simulator
 
 ROWS = 1200
-
-
-@pytest.fixture(scope="module")
-def slow_sim() -> Service:
-    """Slow enough (16 slots x 20 ms = 800 rollouts/s) that a run lasts a few seconds."""
-    sim = spawn_simulator("--latency-ms", "20", "--slots", "16")
-    yield sim
-    sim.stop()
-
-
-@pytest.fixture(scope="module")
-def rows_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_rows(tmp_path_factory.mktemp("resume") / "rows.jsonl", ROWS)
 
 
 def run_args(inp: Path, out: str, sim: Service) -> list[str]:
@@ -57,18 +43,6 @@ def wait_until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], tim
 def manifests(out: Path) -> int:
     chunks = out / "chunks"
     return len(list(chunks.glob("*.json"))) if chunks.exists() else 0
-
-
-@pytest.fixture(scope="module")
-def reference(
-    run_cli, slow_sim: Service, rows_input: Path, tmp_path_factory: pytest.TempPathFactory
-) -> bytes:
-    out = tmp_path_factory.mktemp("reference") / "out"
-    res = run_cli(*run_args(rows_input, str(out), slow_sim))
-    assert res.returncode == 0, res.stderr
-    data = (out / "rollouts.jsonl").read_bytes()
-    assert_complete(data.splitlines(), ROWS, 2)
-    return data
 
 
 def test_kill9_at_several_points_local(run_cli, cli_env, slow_sim, rows_input, reference, tmp_path):
