@@ -4,10 +4,12 @@ Output lengths and backend load change during a long run, so a value tuned at th
 A controller samples the attempts of the last interval (successes, failures by kind, latency) and moves
 `ConcurrencyLimit.set_limit`:
 - errors or 429s: back off x `backoff` at once, then hold a while;
-- growing: after raising the limit, keep raising (x2 until the first plateau, then x`grow`) while the
-  rate grows by at least `min_gain`;
+- growing: after raising the limit, keep raising while the rate grows by at least `min_gain`: x2 while
+  the rate grows nearly in proportion (`linear`) or before the first plateau, else x`grow`;
 - plateau: settle just above the last level that still paid (x`settle`), hold, then probe upward again,
   so added capacity is found;
+- latency drop: latency fell by `latency_drop` at the same limit (the queue drains: capacity was
+  added), so the hold ends and the probe starts at once;
 - latency knee: while holding, if latency rose by `latency_knee` at a rate that did not rise, the
   backend lost capacity: step down x`shrink` and re-probe.
 The first interval after every change is skipped (the queue is still settling). `decide` is pure.
@@ -42,7 +44,9 @@ class AdaptiveOptions:
     shrink: float = 0.8
     latency_knee: float = 0.5
     max_error_rate: float = 0.02
-    hold_intervals: int = 5
+    hold_intervals: int = 3
+    linear: float = 0.7
+    latency_drop: float = 0.2
 
 
 @dataclass
@@ -105,8 +109,9 @@ def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple
         prev = state.prev_limit
         if grew:
             state.probing = False
+            linear = sample.rate >= state.prev_rate * (1 + opts.linear * (limit / prev - 1))
             state.prev_limit, state.prev_rate = limit, sample.rate
-            factor = 2.0 if state.slow_start else opts.grow
+            factor = 2.0 if state.slow_start or linear else opts.grow
             return change(math.ceil(limit * factor), f"rate grew to {sample.rate:.1f}/s")
         state.slow_start = False
         state.prev_limit, state.prev_rate = None, None
@@ -126,6 +131,12 @@ def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple
         state.ref_rate, state.ref_latency = None, None
         state.hold = opts.hold_intervals
         return change(math.floor(limit * opts.shrink), f"latency knee: p50 {sample.p50_s * 1000:.0f} ms")
+    if (
+        sample.p50_s is not None
+        and state.ref_latency is not None
+        and sample.p50_s < state.ref_latency * (1 - opts.latency_drop)
+    ):
+        state.hold = 0  # the queue is draining at the same limit: capacity was added, look for it now
     if state.hold > 0:
         state.hold -= 1
         return limit, "holding"

@@ -11,13 +11,14 @@ measure a steady rate (`step_rollouts`: at least `cycles` x P rollouts). It stop
 
 Knee. The bandwidth-delay product: knee = peak throughput x base latency (the unloaded p50), the fewest
 requests in flight that keep the backend's peak rate busy. With N slots and latency L it is N exactly.
-Refinement measures the knee estimate itself (and, if that falls short of 95% of the peak, bisects once
-toward the nearest point that did not), so the knee is known far closer than a factor of two.
+Refinement measures the knee estimate itself (and, if that falls short of `peak_fraction` of the peak,
+bisects once toward the nearest measured point above it), so the knee is known far closer than 2x.
 
-Choice. chosen = max(ceil(headroom x knee), P95), P95 = the smallest measured parallelism whose
-throughput reached `peak_fraction` (95%) of the peak. Headroom (0.8) trims parallelism that buys less
-than 5% throughput on a soft knee; it never cuts into throughput: on a sharp knee (fixed slots) 0.8 x
-knee would give only 80% of capacity, and the P95 floor keeps the choice at the knee (>= 95%).
+Choice. chosen = max(ceil(headroom x knee), P_floor), P_floor = the smallest measured parallelism whose
+throughput reached `peak_fraction` (92%) of the peak: as close to the peak as short steps measure (their
+rates carry a few percent of noise, and Little's law overshoots a filling queue by up to ~7%). Headroom
+(0.8) trims parallelism that buys almost nothing on a soft knee; it never cuts into throughput: on a sharp
+knee (fixed slots) 0.8 x knee gives only 80% of capacity, and the floor keeps the choice at the knee.
 
 Stability. The chosen value runs for a longer stretch (`stability_rollouts`, >= `stability_cycles` x P);
 if errors or a latency spread (p95/p50) well beyond the unloaded one appear, it backs off x `backoff`.
@@ -52,7 +53,7 @@ class TuneOptions:
     knee_gain: float = 1.7
     saturated_utilisation: float = 0.75
     headroom: float = 0.8
-    peak_fraction: float = 0.95
+    peak_fraction: float = 0.92
     refine_steps: int = 2
     near: float = 0.05
     backoff: float = 0.75
@@ -139,14 +140,17 @@ def attempt_error_rate(step: StepResult) -> float:
 
 
 def too_many_errors(step: StepResult, baseline: StepResult | None, opts: TuneOptions) -> bool:
-    """Failures above the threshold, or failed attempts well above what the lowest level saw."""
+    """Failed rollouts above the threshold, or failed attempts that grew with load: clearly more than at
+    the lowest level (a backend that fails a steady few percent at any load is flaky, not overloaded;
+    retries cover it)."""
     if step.measure.rollouts == 0:
         return True
     if step.measure.error_rate > opts.max_error_rate:
         return True
-    base = attempt_error_rate(baseline) if baseline is not None and baseline is not step else 0.0
+    if baseline is None or baseline is step or baseline.parallelism >= step.parallelism:
+        return False
     rate = attempt_error_rate(step)
-    return rate > 2 * opts.max_error_rate and rate > 2 * base + opts.max_error_rate
+    return rate > 2 * attempt_error_rate(baseline) + 2 * opts.max_error_rate
 
 
 def base_latency(steps: Sequence[StepResult]) -> float | None:
@@ -208,15 +212,15 @@ def knee_estimate(valid: Sequence[StepResult]) -> int:
     return int(min(max(round(bdp), lo, 1), peak.parallelism))
 
 
-def p95_floor(valid: Sequence[StepResult], opts: TuneOptions) -> int:
+def peak_floor(valid: Sequence[StepResult], opts: TuneOptions) -> int:
     """The smallest measured parallelism whose throughput reached peak_fraction of the peak."""
     peak = max(s.rollouts_per_s for s in valid)
     return min(s.parallelism for s in valid if s.rollouts_per_s >= opts.peak_fraction * peak)
 
 
 def choose(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int:
-    """max(ceil(headroom x knee), P95): trims parallelism that buys < 5%, never throughput."""
-    return max(math.ceil(opts.headroom * knee), p95_floor(valid, opts), 1)
+    """max(ceil(headroom x knee), the peak floor): trims parallelism that buys little, not throughput."""
+    return max(math.ceil(opts.headroom * knee), peak_floor(valid, opts), 1)
 
 
 def refine_target(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int | None:
@@ -237,14 +241,18 @@ def refine_target(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> 
     return mid
 
 
-def unstable(step: StepResult, baseline: StepResult | None, opts: TuneOptions) -> str | None:
-    """Why a stability stretch failed (errors, or p95/p50 well beyond the unloaded spread), else None."""
+def unstable(step: StepResult, reference: Sequence[StepResult], opts: TuneOptions) -> str | None:
+    """Why a stability stretch failed, else None: errors, or a p95/p50 spread that jumped beyond what the
+    shorter steps at or below this level showed (queueing at the knee itself is expected, so the bar is
+    `spread_jump` x that and at least 2)."""
+    baseline = min(reference, key=lambda s: s.parallelism) if reference else None
     if too_many_errors(step, baseline, opts):
         return f"{step.errors} failed rollouts, {sum(step.attempt_errors.values())} failed attempts"
     spread = step.measure.spread
-    base_spread = baseline.measure.spread if baseline is not None else None
-    if spread is not None and base_spread is not None and spread > max(opts.spread_jump * base_spread, 1.25):
-        return f"latency spread p95/p50 {spread:.2f} against {base_spread:.2f} unloaded"
+    seen = [s.measure.spread for s in reference if s is not step and s.parallelism <= step.parallelism]
+    ref = max((x for x in seen if x is not None), default=None)
+    if spread is not None and ref is not None and spread > max(opts.spread_jump * ref, 2.0):
+        return f"latency spread p95/p50 {spread:.2f} against {ref:.2f} in shorter steps"
     return None
 
 
@@ -331,7 +339,7 @@ async def tune(
             knee = knee_estimate(good)
         chosen = choose(good, knee, opts)
         stable, chosen = await _stability(
-            history, chosen, stability_step, opts, baseline, measure, notes, out_of_budget
+            history, chosen, stability_step, opts, valid, measure, notes, out_of_budget
         )
     finally:
         if own:
@@ -382,7 +390,7 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
     return stop
 
 
-async def _stability(history, chosen, measured, opts, baseline, measure, notes, out_of_budget):  # type: ignore[no-untyped-def]
+async def _stability(history, chosen, measured, opts, valid, measure, notes, out_of_budget):  # type: ignore[no-untyped-def]
     """Run the chosen value for a longer stretch; back off x opts.backoff while it is unstable."""
     step = measured if measured is not None and measured.parallelism == chosen else None
     for attempt in range(opts.max_backoffs + 1):
@@ -395,7 +403,7 @@ async def _stability(history, chosen, measured, opts, baseline, measure, notes, 
                 notes.append("no stability check: the input ran out")
                 return False, chosen
             history.append(("stability", step, ""))
-        why = unstable(step, baseline(), opts)
+        why = unstable(step, valid(), opts)
         if why is None:
             return True, chosen
         lower = max(1, math.floor(chosen * opts.backoff))

@@ -1,4 +1,4 @@
-"""A verifier that can score only one rollout at a time (20 ms each): the bottleneck of verifier-bound runs."""
+"""A verifier that scores one rollout at a time (20 ms each): the bottleneck of verifier-bound runs."""
 
 from __future__ import annotations
 
