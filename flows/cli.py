@@ -45,7 +45,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     b.add_argument("--agent-name", help="fills a missing agent_ref.name")
     b.add_argument("--overrides", help="JSON object merged into responses_create_params")
     c = p.add_argument_group("collection")
-    c.add_argument("--parallelism", type=int, help="requests in flight across all chunks")
+    c.add_argument(
+        "--parallelism",
+        type=_parallelism,
+        help="requests in flight across all chunks: N, auto (diagnose + tune first; the default of "
+        "`rollflow run`) or adaptive (tune, then keep adjusting)",
+    )
     c.add_argument("--chunk-size", type=int, help="input rows per chunk task (default 1000)")
     c.add_argument("--chunks-in-flight", type=int, help="chunks collected at once")
     c.add_argument("--flush-interval-s", type=float, help="save a running chunk's rollouts this often")
@@ -59,6 +64,15 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
     o.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
     o.add_argument("--verbose", action="store_true", help="show Prefect's logs")
+
+
+def _parallelism(text: str) -> int | str:
+    if text in ("auto", "adaptive"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, auto or adaptive, not {text!r}") from None
 
 
 def _nemo_gym_args(extra: list[str]) -> dict[str, str]:
@@ -82,7 +96,7 @@ def _json_value(text: str) -> Any:
         return text
 
 
-def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
+def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: str | None = None) -> Any:
     """Settings from env/.env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
     from settings import RollflowSettings, RunSpec
 
@@ -90,6 +104,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     backend = settings.backend.params().model_dump()
     collection = settings.collection.model_dump()
     verify = settings.verify.model_dump()
+    tuning = settings.tuning.model_dump()
+    for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom"):
+        if getattr(args, key, None) is not None:
+            tuning[key] = getattr(args, key)
     top: dict[str, Any] = {
         "input": settings.pipeline.input,
         "output": settings.pipeline.output,
@@ -97,6 +115,8 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         "allow_incomplete": settings.pipeline.allow_incomplete,
         "deadline_s": settings.pipeline.deadline_s,
     }
+    if default_parallelism and "ROLLFLOW_COLLECTION__PARALLELISM" not in os.environ:
+        collection["parallelism"] = default_parallelism
     gym = _nemo_gym_args(extra)
     if gym:
         backend["kind"] = "agent"
@@ -155,7 +175,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     from pydantic import ValidationError
 
     try:
-        return RunSpec.model_validate({**top, "backend": backend, "collection": collection, "verify": verify})
+        return RunSpec.model_validate(
+            {**top, "backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
+        )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise UsageError(f"Invalid settings: {problems}.") from exc
@@ -170,7 +192,7 @@ def _quiet_prefect(verbose: bool) -> None:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
-    spec = build_spec(args, extra)
+    spec = build_spec(args, extra, default_parallelism="auto" if flow_name == "run" else None)
     _quiet_prefect(args.verbose)
     from flows.runner import run_and_print
 
@@ -195,8 +217,20 @@ def make_parser() -> argparse.ArgumentParser:
         prog="rollflow", description="Maximum-throughput, resumable LLM rollout collection on Prefect."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="the whole pipeline: collect -> verify -> concatenate")
+    from flows.tuning import add_tuning_flags
+
+    run = sub.add_parser(
+        "run", help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate"
+    )
     _add_run_flags(run)
+    add_tuning_flags(run)
+    for name, text in (
+        ("diagnose", "diagnose-bottleneck: the same rows at a low and a high parallelism, and a verdict"),
+        ("tune", "diagnose, then tune-parallelism: the throughput curve, the knee and the chosen value"),
+    ):
+        stage = sub.add_parser(name, help=text)
+        _add_run_flags(stage)
+        add_tuning_flags(stage)
     collect = sub.add_parser(
         "collect",
         help="collect at a fixed parallelism (accepts ng_collect_rollouts' +key=value arguments)",
@@ -217,11 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
+    _quiet_prefect("--verbose" in argv)
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command in ("run", "collect"):
             return cmd_run(args, extra, args.command)
+        if args.command in ("diagnose", "tune"):
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            from flows.tuning import cmd_diagnose, cmd_tune
+
+            return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return cmd_demo(args)

@@ -11,7 +11,8 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
-from settings import RollflowSettings, RunSpec
+from settings import CollectionSettings, RollflowSettings, RunSpec
+from tasks.adaptive import adaptive_control
 from tasks.audit import AuditSummary
 from tasks.collect import ChunkOutcome, CollectContext
 from tasks.http import close_loop_session
@@ -155,11 +156,26 @@ async def _collect_verify_publish(
 ) -> dict[str, Any]:
     """collect -> verify -> concatenate -> report, for a spec whose parallelism is already decided."""
     t_start = time.perf_counter()
-    parallelism = spec.collection.parallelism
-    plan = await plan_task(handles, parallelism)
+    mode = spec.collection.parallelism
+    plan = await plan_task(handles, mode if isinstance(mode, int) else None)
     pending = plan.pending
-    skipped = len(plan.scan.chunks) - len(pending)
+    extra: dict[str, Any] = {}
     remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
+    if isinstance(mode, int):
+        parallelism = mode
+    elif pending and remaining < 4 * spec.tuning.diagnose_rows:
+        parallelism = CollectionSettings().parallelism
+        extra["tuning_skipped"] = (
+            f"only {remaining} rollouts left: too few to diagnose and tune "
+            f"(needs {4 * spec.tuning.diagnose_rows}); collected at parallelism {parallelism}"
+        )
+    elif pending:
+        from flows.tuning import choose_parallelism
+
+        parallelism, extra = await choose_parallelism(spec, settings, handles, plan)
+    else:
+        parallelism = plan.identity.parallelism or CollectionSettings().parallelism
+    skipped = len(plan.scan.chunks) - len(pending)
     hub.emit(ProgressEvent("plan", total=remaining))
     ctx = collect_context(handles, settings, parallelism)
     t_collect, cpu_collect = time.perf_counter(), time.process_time()
@@ -175,7 +191,12 @@ async def _collect_verify_publish(
                 if spec.deadline_s is None
                 else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
             )
-            collected = await collect_stage(ctx, plan, chunks_in_flight, left)
+            if mode == "adaptive":
+                async with adaptive_control(ctx) as controller:
+                    collected = await collect_stage(ctx, plan, chunks_in_flight, left)
+                extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}
+            else:
+                collected = await collect_stage(ctx, plan, chunks_in_flight, left)
         finally:
             await close_loop_session()
     collect_s = time.perf_counter() - t_collect
@@ -196,7 +217,7 @@ async def _collect_verify_publish(
         metrics=metrics,
         published=publish,
         bad_rows=plan.scan.bad_rows,
-        extra={"chunk_errors": collected.errors[:20], "stopped_at_deadline": collected.stopped},
+        extra={**extra, "chunk_errors": collected.errors[:20], "stopped_at_deadline": collected.stopped},
     )
     await asyncio.to_thread(write_report, handles.store, report)
     await acreate_markdown_artifact(

@@ -91,6 +91,10 @@ def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: 
         )
         return 130
     if report is not None:
+        if report.get("diagnosis"):
+            from flows.tuning import print_tuning
+
+            print_tuning(console, report, report["output"])
         console.print(summary_table(report))
         if print_json:
             sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")

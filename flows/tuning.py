@@ -14,9 +14,10 @@ from typing import Any
 import orjson
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
-from pydantic import BaseModel, Field
+from rich.console import Console
+from rich.table import Table
 
-from settings import RollflowSettings, RunSpec
+from settings import RollflowSettings, RunSpec, TuningSettings
 from tasks.http import close_loop_session
 from tasks.plan import RunPlan
 from tasks.plot import data_uri, diagnosis_markdown, steps_table, throughput_png, tuning_markdown
@@ -26,39 +27,23 @@ from tasks.probe import ProbeFeed
 from tasks.runtime import RunHandles, collect_context, open_run
 from tasks.tune import TuneOptions
 
+TuningParams = TuningSettings
 
-class TuningParams(BaseModel):
-    """Diagnosis and tuning knobs (candidates for settings.TuningSettings / RunSpec.tuning)."""
 
-    diagnose_low: int = Field(5, ge=1, description="Low parallelism of the diagnosis")
-    diagnose_high: int = Field(20, ge=2, description="High parallelism of the diagnosis")
-    diagnose_rows: int = Field(100, ge=10, description="Rollouts at each diagnosis level")
-    tune_start: int = Field(8, ge=1, description="First level of the search when there is no diagnosis")
-    tune_step_rollouts: int = Field(100, ge=10, description="Fewest rollouts per search step")
-    plateau_gain: float = Field(0.10, gt=0, description="A doubling that gains less than this is a plateau")
-    max_error_rate: float = Field(0.02, ge=0, description="Failure rate that stops the search")
-    headroom: float = Field(0.8, gt=0, le=1, description="chosen >= headroom x knee (see tasks/tune.py)")
-    max_parallelism: int = Field(4096, ge=1, description="Never search above this")
-
-    def options(self) -> TuneOptions:
-        return TuneOptions(
-            start=self.tune_start,
-            min_rollouts=self.tune_step_rollouts,
-            plateau_gain=self.plateau_gain,
-            max_error_rate=self.max_error_rate,
-            headroom=self.headroom,
-            max_parallelism=self.max_parallelism,
-        )
+def tune_options(params: TuningSettings) -> TuneOptions:
+    return TuneOptions(
+        start=params.tune_start,
+        min_rollouts=params.tune_step_rollouts,
+        plateau_gain=params.plateau_gain,
+        max_error_rate=params.max_error_rate,
+        headroom=params.headroom,
+        max_parallelism=params.max_parallelism,
+    )
 
 
 def _params(spec: RunSpec, params: TuningParams | None) -> TuningParams:
-    """Explicit params, else RunSpec.tuning once settings carry it, else the defaults."""
-    if params is not None:
-        return params
-    found = getattr(spec, "tuning", None)
-    if found is None:
-        return TuningParams()
-    return TuningParams.model_validate(found, from_attributes=True)
+    """Explicit params, else the spec's own tuning settings."""
+    return params if params is not None else spec.tuning
 
 
 async def _publish(handles: RunHandles, found: dict[str, Any]) -> None:
@@ -107,7 +92,7 @@ async def choose_parallelism(
         found["diagnosis"] = diagnosis.as_dict()
         chosen = params.diagnose_high
         if tune_too:
-            tuning = await tune_task(ctx, plan, params.options(), feed, [diagnosis.low, diagnosis.high])
+            tuning = await tune_task(ctx, plan, tune_options(params), feed, [diagnosis.low, diagnosis.high])
             found["tuning"] = tuning.as_dict()
             found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
             chosen = tuning.chosen_parallelism
@@ -163,23 +148,8 @@ def params_from_args(args: argparse.Namespace) -> TuningParams:
     return TuningParams(**given)
 
 
-def _run(args: argparse.Namespace, tune_too: bool) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from flows.cli import _quiet_prefect, build_spec
-    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors
-
-    spec = build_spec(args, [])
-    params = params_from_args(args)
-    _quiet_prefect(getattr(args, "verbose", False))
-    console = Console(stderr=True)
-    flow_fn = rollflow_tune if tune_too else rollflow_diagnose
-    try:
-        found = asyncio.run(flow_fn(spec, params))
-    except (*_user_errors(), RuntimeError, ValueError) as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False)
-        return EXIT_ERROR
+def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
+    """The verdict, its next step and the tuning table, as the CLI shows them."""
     d = found["diagnosis"]
     console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
     console.print(f"next step: {d['next_step']}", highlight=False)
@@ -194,9 +164,26 @@ def _run(args: argparse.Namespace, tune_too: bool) -> int:
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
             f"({t['total_probe_rollouts']:,} probe rollouts, all kept, {t['discarded']} discarded); "
-            f"plot: {spec.output.rstrip('/')}/throughput.png",
+            f"plot: {output.rstrip('/')}/throughput.png",
             highlight=False,
         )
+
+
+def _run(args: argparse.Namespace, tune_too: bool) -> int:
+    from flows.cli import _quiet_prefect, build_spec
+    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors
+
+    spec = build_spec(args, [])
+    params = params_from_args(args)
+    _quiet_prefect(getattr(args, "verbose", False))
+    console = Console(stderr=True)
+    flow_fn = rollflow_tune if tune_too else rollflow_diagnose
+    try:
+        found = asyncio.run(flow_fn(spec, params))
+    except (*_user_errors(), RuntimeError, ValueError) as exc:
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False)
+        return EXIT_ERROR
+    print_tuning(console, found, spec.output)
     if getattr(args, "json", False):
         print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
     return EXIT_OK

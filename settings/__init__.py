@@ -8,6 +8,7 @@ from settings.models import (
     PipelineSettings,
     RollflowSettings,
     StorageSettings,
+    TuningSettings,
     VerifySettings,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "RollflowSettings",
     "RunSpec",
     "StorageSettings",
+    "TuningSettings",
     "VerifySettings",
 ]
 from settings.spec import RunSpec

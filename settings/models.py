@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -66,7 +66,11 @@ class StorageSettings(BaseModel):
 class CollectionSettings(BaseModel):
     """How the input is planned into chunks and how many requests run at once."""
 
-    parallelism: int = Field(32, ge=1, le=65536, description="Requests in flight across all chunks")
+    parallelism: Annotated[int, Field(ge=1, le=65536)] | Literal["auto", "adaptive"] = Field(
+        32,
+        description="Requests in flight across all chunks: a number, auto (diagnose + tune first) or "
+        "adaptive (tune, then keep adjusting during collection)",
+    )
     chunk_size: int = Field(1000, ge=1, le=1_000_000, description="Input rows per chunk task")
     num_repeats: int = Field(1, ge=1, le=10_000, description="Rollouts per input row")
     limit: int | None = Field(None, ge=1, description="Use only the first N rows of the input")
@@ -88,6 +92,20 @@ class CollectionSettings(BaseModel):
     record_latency: bool = Field(
         False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
     )
+
+
+class TuningSettings(BaseModel):
+    """diagnose-bottleneck and tune-parallelism knobs (used when parallelism is auto or adaptive)."""
+
+    diagnose_low: int = Field(5, ge=1, le=65536, description="Low parallelism of the diagnosis")
+    diagnose_high: int = Field(20, ge=2, le=65536, description="High parallelism of the diagnosis")
+    diagnose_rows: int = Field(100, ge=10, description="Rollouts at each diagnosis level")
+    tune_start: int = Field(8, ge=1, description="First level of the search when there is no diagnosis")
+    tune_step_rollouts: int = Field(100, ge=10, description="Fewest rollouts per search step")
+    plateau_gain: float = Field(0.10, gt=0, description="A doubling that gains less than this is a plateau")
+    max_error_rate: float = Field(0.02, ge=0, description="Failure rate that stops the search")
+    headroom: float = Field(0.8, gt=0, le=1, description="Chosen value is at least headroom x knee")
+    max_parallelism: int = Field(4096, ge=1, description="Never search above this")
 
 
 class VerifySettings(BaseModel):
@@ -128,4 +146,5 @@ class RollflowSettings(BaseSettings):
     storage: StorageSettings = Field(default_factory=StorageSettings)
     collection: CollectionSettings = Field(default_factory=CollectionSettings)
     verify: VerifySettings = Field(default_factory=VerifySettings)
+    tuning: TuningSettings = Field(default_factory=TuningSettings)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)

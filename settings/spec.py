@@ -9,6 +9,7 @@ from settings.models import (
     BackendSettings,
     CollectionSettings,
     RollflowSettings,
+    TuningSettings,
     VerifySettings,
 )
 
@@ -24,6 +25,7 @@ class RunSpec(BaseModel):
     backend: BackendParams = Field(default_factory=BackendParams)
     collection: CollectionSettings = Field(default_factory=CollectionSettings)
     verify: VerifySettings = Field(default_factory=VerifySettings)
+    tuning: TuningSettings = Field(default_factory=TuningSettings)
     restart: bool = Field(False, description="Discard a different run's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
     deadline_s: float | None = Field(
@@ -39,6 +41,7 @@ class RunSpec(BaseModel):
             "backend": settings.backend.params(),
             "collection": settings.collection,
             "verify": settings.verify,
+            "tuning": settings.tuning,
             "restart": settings.pipeline.restart,
             "allow_incomplete": settings.pipeline.allow_incomplete,
             "deadline_s": settings.pipeline.deadline_s,

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from tasks.audit import AuditSummary
+from tasks.plot import diagnosis_markdown, tuning_markdown
 from tasks.storage import Store
 
 
@@ -113,6 +114,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "|---|---|",
     ]
     lines += [f"| {key} | {_fmt(report.get(key))} |" for key in SUMMARY_KEYS]
+    if report.get("diagnosis"):
+        lines += ["", diagnosis_markdown(report["diagnosis"])]
+    if report.get("tuning"):
+        lines += ["", tuning_markdown(report["tuning"], image="throughput.png")]
     if report.get("audit_problems"):
         lines += ["", "## Audit problems", ""] + [f"- {p}" for p in report["audit_problems"]]
     return "\n".join(lines) + "\n"

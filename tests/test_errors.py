@@ -14,7 +14,7 @@ from infra.local import free_port
 def args_for(inp: Path | str, out: Path | str, url: str, *extra: str) -> list[str]:
     return [
         "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent",
-        "--backend-url", url, "--chunk-size", "50", "--no-progress", *extra,
+        "--backend-url", url, "--chunk-size", "50", "--parallelism", "32", "--no-progress", *extra,
     ]  # fmt: skip
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from infra.local import Service
+from infra.local import Service, spawn_simulator
 
 ROWS, REPEATS = 2000, 2
 
@@ -90,3 +90,29 @@ def test_s3_input(run_cli, fast_sim: Service, moto_s3, input_2000: Path, tmp_pat
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 300, 1)
+
+
+def test_auto_parallelism_diagnoses_tunes_and_keeps_probes(run_cli, tmp_path: Path):
+    """`rollflow run` by default: diagnose, tune, collect; every probe rollout ends up in the dataset."""
+    sim = spawn_simulator("--latency-ms", "30", "--slots", "32")
+    try:
+        inp = write_rows(tmp_path / "rows.jsonl", 2500)
+        out = tmp_path / "out"
+        res = run_cli(
+            "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent",
+            "--backend-url", sim.url, "--chunk-size", "500", "--no-progress",
+        )  # fmt: skip
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr
+    assert "parallelism-bound" in res.stderr and "tune-parallelism" in res.stderr
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 2500, 1)
+    report = orjson.loads((out / "report.json").read_bytes())
+    tuning = report["tuning"]
+    assert report["diagnosis"]["verdict"] == "parallelism-bound"
+    assert 28 <= tuning["chosen_parallelism"] <= 64 and report["parallelism"] == tuning["chosen_parallelism"]
+    assert tuning["discarded"] == 0 and tuning["total_probe_rollouts"] > 0
+    adopted = sum(orjson.loads(p.read_bytes())["stats"]["adopted"] for p in (out / "chunks").glob("*.json"))
+    assert adopted == tuning["total_probe_rollouts"], "every probe rollout is adopted by its chunk"
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## Tuning" in (out / "report.md").read_text()

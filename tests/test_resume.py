@@ -185,7 +185,7 @@ def test_stalled_chunk_is_cancelled_and_reported(run_cli, rows_input, tmp_path):
         out = tmp_path / "out"
         t0 = time.monotonic()
         res = run_cli(
-            "run", "--input", str(rows_input), "--output", str(out), "--limit", "20",
+            "run", "--input", str(rows_input), "--output", str(out), "--limit", "20", "--parallelism", "8",
             "--backend-kind", "agent",
             "--backend-url", sim.url, "--timeout-s", "100", "--stall-timeout-s", "1", "--no-progress",
             env={"ROLLFLOW_COLLECTION__CHUNK_RETRIES": "1"},
