@@ -56,6 +56,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--flush-interval-s", type=float, help="save a running chunk's rollouts this often")
     c.add_argument("--stall-timeout-s", type=float, help="retry a chunk that makes no progress this long")
     c.add_argument("--deadline-s", type=float, help="stop cleanly after this many seconds (resumable)")
+    c.add_argument("--runner", choices=["local", "dask"], help="run chunks here or on a Dask cluster")
+    c.add_argument("--dask-address", help="scheduler of an existing Dask cluster, e.g. tcp://host:8786")
+    c.add_argument("--dask-workers", type=int, help="worker processes of a local Dask cluster (default 2)")
     c.add_argument("--record-latency", action="store_true", default=None, help="add _rf.latency_s per row")
     v = p.add_argument_group("verify")
     v.add_argument("--verifier", help="exact_match | math | http | none | module:function")
@@ -114,6 +117,9 @@ def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: 
         "restart": settings.pipeline.restart,
         "allow_incomplete": settings.pipeline.allow_incomplete,
         "deadline_s": settings.pipeline.deadline_s,
+        "runner": settings.pipeline.runner,
+        "dask_address": settings.pipeline.dask_address,
+        "dask_workers": settings.pipeline.dask_workers,
     }
     if default_parallelism and "ROLLFLOW_COLLECTION__PARALLELISM" not in os.environ:
         collection["parallelism"] = default_parallelism
@@ -151,6 +157,9 @@ def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: 
         "flush_interval_s": (collection, "flush_interval_s"),
         "stall_timeout_s": (collection, "stall_timeout_s"),
         "deadline_s": (top, "deadline_s"),
+        "runner": (top, "runner"),
+        "dask_address": (top, "dask_address"),
+        "dask_workers": (top, "dask_workers"),
         "verifier": (verify, "verifier"),
         "verifier_url": (verify, "url"),
     }
@@ -189,6 +198,7 @@ def _quiet_prefect(verbose: bool) -> None:
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "ERROR")
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
+from flows.dask_runner import CollectResult, collect_on_dask
 from settings import CollectionSettings, RollflowSettings, RunSpec
 from tasks.adaptive import adaptive_control
 from tasks.audit import AuditSummary
@@ -37,13 +37,6 @@ class RunIncomplete(Exception):
     def __init__(self, message: str, report: dict[str, Any]) -> None:
         super().__init__(message)
         self.report = report
-
-
-@dataclass
-class CollectResult:
-    outcomes: list[ChunkOutcome] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    stopped: bool = False
 
 
 async def collect_stage(
@@ -191,7 +184,9 @@ async def _collect_verify_publish(
                 if spec.deadline_s is None
                 else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
             )
-            if mode == "adaptive":
+            if spec.runner == "dask":
+                collected = await collect_on_dask(spec, pending, parallelism, spec.collection.chunk_retries)
+            elif mode == "adaptive":
                 async with adaptive_control(ctx) as controller:
                     collected = await collect_stage(ctx, plan, chunks_in_flight, left)
                 extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}

@@ -126,6 +126,13 @@ class PipelineSettings(BaseModel):
     deadline_s: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds, keeping all committed work"
     )
+    runner: Literal["local", "dask"] = Field(
+        "local", description="local: chunks in this process; dask: chunks on a Dask cluster's workers"
+    )
+    dask_address: str | None = Field(
+        None, description="Scheduler of an existing Dask cluster (tcp://host:8786)"
+    )
+    dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
     lease_ttl_s: float = Field(
         60.0, ge=1, description="Output lease lifetime; renewed every third of it while the run lives"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, SecretStr
 
 from settings.models import (
@@ -31,6 +33,9 @@ class RunSpec(BaseModel):
     deadline_s: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds; run again to resume"
     )
+    runner: Literal["local", "dask"] = Field("local", description="Where chunks run: this process or Dask")
+    dask_address: str | None = Field(None, description="Existing Dask scheduler; default a local cluster")
+    dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
 
     @classmethod
     def from_settings(cls, settings: RollflowSettings, **changes: object) -> RunSpec:
@@ -45,6 +50,9 @@ class RunSpec(BaseModel):
             "restart": settings.pipeline.restart,
             "allow_incomplete": settings.pipeline.allow_incomplete,
             "deadline_s": settings.pipeline.deadline_s,
+            "runner": settings.pipeline.runner,
+            "dask_address": settings.pipeline.dask_address,
+            "dask_workers": settings.pipeline.dask_workers,
         }
         base.update(changes)
         return cls.model_validate(base)

@@ -8,12 +8,14 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.runtime import task_run
 
+from settings import RunSpec
 from tasks.audit import AuditSummary, audit_run
 from tasks.collect import ChunkOutcome, CollectContext, collect_chunk
 from tasks.concat import concatenate
 from tasks.lease import Lease
 from tasks.plan import RunPlan, plan_run
 from tasks.preflight import check_reachable
+from tasks.remote import collect_chunk_on_worker
 from tasks.rows import ChunkSpec
 from tasks.runtime import RunHandles
 
@@ -45,6 +47,17 @@ async def preflight_task(url: str, timeout_s: float) -> None:
 )
 async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome:
     return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+
+
+@task(
+    name="collect-chunk",
+    task_run_name="chunk-{chunk.index:05d}",
+    cache_policy=NONE,
+    retries=3,
+    retry_delay_seconds=[1, 5, 15],
+)
+async def collect_chunk_remote_task(spec: RunSpec, chunk: ChunkSpec, share: int) -> ChunkOutcome:
+    return await collect_chunk_on_worker(spec, chunk, share, attempt=task_run.run_count or 1)
 
 
 @task(name="verify", cache_policy=NONE)
