@@ -28,6 +28,9 @@ bench: $(STAMP)
 	$(PY) bench/client_ceiling.py
 	$(PY) bench/efficiency.py
 	$(PY) bench/memory.py
+	$(PY) bench/tuning.py
+	$(PY) bench/fault_suite.py
+	$(PY) bench/million.py
 
 clean:
 	rm -rf $(VENV) demo-out

@@ -52,7 +52,10 @@ async def collect_stage(
 
     async def run_one(chunk: Any) -> ChunkOutcome:
         async with gate:
-            return await collect(ctx, chunk)
+            t0 = time.perf_counter()
+            outcome = await collect(ctx, chunk)
+            outcome.task_s = time.perf_counter() - t0
+            return outcome
 
     jobs = [asyncio.ensure_future(run_one(c)) for c in plan.pending]
     _, late = await asyncio.wait(jobs, timeout=deadline_s)
@@ -96,6 +99,7 @@ def run_metrics(
         latency_p50_s=weighted("latency_p50_s"),
         latency_p95_s=weighted("latency_p95_s"),
         backend_s=sum(s.get("backend_s", 0.0) for _, s in weights),
+        prefect_overhead_share=_overhead_share(ran),
         verify_s=sum(s.get("verify_s", 0.0) for _, s in weights),
     )
 
@@ -106,6 +110,14 @@ def deadline_message(summary: AuditSummary, spec: RunSpec) -> str:
         f"{summary.chunks_total} chunks committed; running chunks saved their finished rollouts. Nothing "
         f"was published. Run the same command again to resume where it stopped."
     )
+
+
+def _overhead_share(ran: list[ChunkOutcome]) -> float | None:
+    """Share of chunk-task time spent in Prefect's task machinery rather than in the chunk's own work."""
+    task_s = sum(o.task_s for o in ran)
+    if task_s <= 0:
+        return None
+    return round(max(0.0, task_s - sum(o.core_s for o in ran)) / task_s, 6)
 
 
 def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[str]) -> str:

@@ -103,6 +103,8 @@ class ChunkOutcome:
     skipped: bool
     collected: int = 0
     adopted: int = 0
+    core_s: float = 0.0
+    task_s: float = 0.0
 
 
 def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str, Any]:
@@ -246,6 +248,7 @@ def _adoptable(ctx: CollectContext, chunk: ChunkSpec, committed: bool) -> dict[R
 
 async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1) -> ChunkOutcome:
     """Collect every missing rollout of `chunk` and commit it; a committed, complete chunk is skipped."""
+    t_core = time.perf_counter()
     previous = await asyncio.to_thread(ctx.ledger.manifest, chunk.index)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
@@ -285,7 +288,13 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     await asyncio.to_thread(delete_parts, ctx.ledger.store, chunk.index)
     hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=len(batch.results), failed=len(batch.failures)))
-    return ChunkOutcome(manifest, skipped=False, collected=len(batch.results) - len(kept), adopted=len(kept))
+    return ChunkOutcome(
+        manifest,
+        skipped=False,
+        collected=len(batch.results) - len(kept),
+        adopted=len(kept),
+        core_s=time.perf_counter() - t_core,
+    )
 
 
 async def _rollout_line(

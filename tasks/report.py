@@ -32,6 +32,7 @@ class RunMetrics:
     verify_s: float = 0.0
     collect_cpu_s: float = 0.0
     peak_rss_mb: float = 0.0
+    prefect_overhead_share: float | None = None
 
 
 def build_report(
