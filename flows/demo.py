@@ -13,7 +13,7 @@ from settings import BackendParams, CollectionSettings, RunSpec
 SAMPLE = Path(__file__).resolve().parent.parent / "infra" / "data" / "sample.jsonl"
 
 
-async def run_demo(output: str, *, parallelism: int, num_repeats: int) -> int:
+async def run_demo(output: str, *, parallelism: int | str, num_repeats: int) -> int:
     from infra.simulator import SimConfig, start_simulator
 
     console = Console(stderr=True)
