@@ -11,7 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from harness import run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
 
 def main() -> None:
@@ -27,21 +27,14 @@ def main() -> None:
     prefect = spawn_prefect_server()
     try:
         res = run_rollflow(
-            [
-                "run",
-                "--input",
+            run_args(
                 str(inp),
-                "--backend-kind",
-                args.kind,
-                "--backend-url",
                 sim.url,
-                "--num-repeats",
-                str(args.repeats),
-                "--parallelism",
-                str(args.parallelism),
-                "--verifier",
-                "exact_match",
-            ],
+                parallelism=args.parallelism,
+                repeats=args.repeats,
+                kind=args.kind,
+                extra=("--verifier", "exact_match"),
+            ),
             prefect.env,
             work / "out",
         )

@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from harness import run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
 
 def main() -> None:
@@ -40,19 +40,7 @@ def main() -> None:
             try:
                 for parallelism in (args.slots, 2 * args.slots):
                     res = run_rollflow(
-                        [
-                            "run",
-                            "--input",
-                            str(inp),
-                            "--backend-kind",
-                            "agent",
-                            "--backend-url",
-                            sim.url,
-                            "--num-repeats",
-                            str(args.repeats),
-                            "--parallelism",
-                            str(parallelism),
-                        ],
+                        run_args(str(inp), sim.url, parallelism=parallelism, repeats=args.repeats),
                         prefect.env,
                         work / f"out-{jitter}-{parallelism}",
                     )

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import orjson
-from harness import REPO, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from harness import REPO, run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
 from infra.local import spawn_moto
 
@@ -58,19 +58,7 @@ def main() -> None:
     exe = str(Path(sys.executable).with_name("rollflow"))
 
     def cmd(out: str, url: str = sim.url) -> list[str]:
-        return [
-            "run",
-            "--input",
-            str(inp),
-            "--backend-kind",
-            "agent",
-            "--backend-url",
-            url,
-            "--parallelism",
-            str(PARALLELISM),
-            "--chunk-size",
-            "500",
-        ]
+        return run_args(inp, url, parallelism=PARALLELISM, extra=("--chunk-size", "500"))
 
     rows: list[tuple[str, str, str]] = []
     try:

@@ -46,6 +46,22 @@ def write_input(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
+def run_args(
+    inp: Path | str,
+    url: str,
+    *,
+    parallelism: int | str,
+    repeats: int = 1,
+    kind: str = "agent",
+    extra: tuple = (),
+) -> list[str]:
+    """`rollflow run` arguments every benchmark shares."""
+    return [
+        "run", "--input", str(inp), "--backend-kind", kind, "--backend-url", url,
+        "--num-repeats", str(repeats), "--parallelism", str(parallelism), *extra,
+    ]  # fmt: skip
+
+
 @dataclass
 class RunResult:
     returncode: int

@@ -10,7 +10,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from harness import run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
 
 def main() -> None:
@@ -26,17 +26,7 @@ def main() -> None:
         for rows in args.sizes:
             inp = write_input(work / f"input-{rows}.jsonl", rows)
             res = run_rollflow(
-                [
-                    "run",
-                    "--input",
-                    str(inp),
-                    "--backend-kind",
-                    "agent",
-                    "--backend-url",
-                    sim.url,
-                    "--parallelism",
-                    "256",
-                ],
+                run_args(str(inp), sim.url, parallelism=256),
                 prefect.env,
                 work / f"out-{rows}",
                 timeout_s=1800,

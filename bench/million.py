@@ -10,7 +10,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from harness import run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
 
 def main() -> None:
@@ -31,21 +31,13 @@ def main() -> None:
             rows = size // args.repeats
             inp = write_input(work / f"in-{size}.jsonl", rows)
             res = run_rollflow(
-                [
-                    "run",
-                    "--input",
+                run_args(
                     str(inp),
-                    "--backend-kind",
-                    "agent",
-                    "--backend-url",
                     sim.url,
-                    "--num-repeats",
-                    str(args.repeats),
-                    "--parallelism",
-                    "256",
-                    "--chunk-size",
-                    str(args.chunk_size),
-                ],
+                    parallelism=256,
+                    repeats=args.repeats,
+                    extra=("--chunk-size", str(args.chunk_size)),
+                ),
                 prefect.env,
                 work / f"out-{size}",
                 timeout_s=3600,

@@ -103,24 +103,11 @@ def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: 
     """Settings from env/.env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
     from settings import RollflowSettings, RunSpec
 
-    settings = RollflowSettings()
-    backend = settings.backend.params().model_dump()
-    collection = settings.collection.model_dump()
-    verify = settings.verify.model_dump()
-    tuning = settings.tuning.model_dump()
+    top = RunSpec.fields_from(RollflowSettings())
+    backend, collection, verify, tuning = (top.pop(k) for k in ("backend", "collection", "verify", "tuning"))
     for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom"):
         if getattr(args, key, None) is not None:
             tuning[key] = getattr(args, key)
-    top: dict[str, Any] = {
-        "input": settings.pipeline.input,
-        "output": settings.pipeline.output,
-        "restart": settings.pipeline.restart,
-        "allow_incomplete": settings.pipeline.allow_incomplete,
-        "deadline_s": settings.pipeline.deadline_s,
-        "runner": settings.pipeline.runner,
-        "dask_address": settings.pipeline.dask_address,
-        "dask_workers": settings.pipeline.dask_workers,
-    }
     if default_parallelism and "ROLLFLOW_COLLECTION__PARALLELISM" not in os.environ:
         collection["parallelism"] = default_parallelism
     gym = _nemo_gym_args(extra)

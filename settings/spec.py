@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr
 
@@ -37,25 +37,29 @@ class RunSpec(BaseModel):
     dask_address: str | None = Field(None, description="Existing Dask scheduler; default a local cluster")
     dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
 
+    @staticmethod
+    def fields_from(settings: RollflowSettings) -> dict[str, Any]:
+        """The spec's fields from env/.env settings as plain dicts (no secrets), to edit, then validate."""
+        pipeline = settings.pipeline
+        return {
+            "input": pipeline.input,
+            "output": pipeline.output,
+            "backend": settings.backend.params().model_dump(),
+            "collection": settings.collection.model_dump(),
+            "verify": settings.verify.model_dump(),
+            "tuning": settings.tuning.model_dump(),
+            "restart": pipeline.restart,
+            "allow_incomplete": pipeline.allow_incomplete,
+            "deadline_s": pipeline.deadline_s,
+            "runner": pipeline.runner,
+            "dask_address": pipeline.dask_address,
+            "dask_workers": pipeline.dask_workers,
+        }
+
     @classmethod
     def from_settings(cls, settings: RollflowSettings, **changes: object) -> RunSpec:
         """A spec from env/.env settings; `changes` (e.g. CLI flags) win."""
-        base = {
-            "input": settings.pipeline.input,
-            "output": settings.pipeline.output,
-            "backend": settings.backend.params(),
-            "collection": settings.collection,
-            "verify": settings.verify,
-            "tuning": settings.tuning,
-            "restart": settings.pipeline.restart,
-            "allow_incomplete": settings.pipeline.allow_incomplete,
-            "deadline_s": settings.pipeline.deadline_s,
-            "runner": settings.pipeline.runner,
-            "dask_address": settings.pipeline.dask_address,
-            "dask_workers": settings.pipeline.dask_workers,
-        }
-        base.update(changes)
-        return cls.model_validate(base)
+        return cls.model_validate({**cls.fields_from(settings), **changes})
 
     def backend_settings(self, api_key: SecretStr | None) -> BackendSettings:
         return BackendSettings(**self.backend.model_dump(), api_key=api_key)

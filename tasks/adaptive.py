@@ -186,8 +186,8 @@ async def adaptive_control(
 ) -> AsyncIterator[AdaptiveController]:
     """Within the block, every client built from `ctx` reports to a controller that resizes ctx.limit."""
     log = AttemptLog()
-    previous = ctx.client_factory
-    ctx.client_factory = log.factory(previous)
+    previous = ctx.observers
+    ctx.observers = (*previous, log)
     controller = AdaptiveController(ctx.limit, log, options or AdaptiveOptions())
     stop = asyncio.Event()
     task = asyncio.create_task(controller.run(stop))
@@ -196,4 +196,4 @@ async def adaptive_control(
     finally:
         stop.set()
         await task
-        ctx.client_factory = previous
+        ctx.observers = previous

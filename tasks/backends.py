@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -129,12 +129,26 @@ def chat_to_response(reply: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
     return response, text, out_tokens
 
 
+class AttemptObserver(Protocol):
+    """Sees every HTTP attempt, retried ones included (diagnosis and adaptive mode count 429s here)."""
+
+    def success(self, latency_s: float) -> None: ...
+
+    def failure(self, kind: str) -> None: ...
+
+
 class BackendClient:
     """Sends one rollout's request with bounded retries; the caller bounds concurrency."""
 
-    def __init__(self, settings: BackendSettings, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        settings: BackendSettings,
+        session: aiohttp.ClientSession,
+        observers: tuple[AttemptObserver, ...] = (),
+    ) -> None:
         self.settings = settings
         self.session = session
+        self.observers = observers
         self.kind = BackendKind(settings.kind)
         base = settings.url.rstrip("/")
         self.url = {
@@ -163,8 +177,13 @@ class BackendClient:
             start = time.perf_counter()
             try:
                 reply = await self._post(body, headers)
-                return self._result(reply, time.perf_counter() - start, attempt + 1)
+                result = self._result(reply, time.perf_counter() - start, attempt + 1)
+                for observer in self.observers:
+                    observer.success(result.latency_s)
+                return result
             except BackendError as exc:
+                for observer in self.observers:
+                    observer.failure(exc.kind)
                 exc.attempts = attempt + 1
                 if not exc.retryable or attempt >= self.policy.max_retries:
                     raise

@@ -6,17 +6,16 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from statistics import quantiles
 from typing import Any
 
 import orjson
-from aiohttp import ClientSession
 
 from settings import BackendSettings, CollectionSettings
-from tasks.backends import BackendClient, BackendError, RolloutResult
+from tasks.backends import AttemptObserver, BackendClient, BackendError, RolloutResult
 from tasks.http import session_for_loop
 from tasks.ledger import ChunkManifest, Ledger
 from tasks.limiter import ConcurrencyLimit
@@ -41,7 +40,7 @@ class CollectContext:
     verifier: Verifier | None
     limit: ConcurrencyLimit
     # Optional: builds the BackendClient (tuning and adaptive mode pass one that counts every attempt).
-    client_factory: Callable[[BackendSettings, ClientSession], BackendClient] | None = None
+    observers: tuple[AttemptObserver, ...] = ()
 
 
 @dataclass(slots=True)
@@ -126,7 +125,7 @@ async def run_rollouts(
     the limit shrank below what is in use.
     """
     limit = limit or ctx.limit
-    client = (ctx.client_factory or BackendClient)(ctx.backend, session_for_loop(ctx.backend))
+    client = BackendClient(ctx.backend, session_for_loop(ctx.backend), ctx.observers)
     source = iter(items)
     pending: set[asyncio.Task[None]] = set()
 

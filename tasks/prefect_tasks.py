@@ -38,24 +38,21 @@ async def preflight_task(url: str, timeout_s: float) -> None:
     await check_reachable(url, timeout_s)
 
 
-@task(
-    name="collect-chunk",
-    task_run_name="chunk-{chunk.index:05d}",
-    cache_policy=NONE,
-    retries=3,
-    retry_delay_seconds=[1, 5, 15],
-)
+CHUNK_TASK = {
+    "name": "collect-chunk",
+    "task_run_name": "chunk-{chunk.index:05d}",
+    "cache_policy": NONE,
+    "retries": 3,
+    "retry_delay_seconds": [1, 5, 15],
+}
+
+
+@task(**CHUNK_TASK)
 async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome:
     return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
 
 
-@task(
-    name="collect-chunk",
-    task_run_name="chunk-{chunk.index:05d}",
-    cache_policy=NONE,
-    retries=3,
-    retry_delay_seconds=[1, 5, 15],
-)
+@task(**CHUNK_TASK)
 async def collect_chunk_remote_task(spec: RunSpec, chunk: ChunkSpec, share: int) -> ChunkOutcome:
     return await collect_chunk_on_worker(spec, chunk, share, attempt=task_run.run_count or 1)
 

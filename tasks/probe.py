@@ -129,7 +129,7 @@ async def probe_step(
     Parts are saved even if the step is interrupted, so nothing that finished is lost.
     """
     log = AttemptLog()
-    step_ctx = dataclasses.replace(ctx, client_factory=log.factory(ctx.client_factory))
+    step_ctx = dataclasses.replace(ctx, observers=(*ctx.observers, log))
     batch = RolloutBatch()
     saved = 0
     try:

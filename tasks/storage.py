@@ -71,18 +71,8 @@ class Store:
         if not self.local:
             self.fs.pipe_file(path, data)
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with self.open_write(rel) as fh:
+            fh.write(data)
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:

@@ -11,6 +11,7 @@ import orjson
 import pytest
 from test_resume import ROWS, run_args, spawn, wait_until
 
+from infra.local import spawn_simulator
 from tasks.lease import Lease, LeaseHeld, LeaseLost
 from tasks.storage import Store
 
@@ -56,15 +57,20 @@ def test_foreign_lease_refused_until_it_expires(where: str, tmp_path: Path, moto
     assert orjson.loads(store.read_bytes("lease.json"))["owner"] == taker.owner
 
 
-def test_second_run_on_same_output_is_refused(run_cli, cli_env, slow_sim, rows_input, reference, tmp_path):
+def test_second_run_on_same_output_is_refused(run_cli, cli_env, rows_input, reference, tmp_path):
+    sim = spawn_simulator("--latency-ms", "50", "--slots", "8")  # 160/s: the first run lasts ~15 s
     out = tmp_path / "out"
-    args = run_args(rows_input, str(out), slow_sim)
-    first = spawn(args, cli_env)
-    wait_until(lambda: (out / "chunks").exists(), first)
-    second = run_cli(*args)
-    assert second.returncode == 2
-    assert "in use by another rollflow run" in second.stderr and f"pid {first.pid}" in second.stderr
-    assert first.wait(120) == 0
+    args = run_args(rows_input, str(out), sim)
+    try:
+        first = spawn(args, cli_env)
+        wait_until(lambda: (out / "chunks").exists(), first)
+        second = run_cli(*args)
+        assert first.poll() is None, "the first run must still be running for this test to mean anything"
+        assert second.returncode == 2
+        assert "in use by another rollflow run" in second.stderr and f"pid {first.pid}" in second.stderr
+        assert first.wait(120) == 0
+    finally:
+        sim.stop()
     assert (out / "rollouts.jsonl").read_bytes() == reference
     assert not (out / "lease.json").exists(), "a finished run releases its lease"
 
