@@ -224,7 +224,14 @@ async def _collect_verify_publish(
         metrics=metrics,
         published=publish,
         bad_rows=plan.scan.bad_rows,
-        extra={**extra, "chunk_errors": collected.errors[:20], "stopped_at_deadline": collected.stopped},
+        extra={
+            **extra,
+            "chunk_errors": collected.errors[:20],
+            "stopped_at_deadline": collected.stopped,
+            "ignored_parts": [
+                note for o in collected.outcomes for note in o.manifest.stats.get("ignored_parts", [])
+            ][:20],
+        },
     )
     await asyncio.to_thread(write_report, handles.store, report)
     await acreate_markdown_artifact(

@@ -238,11 +238,14 @@ def _committed_rows(ledger: Ledger, chunk: int) -> dict[RolloutKey, bytes]:
     return kept
 
 
-def _adoptable(ctx: CollectContext, chunk: ChunkSpec, committed: bool) -> dict[RolloutKey, bytes]:
-    kept, _problems = read_parts(ctx.ledger.store, chunk.index)
+def _adoptable(
+    ctx: CollectContext, chunk: ChunkSpec, committed: bool
+) -> tuple[dict[RolloutKey, bytes], list[str]]:
+    """Rollouts already done for this chunk (saved parts, a partly failed commit) and unusable parts."""
+    kept, problems = read_parts(ctx.ledger.store, chunk.index)
     if committed:
         kept.update(_committed_rows(ctx.ledger, chunk.index))
-    return kept
+    return kept, problems
 
 
 async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1) -> ChunkOutcome:
@@ -251,7 +254,7 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     previous = await asyncio.to_thread(ctx.ledger.manifest, chunk.index)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
-    kept = await asyncio.to_thread(_adoptable, ctx, chunk, previous is not None)
+    kept, problems = await asyncio.to_thread(_adoptable, ctx, chunk, previous is not None)
     rows = await asyncio.to_thread(lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options)))
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
@@ -282,7 +285,7 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         committed_at="",
         wall_s=round(time.perf_counter() - t0, 6),
         attempt=attempt,
-        stats={**batch.stats.as_dict(), "adopted": len(kept)},
+        stats={**batch.stats.as_dict(), "adopted": len(kept), "ignored_parts": problems},
     )
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     await asyncio.to_thread(delete_parts, ctx.ledger.store, chunk.index)

@@ -198,3 +198,23 @@ def test_stalled_chunk_is_cancelled_and_reported(run_cli, rows_input, tmp_path):
         assert report["chunk_errors"] and report["missing"] == 20
     finally:
         sim.stop()
+
+
+def test_corrupt_part_and_half_written_object_are_survived(
+    run_cli, slow_sim, rows_input, reference, tmp_path
+):
+    out = tmp_path / "out"
+    args = run_args(rows_input, str(out), slow_sim)
+    assert run_cli(*args, "--deadline-s", "2.5").returncode == 1
+    committed = {int(p.stem) for p in out.glob("chunks/*.json")}
+    pending = min(set(range(len(committed) + 1)) - committed)
+    bad_part = out / "parts" / f"{pending:05d}" / "flush-bad-00000.jsonl"
+    bad_part.parent.mkdir(parents=True, exist_ok=True)
+    bad_part.write_bytes(b'{"_ng_task_index": 1, "_ng_rollout_inde')
+    (out / "chunks" / f"{pending + 1:05d}.jsonl.tmp-999-dead").write_bytes(b'{"half": ')
+    (out / "chunks" / f"{pending + 2:05d}.jsonl").write_bytes(b"a data object whose manifest never landed\n")
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert any("unreadable" in note and "redone" in note for note in report["ignored_parts"])
