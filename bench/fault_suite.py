@@ -77,7 +77,10 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
                 cwd=REPO,
             )
-            time.sleep(rnd.uniform(2.5, 5.0))
+            deadline = time.monotonic() + 120
+            while metrics(sim.url)["requests"] == 0 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(rnd.uniform(0.0, 2.0))
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             completed = metrics(sim.url)["completed"]

@@ -1,8 +1,10 @@
 """The capacity model: N slots, a FIFO queue, service time growing with load.
 
 Slots are modelled as a heap of the times each slot becomes free, not as a semaphore: a request's start
-is max(arrival, earliest free slot) and its end is start + service time. The simulator then sleeps until
-the end, so its capacity is exactly slots / service time whatever the event loop's own delays.
+is max(arrival, earliest free slot) and its end is start + service time. The slot is booked at arrival,
+so requests are served strictly in arrival order (FIFO), and the simulator then sleeps until the end, so
+its capacity is exactly slots / service time whatever the event loop's own delays. With a zero service
+time nothing sleeps at all: the hot path is a heap operation and a few counters.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class QueueFull(Exception):
 
 @dataclass
 class Counters:
+    """What GET /metrics reports; in_flight = being served now, queued = waiting for a slot."""
+
     requests: int = 0
     completed: int = 0
     in_flight: int = 0
@@ -33,6 +37,8 @@ class Counters:
 
 
 class Capacity:
+    """Books each request into the slot that frees first and holds it for the service time."""
+
     def __init__(self, config: SimConfig, counters: Counters) -> None:
         self.config = config
         self.counters = counters
@@ -50,7 +56,13 @@ class Capacity:
             self.free_at = sorted(self.free_at)[:want]
             heapq.heapify(self.free_at)
 
+    def busy_now(self) -> int:
+        """Slots occupied at this instant according to the model (each slot's bookings are back to back)."""
+        now = time.monotonic()
+        return sum(1 for f in self.free_at if f > now)
+
     def service_s(self, output_tokens: int, busy: int) -> float:
+        """latency + per-token time, stretched by contention (busy slots) and jitter."""
         cfg = self.config
         base = (cfg.latency_ms + cfg.per_token_ms * output_tokens) / 1000.0
         if cfg.contention and cfg.slots > 1:
@@ -60,21 +72,23 @@ class Capacity:
         return base
 
     async def serve(self, output_tokens: int) -> None:
-        """Wait in the FIFO queue for a slot, then hold it for the service time."""
+        """Wait in the FIFO queue for a slot, then hold it for the service time (QueueFull past max_queue)."""
         c = self.counters
+        cfg = self.config
         now = time.monotonic()
-        if len(self.free_at) != self.config.slots:
+        if len(self.free_at) != cfg.slots:
             self.resize()
-        earliest = self.free_at[0]
-        start = max(now, earliest)
-        busy = sum(1 for f in self.free_at if f > start) + 1
+        start = max(now, self.free_at[0])
+        # Counting busy slots is O(slots): only pay for it when contention needs it.
+        busy = sum(1 for f in self.free_at if f > start) + 1 if cfg.contention else 1
         end = start + self.service_s(output_tokens, busy)
         if start > now:
-            if self.config.max_queue is not None and c.queued >= self.config.max_queue:
+            if cfg.max_queue is not None and c.queued >= cfg.max_queue:
                 raise QueueFull
             heapq.heapreplace(self.free_at, end)
             c.queued += 1
-            c.max_in_flight_seen = max(c.max_in_flight_seen, c.in_flight + c.queued)
+            if c.in_flight + c.queued > c.max_in_flight_seen:
+                c.max_in_flight_seen = c.in_flight + c.queued
             try:
                 await asyncio.sleep(start - now)
             finally:
@@ -82,8 +96,11 @@ class Capacity:
         else:
             heapq.heapreplace(self.free_at, end)
         c.in_flight += 1
-        c.max_served_seen = max(c.max_served_seen, min(c.in_flight, self.config.slots))
-        c.max_in_flight_seen = max(c.max_in_flight_seen, c.in_flight + c.queued)
+        if c.in_flight + c.queued > c.max_in_flight_seen:
+            c.max_in_flight_seen = c.in_flight + c.queued
+        served = min(c.in_flight, cfg.slots)
+        if served > c.max_served_seen:
+            c.max_served_seen = served
         try:
             delay = end - time.monotonic()
             if delay > 0:

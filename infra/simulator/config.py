@@ -1,4 +1,4 @@
-"""The simulator's knobs, changeable live through POST /admin/config."""
+"""The simulator's knobs as one dataclass, shared by the CLI, the in-process starter and /admin/config."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ DEFAULT_FAULT_KINDS = ("429", "500", "503", "reset", "malformed")
 
 @dataclass
 class SimConfig:
+    """Capacity, content and fault settings; the fields in LIVE may change while serving."""
+
     slots: int = 64
     latency_ms: float = 50.0
     per_token_ms: float = 0.0
@@ -36,16 +38,50 @@ class SimConfig:
         "fault_kinds",
     )
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse values the capacity model cannot honour, so a typo fails loudly instead of hanging a run."""
+        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {self.slots!r}")
+        for name in ("latency_ms", "per_token_ms", "contention", "jitter", "retry_after_s", "hang_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
+            raise ValueError(f"max_queue must be an integer >= 0 or null, got {self.max_queue!r}")
+        for name in ("fault_rate", "correct_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be between 0 and 1, got {value!r}")
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {self.min_tokens}..{self.max_tokens}")
+        parse_fault_kinds(",".join(self.fault_kinds))
+
     def update(self, changes: dict[str, object]) -> None:
-        for key, value in changes.items():
-            if key not in self.LIVE:
-                raise ValueError(f"{key} cannot be changed live; changeable: {', '.join(self.LIVE)}")
-            if key == "fault_kinds":
-                value = parse_fault_kinds(value if isinstance(value, str) else ",".join(value))  # type: ignore[arg-type]
-            setattr(self, key, value)
+        """Apply a live change atomically: on any bad value nothing changes."""
+        if not isinstance(changes, dict):
+            raise ValueError("expected a JSON object of settings")
+        unknown = [key for key in changes if key not in self.LIVE]
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)} cannot be changed live; changeable: {', '.join(self.LIVE)}"
+            )
+        before = dict(self.__dict__)
+        try:
+            for key, value in changes.items():
+                if key == "fault_kinds":
+                    value = parse_fault_kinds(value if isinstance(value, str) else ",".join(value))  # type: ignore[arg-type]
+                setattr(self, key, value)
+            self.validate()
+        except (ValueError, TypeError):
+            self.__dict__.update(before)
+            raise
 
 
 def parse_fault_kinds(text: str) -> tuple[str, ...]:
+    """'429,reset' -> ('429', 'reset'); unknown kinds are an error naming the valid ones."""
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     unknown = [k for k in kinds if k not in FAULT_KINDS]
     if unknown:

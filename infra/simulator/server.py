@@ -1,13 +1,17 @@
-"""The simulated backend: NeMo Gym agent /run, /v1/responses, /v1/chat/completions and /verify."""
+"""The simulated backend's HTTP side: NeMo Gym agent /run, /v1/responses, /v1/chat/completions, /verify,
+plus /health, /metrics and /admin/config; the CLI (`python -m infra.simulator`, `rollflow simulate`) and an
+in-process starter. The generation hot path stays lean (orjson, no logging, cached content) because the
+benchmarks drive it at thousands of requests per second on the same cores as the client.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import random
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,120 +20,126 @@ from aiohttp import web
 
 from infra.simulator.capacity import Capacity, Counters, QueueFull
 from infra.simulator.config import SimConfig, parse_fault_kinds
-from infra.simulator.content import chat_object, completion, responses_object
+from infra.simulator.content import ContentModel, chat_object, response_text, responses_object, reward
+from infra.simulator.faults import Faults
 
 JSON = "application/json"
+SIMULATOR_KEY = web.AppKey("simulator", "Simulator")
+ROLLOUT_HEADER = "X-Rollflow-Rollout-Index"
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type=JSON)
 
 
+def _bad_request(message: str) -> web.Response:
+    return _json({"error": {"message": message, "type": "invalid_request_error"}}, status=400)
+
+
+def _expected(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 class Simulator:
-    """Routes plus the shared state: config, capacity, counters, fault dice."""
+    """Routes plus the shared state: config, capacity, counters, content cache, fault dice."""
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.counters = Counters()
         self.capacity = Capacity(config, self.counters)
-        self.rng = random.Random(config.seed)
-
-    def _fault(self) -> str | None:
-        cfg = self.config
-        if cfg.fault_rate <= 0 or not cfg.fault_kinds or self.rng.random() >= cfg.fault_rate:
-            return None
-        kind = self.rng.choice(cfg.fault_kinds)
-        self.counters.faults[kind] = self.counters.faults.get(kind, 0) + 1
-        return kind
-
-    async def _inject(self, request: web.Request, kind: str) -> web.StreamResponse:
-        if kind == "429":
-            return web.Response(
-                status=429, text="rate limited", headers={"Retry-After": f"{self.config.retry_after_s:g}"}
-            )
-        if kind in ("500", "503"):
-            return web.Response(status=int(kind), text=f"injected {kind}")
-        if kind == "malformed":
-            return web.Response(body=b'{"id": "resp_trunc", "output": [', content_type=JSON)
-        if kind == "hang":
-            await asyncio.sleep(self.config.hang_s)
-            return web.Response(status=504, text="hung")
-        if request.transport is not None:
-            request.transport.abort()
-        raise ConnectionResetError("injected reset")
+        self.faults = Faults(config, self.counters)
+        self.content = ContentModel(config.seed, config.correct_rate, config.min_tokens, config.max_tokens)
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """One generation request: count, parse, maybe fail, queue for a slot, answer deterministically."""
         c = self.counters
         c.requests += 1
         c.endpoints[endpoint] = c.endpoints.get(endpoint, 0) + 1
-        body = orjson.loads(await request.read())
-        fault = self._fault()
-        if fault is not None:
-            return await self._inject(request, fault)
-        rollout = int(request.headers.get("X-Rollflow-Rollout-Index", "0"))
-        cfg = self.config
-        if endpoint == "run":
-            params = body.get("responses_create_params") or {}
-            expected = body.get("expected_answer")
-        elif endpoint == "chat":
-            params = {"input": body.get("messages"), "model": body.get("model")}
-            expected = (body.get("metadata") or {}).get("expected_answer")
-        else:
-            params = body
-            expected = (body.get("metadata") or {}).get("expected_answer")
-        messages = params.get("input")
-        text, out_tok, in_tok, ident = completion(
-            messages, rollout, cfg.seed, None if expected is None else str(expected),
-            cfg.correct_rate, cfg.min_tokens, cfg.max_tokens,
-        )  # fmt: skip
         try:
-            await self.capacity.serve(out_tok)
+            body = orjson.loads(await request.read())
+            rollout = int(request.headers.get(ROLLOUT_HEADER, 0))
+        except ValueError as exc:
+            return _bad_request(f"bad JSON body or {ROLLOUT_HEADER} header: {exc}")
+        if not isinstance(body, dict):
+            return _bad_request("the body must be a JSON object")
+        fault = self.faults.decide()
+        if fault is not None:
+            return await self.faults.respond(request, fault)
+        if endpoint == "run":
+            params = body.get("responses_create_params")
+            if not isinstance(params, dict):
+                return _bad_request("a NeMo Gym row needs a responses_create_params object")
+            expected = _expected(body.get("expected_answer"))
+            messages, model = params.get("input"), params.get("model")
+        else:
+            metadata = body.get("metadata")
+            expected = _expected(metadata.get("expected_answer")) if isinstance(metadata, dict) else None
+            messages = body.get("messages" if endpoint == "chat" else "input")
+            model = body.get("model")
+        if messages is None:
+            return _bad_request("no prompt: expected `input` (Responses) or `messages` (chat)")
+        made = self.content.get(messages, rollout, expected)
+        try:
+            await self.capacity.serve(made.output_tokens)
         except QueueFull:
-            self.counters.faults["queue_full"] = self.counters.faults.get("queue_full", 0) + 1
+            c.faults["queue_full"] = c.faults.get("queue_full", 0) + 1
             return web.Response(status=503, text="over capacity: queue full")
         c.completed += 1
-        model = params.get("model")
         if endpoint == "chat":
-            return _json(chat_object(text, out_tok, in_tok, ident, model))
-        response = responses_object(text, out_tok, in_tok, ident, model)
+            return _json(chat_object(made, model))
+        response = responses_object(made, model)
         if endpoint == "responses":
             return _json(response)
-        reward = 1.0 if expected is not None and text.endswith(f"\\boxed{{{expected}}}") else 0.0
-        return _json({"responses_create_params": params, "response": response, "reward": reward})
+        return _json(
+            {"responses_create_params": params, "response": response, "reward": reward(made.text, expected)}
+        )
 
     async def run(self, request: web.Request) -> web.StreamResponse:
+        """POST /run: a NeMo Gym agent server running the model and its verifier on a whole row."""
         return await self._serve(request, "run")
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: the OpenAI Responses API."""
         return await self._serve(request, "responses")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions: vLLM / SGLang / OpenAI chat completions."""
         return await self._serve(request, "chat")
 
     async def verify(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
-        expected = body.get("expected_answer")
-        text = ""
-        for item in (body.get("response") or {}).get("output") or ():
-            for part in item.get("content") or ():
-                text += part.get("text", "")
-        ok = expected is not None and text.rstrip().endswith(f"\\boxed{{{expected}}}")
-        return _json({"reward": 1.0 if ok else 0.0})
+        """POST /verify: a NeMo Gym resources server scoring a row's `response` against expected_answer."""
+        self.counters.endpoints["verify"] = self.counters.endpoints.get("verify", 0) + 1
+        try:
+            body = orjson.loads(await request.read())
+        except ValueError as exc:
+            return _bad_request(f"bad JSON body: {exc}")
+        if not isinstance(body, dict):
+            return _bad_request("the body must be a JSON object")
+        return _json({"reward": reward(response_text(body.get("response")), body.get("expected_answer"))})
 
     async def health(self, request: web.Request) -> web.Response:
+        """GET /health: liveness for start-up polling."""
         return _json({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return _json(
-            {**asdict(self.counters), "slots": self.config.slots, "latency_ms": self.config.latency_ms}
-        )
+        """GET /metrics: the counters plus the live capacity settings."""
+        cfg = self.config
+        counters = asdict(self.counters)
+        # Handlers whose timers fire in the same tick can overlap for an instant; report the slots the
+        # model has busy now, which never exceeds `slots`.
+        counters["in_flight"] = min(self.counters.in_flight, self.capacity.busy_now())
+        return _json({**counters, "slots": cfg.slots, "latency_ms": cfg.latency_ms})
 
     async def reset_metrics(self, request: web.Request) -> web.Response:
-        fresh = Counters(in_flight=self.counters.in_flight, queued=self.counters.queued)
-        self.counters.__dict__.update(fresh.__dict__)
+        """POST /metrics/reset: zero the counters (requests under way stay counted as under way)."""
+        c = self.counters
+        fresh = Counters(in_flight=c.in_flight, queued=c.queued, max_in_flight_seen=c.in_flight + c.queued)
+        fresh.max_served_seen = min(c.in_flight, self.config.slots)
+        c.__dict__.update(fresh.__dict__)
         return _json({"status": "reset"})
 
     async def admin_config(self, request: web.Request) -> web.Response:
+        """POST /admin/config: change live settings (e.g. capacity mid-run); replies the whole config."""
         try:
             self.config.update(orjson.loads(await request.read()))
         except (ValueError, TypeError) as exc:
@@ -139,9 +149,10 @@ class Simulator:
 
 
 def build_app(config: SimConfig) -> web.Application:
+    """The aiohttp application for `config` (the config object is shared and changed by /admin/config)."""
     sim = Simulator(config)
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app["simulator"] = sim
+    app[SIMULATOR_KEY] = sim
     app.router.add_post("/run", sim.run)
     app.router.add_post("/v1/responses", sim.responses)
     app.router.add_post("/v1/chat/completions", sim.chat)
@@ -155,16 +166,19 @@ def build_app(config: SimConfig) -> web.Application:
 
 @dataclass
 class RunningSimulator:
+    """A simulator serving in this process's event loop; close() stops it."""
+
     url: str
     runner: web.AppRunner
 
     async def close(self) -> None:
+        """Stop listening and drop open connections (hung requests included)."""
         await self.runner.cleanup()
 
 
 async def start_simulator(config: SimConfig, host: str = "127.0.0.1", port: int = 0) -> RunningSimulator:
-    """Serve in the running event loop (for `rollflow demo` and in-process tests)."""
-    runner = web.AppRunner(build_app(config), access_log=None, handle_signals=False)
+    """Serve in the running event loop (for `rollflow demo` and in-process tests); port 0 picks a free one."""
+    runner = web.AppRunner(build_app(config), access_log=None, handle_signals=False, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     await site.start()
@@ -173,32 +187,43 @@ async def start_simulator(config: SimConfig, host: str = "127.0.0.1", port: int 
 
 
 def make_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m infra.simulator` and `rollflow simulate`; defaults come from SimConfig."""
     d = SimConfig()
     p = argparse.ArgumentParser(prog="rollflow simulate", description="The simulated inference backend.")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     p.add_argument("--slots", type=int, default=d.slots, help="requests served at once; the rest queue FIFO")
     p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="base service time")
     p.add_argument("--per-token-ms", type=float, default=d.per_token_ms, help="added per output token")
-    p.add_argument("--contention", type=float, default=d.contention, help="service-time growth with load")
+    p.add_argument(
+        "--contention",
+        type=float,
+        default=d.contention,
+        help="service time x (1 + contention * (busy - 1) / slots)",
+    )
     p.add_argument(
         "--jitter", type=float, default=d.jitter, help="service time varies uniformly by +-this fraction"
     )
     p.add_argument("--max-queue", type=int, default=None, help="beyond this many waiting, answer 503")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--correct-rate", type=float, default=d.correct_rate)
+    p.add_argument("--correct-rate", type=float, default=d.correct_rate, help="share of correct answers")
     p.add_argument(
         "--fault-rate", type=float, default=d.fault_rate, help="probability of a fault per request"
     )
-    p.add_argument("--fault-kinds", default=",".join(d.fault_kinds), help="429,500,503,reset,hang,malformed")
-    p.add_argument("--retry-after-s", type=float, default=d.retry_after_s)
-    p.add_argument("--hang-s", type=float, default=d.hang_s)
+    p.add_argument(
+        "--fault-kinds", default=",".join(d.fault_kinds), help="from 429,500,503,reset,hang,malformed"
+    )
+    p.add_argument(
+        "--retry-after-s", type=float, default=d.retry_after_s, help="Retry-After of injected 429s"
+    )
+    p.add_argument("--hang-s", type=float, default=d.hang_s, help="how long an injected hang holds a request")
     p.add_argument("--min-tokens", type=int, default=d.min_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """SimConfig from parsed CLI flags; ValueError names a bad one."""
     return SimConfig(
         slots=args.slots, latency_ms=args.latency_ms, per_token_ms=args.per_token_ms,
         contention=args.contention, jitter=args.jitter, max_queue=args.max_queue, seed=args.seed,
@@ -209,23 +234,34 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 async def _serve_forever(config: SimConfig, host: str, port: int) -> None:
-    sim = await start_simulator(config, host, port)
-    print(f"rollflow simulator listening on {sim.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the "listening" line: a parent may stop us at once
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    sim = await start_simulator(config, host, port)
+    print(f"rollflow simulator listening on {sim.url}", flush=True)
     await stop.wait()
     await sim.close()
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when it is installed (it roughly halves the server's CPU per request), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the simulator until SIGTERM/SIGINT; 2 on a bad flag."""
     args = make_parser().parse_args(argv)
     try:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"rollflow simulate: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve_forever(config, args.host, args.port))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_serve_forever(config, args.host, args.port))
     return 0
