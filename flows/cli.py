@@ -186,6 +186,8 @@ def _quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "ERROR")
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        # A run that ends unpublished is reported below in one paragraph, not as a flow traceback.
+        os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
