@@ -40,7 +40,7 @@ class ConcurrencyLimit:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()
-            else:
+            elif fut in self._waiters:
                 self._waiters.remove(fut)
             raise
 

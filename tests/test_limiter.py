@@ -71,3 +71,16 @@ async def test_cancelled_waiter_gives_no_permit_away() -> None:
 def test_rejects_nonpositive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ConcurrencyLimit(0)
+
+
+async def test_cancel_after_wake_skipped_it() -> None:
+    """A waiter cancelled, then dropped by a wake-up before it runs, must not break its own clean-up."""
+    limit = ConcurrencyLimit(1)
+    await limit.acquire()
+    waiter = asyncio.create_task(limit.acquire())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    limit.release()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert limit.in_use == 0
