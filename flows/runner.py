@@ -80,9 +80,9 @@ def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: 
             report = asyncio.run(_run_flow(spec, flow_name))
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False)
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
     except user_errors as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False)
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
         console.print(

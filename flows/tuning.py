@@ -181,7 +181,7 @@ def _run(args: argparse.Namespace, tune_too: bool) -> int:
     try:
         found = asyncio.run(flow_fn(spec, params))
     except (*_user_errors(), RuntimeError, ValueError) as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False)
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
     print_tuning(console, found, spec.output)
     if getattr(args, "json", False):
