@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(CURDIR)/.venv/prefect-home
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean up
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo-out
+
+up: $(STAMP)
+	PY=$(PY) infra/local-up.sh

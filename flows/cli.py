@@ -238,6 +238,9 @@ def make_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
     )
+    from flows.serve import add_serve_parser
+
+    add_serve_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
     demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
     demo.add_argument("--parallelism", type=_parallelism, default="auto", help="N, auto or adaptive")
@@ -264,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "serve":
+            from flows.serve import cmd_serve
+
+            return cmd_serve(args)
         return cmd_demo(args)
     except UsageError as exc:
         print(f"rollflow: {exc}", file=sys.stderr)

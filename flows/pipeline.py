@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
+from flows.artifacts import chunk_progress, dataset_link
 from flows.dask_runner import CollectResult, collect_on_dask
 from settings import CollectionSettings, RollflowSettings, RunSpec
 from tasks.adaptive import adaptive_control
@@ -203,7 +204,8 @@ async def _collect_verify_publish(
                     collected = await collect_stage(ctx, plan, chunks_in_flight, left)
                 extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}
             else:
-                collected = await collect_stage(ctx, plan, chunks_in_flight, left)
+                async with chunk_progress(len(plan.scan.chunks), skipped):
+                    collected = await collect_stage(ctx, plan, chunks_in_flight, left)
         finally:
             await close_loop_session()
     collect_s = time.perf_counter() - t_collect
@@ -212,6 +214,7 @@ async def _collect_verify_publish(
     publish = (summary.ok or spec.allow_incomplete) and not collected.stopped
     if publish:
         await concatenate_task(handles, plan)
+        await dataset_link(spec.dataset_url())
     metrics = run_metrics(collected.outcomes, ctx, time.perf_counter() - t_start, collect_s, skipped)
     metrics.collect_cpu_s = round(collect_cpu_s, 6)
     metrics.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

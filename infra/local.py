@@ -130,3 +130,34 @@ def spawn_prefect_server(port: int | None = None, home: str | None = None) -> Se
         proc.kill()
         raise
     return Service("prefect", proc, url, {"PREFECT_API_URL": f"{url}/api"})
+
+
+def up() -> int:
+    """Prefect server, moto S3 and the simulator on loopback until Ctrl-C; prints what to export."""
+    import signal
+
+    services: list[Service] = []
+    try:
+        services.append(spawn_prefect_server())
+        services.append(spawn_moto())
+        services.append(spawn_simulator("--latency-ms", "50", "--slots", "64"))
+        prefect, s3, sim = services
+        print(f"Prefect UI     {prefect.url}")
+        print(f"S3 (moto)      {s3.url}")
+        print(f"simulator      {sim.url}  (agent /run, /v1/responses, /v1/chat/completions)")
+        print("\nexport these in another shell:")
+        for key, value in {**prefect.env, **s3.env, "ROLLFLOW_BACKEND__URL": sim.url}.items():
+            print(f"  export {key}={value}")
+        print("\nCtrl-C stops all three.", flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        for service in reversed(services):
+            service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    import signal as _signal
+
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
+    raise SystemExit(up() if sys.argv[1:] == ["up"] else 2)

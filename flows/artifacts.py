@@ -1,0 +1,52 @@
+"""Prefect artifacts a run shows while it runs: a progress bar that moves as chunks commit, a dataset link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from prefect.artifacts import acreate_link_artifact, acreate_progress_artifact, aupdate_progress_artifact
+
+from tasks.progress import ProgressEvent, hub
+
+
+@contextlib.asynccontextmanager
+async def chunk_progress(total_chunks: int, already: int, interval_s: float = 1.0) -> AsyncIterator[None]:
+    """Percent of chunks committed, updated at most once per interval (cheap next to a chunk)."""
+    done = already
+    artifact = await acreate_progress_artifact(
+        progress=100.0 * done / max(1, total_chunks), key="rollflow-progress", description="chunks committed"
+    )
+
+    def on_event(event: ProgressEvent) -> None:
+        nonlocal done
+        if event.kind == "chunk":
+            done += 1
+
+    async def refresh() -> None:
+        shown = -1
+        while True:
+            if done != shown:
+                shown = done
+                await aupdate_progress_artifact(artifact, 100.0 * shown / max(1, total_chunks))
+            await asyncio.sleep(interval_s)
+
+    unsubscribe = hub.subscribe(on_event)
+    task = asyncio.create_task(refresh())
+    try:
+        yield
+    finally:
+        unsubscribe()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await aupdate_progress_artifact(artifact, 100.0 * done / max(1, total_chunks))
+
+
+async def dataset_link(url: str) -> None:
+    link = url if "://" in url else Path(url).resolve().as_uri()
+    await acreate_link_artifact(
+        link, link_text=url, key="rollflow-dataset", description="the published dataset"
+    )
