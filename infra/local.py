@@ -104,7 +104,9 @@ def spawn_moto(port: int | None = None) -> Service:
     return Service("s3", proc, url, env)
 
 
-def spawn_prefect_server(port: int | None = None, home: str | None = None) -> Service:
+def spawn_prefect_server(
+    port: int | None = None, home: str | None = None, settings: dict[str, str] | None = None
+) -> Service:
     """`prefect server start` (SQLite) on 127.0.0.1; PREFECT_API_URL for clients is in .env."""
     port = port or free_port()
     home = home or tempfile.mkdtemp(prefix="rollflow-prefect-")
@@ -114,6 +116,7 @@ def spawn_prefect_server(port: int | None = None, home: str | None = None) -> Se
             "PREFECT_HOME": home,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_UI_ENABLED": env.get("PREFECT_UI_ENABLED", "true"),
+            **(settings or {}),
         }
     )
     exe = Path(sys.executable).with_name("prefect")

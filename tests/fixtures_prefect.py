@@ -17,7 +17,10 @@ RunCli = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    server = spawn_prefect_server(home=str(tmp_path_factory.mktemp("prefect-home")))
+    server = spawn_prefect_server(
+        home=str(tmp_path_factory.mktemp("prefect-home")),
+        settings={"PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS": "5"},  # schedule tests wait less
+    )
     yield server
     server.stop()
 
