@@ -116,6 +116,7 @@ def spawn_prefect_server(
             "PREFECT_HOME": home,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_UI_ENABLED": env.get("PREFECT_UI_ENABLED", "true"),
+            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
             **(settings or {}),
         }
     )

@@ -1,0 +1,111 @@
+"""The Prefect UI as a person uses it: headless Chromium fills rollflow-run's form and submits a run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+from test_pipeline_e2e import assert_complete, write_rows
+
+CHROMIUM = Path("/usr/bin/chromium")
+SHOTS = Path(__file__).resolve().parent.parent / "docs" / "img"
+ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+def field(page, label: str):
+    """The text box of the run form's property labelled `label` (first match, in form order)."""
+    name = page.locator(".schema-form-property__label").filter(
+        has_text=re.compile(rf"^{label}( \(Optional\))?$")
+    )
+    box = name.first.locator(
+        "xpath=ancestor::div[contains(concat(' ', @class, ' '), ' schema-form-property ')][1]"
+    )
+    return box.locator("textarea, input").first
+
+
+def api(server, path: str, body: dict | None = None) -> object:
+    data = orjson.dumps(body) if body is not None else None
+    req = urllib.request.Request(
+        f"{server.url}/api{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is installed by .ci/run")
+def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fast_sim, moto_s3, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    inp = write_rows(tmp_path / "rows.jsonl", 120)
+    bucket = moto_s3.new_bucket()
+    out = f"s3://{bucket}/ui-run"
+    exe = str(Path(sys.executable).with_name("rollflow"))
+    serve = subprocess.Popen(
+        [exe, "serve", "--name", "ui"], env={**cli_env, **moto_s3.env}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        deployment = None
+        while deployment is None and time.monotonic() < deadline:
+            try:
+                deployment = api(prefect_server, "/deployments/name/rollflow-run/ui")
+            except urllib.error.HTTPError:
+                time.sleep(1)
+        assert deployment is not None, "rollflow serve did not register its deployment"
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+            context = browser.new_context(viewport={"width": 1400, "height": 1000})
+            page = context.new_page()
+            page.goto(f"{prefect_server.url}/deployments/deployment/{deployment['id']}/run")
+            field(page, "Input").fill(str(inp))
+            field(page, "Output").fill(out)
+            field(page, "Url").fill(fast_sim.url)  # the first Url is the backend's
+            field(page, "Chunk Size").fill("50")
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SHOTS / "ui-run-form.png"), full_page=False)
+            page.get_by_role("button", name="Submit").click()
+            page.wait_for_url(f"**/deployments/deployment/{deployment['id']}**", timeout=30_000)
+            runs: list = []
+            deadline = time.monotonic() + 30
+            while not runs and time.monotonic() < deadline:
+                time.sleep(1)
+                runs = api(
+                    prefect_server, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}}}
+                )
+            assert len(runs) == 1, "the form's Submit created exactly one flow run"
+            run_id = runs[0]["id"]
+            state = "PENDING"
+            deadline = time.monotonic() + 180
+            while state not in ("COMPLETED", "FAILED", "CRASHED") and time.monotonic() < deadline:
+                time.sleep(2)
+                state = api(prefect_server, f"/flow_runs/{run_id}")["state"]["type"]
+            assert state == "COMPLETED", state
+            page.goto(f"{prefect_server.url}/runs/flow-run/{run_id}")
+            page.get_by_role("tab", name="Artifacts").or_(
+                page.get_by_text("Artifacts", exact=True)
+            ).first.click()
+            page.get_by_text("rollflow-report").first.wait_for(timeout=30_000)
+            page.screenshot(path=str(SHOTS / "ui-run-artifacts.png"), full_page=False)
+            browser.close()
+        fs = moto_s3.fs()
+        assert_complete(fs.cat_file(f"{out}/rollouts.jsonl").splitlines(), 120, 1)
+        artifacts = api(
+            prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}}
+        )
+        keys = {a["key"] for a in artifacts}
+        assert {"rollflow-report", "rollflow-dataset", "rollflow-progress"} <= keys, keys
+        report = next(a for a in artifacts if a["key"] == "rollflow-report")
+        assert "rows_written" in report["data"] and "published" in report["data"]
+    finally:
+        serve.terminate()
+        serve.wait(30)
