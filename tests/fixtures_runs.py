@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pipeline_e2e import assert_complete, write_rows
-from test_resume import ROWS, run_args
+from cli_runs import ROWS, run_args
+from rollout_data import assert_complete, write_rows
 
 from infra.local import Service, spawn_simulator
 

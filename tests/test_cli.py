@@ -6,7 +6,7 @@ import urllib.request
 from pathlib import Path
 
 import orjson
-from test_pipeline_e2e import assert_complete, write_rows
+from rollout_data import assert_complete, write_rows
 
 
 def test_nemo_gym_arguments(run_cli, fast_sim, tmp_path: Path):

@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from test_resume import ROWS, run_args, spawn, wait_until
+from cli_runs import ROWS, run_args, spawn, wait_until
 
 
 def children(pid: int) -> list[int]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from test_pipeline_e2e import write_rows
+from rollout_data import write_rows
 
 from infra.local import free_port
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from test_resume import ROWS, run_args, spawn, wait_until
+from cli_runs import ROWS, run_args, spawn, wait_until
 
 from infra.local import spawn_simulator
 from tasks.lease import Lease, LeaseHeld, LeaseLost

@@ -6,33 +6,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+from rollout_data import assert_complete, write_rows
 
 from infra.local import Service, spawn_simulator
 
 ROWS, REPEATS = 2000, 2
-
-
-def write_rows(path: Path, rows: int, start: int = 0) -> Path:
-    with path.open("wb") as fh:
-        for i in range(start, start + rows):
-            row = {
-                "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + {i}?"}]},
-                "agent_ref": {"type": "responses_api_agents", "name": "math"},
-                "expected_answer": str(2 * i),
-            }
-            fh.write(orjson.dumps(row) + b"\n")
-    return path
-
-
-def assert_complete(lines: list[bytes], rows: int, repeats: int) -> None:
-    """Every (task, rollout) exactly once, in order, each with a numeric reward."""
-    keys = []
-    for line in lines:
-        row = orjson.loads(line)
-        keys.append((row["_ng_task_index"], row["_ng_rollout_index"]))
-        assert isinstance(row["reward"], int | float) and not isinstance(row["reward"], bool)
-        assert "response" in row and "responses_create_params" in row
-    assert keys == [(i, r) for i in range(rows) for r in range(repeats)]
 
 
 @pytest.fixture(scope="module")

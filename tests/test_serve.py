@@ -12,7 +12,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from test_pipeline_e2e import assert_complete, write_rows
+from rollout_data import assert_complete, write_rows
 
 ROWS = 200
 

@@ -8,24 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
+from rollout_data import write_rows
 
 from settings import RollflowSettings, RunSpec
 from tasks.collect import CollectContext, RequestRecord
 from tasks.plan import RunPlan, plan_run
 from tasks.runtime import RunHandles, collect_context, open_run
-
-
-def write_rows(path: Path, rows: int) -> Path:
-    with path.open("wb") as fh:
-        for i in range(rows):
-            row = {
-                "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + {i}?"}]},
-                "agent_ref": {"type": "responses_api_agents", "name": "math"},
-                "expected_answer": str(2 * i),
-            }
-            fh.write(orjson.dumps(row) + b"\n")
-    return path
 
 
 @dataclass
