@@ -12,6 +12,7 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from flows.artifacts import chunk_progress, dataset_link
 from flows.dask_runner import CollectResult, collect_on_dask
+from flows.secrets import resolve_secret_blocks
 from settings import CollectionSettings, RollflowSettings, RunSpec
 from tasks.adaptive import adaptive_control
 from tasks.audit import AuditSummary
@@ -250,7 +251,7 @@ async def _collect_verify_publish(
 @flow(name="rollflow-run", log_prints=False)
 async def rollflow_run(spec: RunSpec) -> dict[str, Any]:
     """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked)."""
-    settings = RollflowSettings()
+    settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
     return await run_collection(spec, settings, handles)
 
@@ -258,6 +259,6 @@ async def rollflow_run(spec: RunSpec) -> dict[str, Any]:
 @flow(name="rollflow-collect", log_prints=False)
 async def rollflow_collect(spec: RunSpec) -> dict[str, Any]:
     """Collection at a fixed parallelism, then verify and concatenate."""
-    settings = RollflowSettings()
+    settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
     return await run_collection(spec, settings, handles)

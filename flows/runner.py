@@ -17,6 +17,7 @@ EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from flows.secrets import SecretBlockError
     from tasks.lease import LeaseHeld, LeaseLost
     from tasks.ledger import IdentityMismatch
     from tasks.preflight import BackendUnreachable
@@ -30,6 +31,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         IdentityMismatch,
         BackendUnreachable,
         VerifierError,
+        SecretBlockError,
         LeaseHeld,
         LeaseLost,
     )

@@ -15,11 +15,35 @@ DEPLOYMENT = "rollflow"
 
 
 def default_parameters(settings: RollflowSettings) -> dict[str, Any]:
-    """A full spec when settings name input and output; otherwise none (the form then asks for them)."""
+    """The spec's defaults from settings, for the run form and for scheduled runs.
+
+    Without input or output in settings the spec is partial: Prefect accepts a deployment default that
+    lacks required fields, and the form then asks for them while showing the other defaults filled in.
+    """
     fields = RunSpec.fields_from(settings)
-    if not fields["input"] or not fields["output"]:
+    placeholders = {"input": fields["input"] or "-", "output": fields["output"] or "-"}
+    spec = RunSpec.model_validate({**fields, **placeholders}).model_dump(mode="json")
+    for key in ("input", "output"):
+        if not fields[key]:
+            del spec[key]
+    return {"spec": spec}
+
+
+def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+    """to_deployment's schedule keywords; a schedule needs input and output among the defaults."""
+    if not (args.cron or args.interval_s):
         return {}
-    return {"spec": RunSpec.model_validate(fields).model_dump(mode="json")}
+    from flows.cli import UsageError
+
+    missing = [k for k in ("input", "output") if k not in params["spec"]]
+    if missing:
+        names = " and ".join(f"ROLLFLOW_PIPELINE__{k.upper()}" for k in missing)
+        raise UsageError(
+            f"A scheduled run needs its {' and '.join(missing)}: set {names} for rollflow serve."
+        )
+    if args.cron:
+        return {"cron": args.cron, "timezone": args.timezone}
+    return {"interval": args.interval_s}
 
 
 def deployments(args: argparse.Namespace, settings: RollflowSettings) -> list[Any]:
@@ -27,11 +51,7 @@ def deployments(args: argparse.Namespace, settings: RollflowSettings) -> list[An
     from flows.tuning import rollflow_diagnose, rollflow_tune
 
     params = default_parameters(settings)
-    schedule: dict[str, Any] = {}
-    if args.cron:
-        schedule = {"cron": args.cron, "timezone": args.timezone}
-    elif args.interval_s:
-        schedule = {"interval": args.interval_s}
+    schedule = schedule_of(args, params)
     tags = ["rollflow"]
     return [
         rollflow_run.to_deployment(

@@ -139,12 +139,22 @@ def spawn_prefect_server(
 def up() -> int:
     """Prefect server, moto S3 and the simulator on loopback until Ctrl-C; prints what to export."""
     import signal
+    import threading
 
+    stop = threading.Event()
+    # A handler, not a blocked signal mask: children inherit a mask, and would then ignore terminate().
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     services: list[Service] = []
     try:
-        services.append(spawn_prefect_server())
-        services.append(spawn_moto())
-        services.append(spawn_simulator("--latency-ms", "50", "--slots", "64"))
+        for start in (
+            spawn_prefect_server,
+            spawn_moto,
+            lambda: spawn_simulator("--latency-ms", "50", "--slots", "64"),
+        ):
+            if stop.is_set():
+                return 130
+            services.append(start())
         prefect, s3, sim = services
         print(f"Prefect UI     {prefect.url}")
         print(f"S3 (moto)      {s3.url}")
@@ -153,7 +163,8 @@ def up() -> int:
         for key, value in {**prefect.env, **s3.env, "ROLLFLOW_BACKEND__URL": sim.url}.items():
             print(f"  export {key}={value}")
         print("\nCtrl-C stops all three.", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        while not stop.wait(0.5):
+            pass
     finally:
         for service in reversed(services):
             service.stop()
@@ -161,7 +172,4 @@ def up() -> int:
 
 
 if __name__ == "__main__":
-    import signal as _signal
-
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
     raise SystemExit(up() if sys.argv[1:] == ["up"] else 2)

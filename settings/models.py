@@ -32,9 +32,12 @@ class BackendSettings(BackendParams):
     """BackendParams plus the API key, which only ever comes from the environment."""
 
     api_key: SecretStr | None = Field(None, description="Bearer token for the backend; never logged")
+    api_key_block: str | None = Field(
+        None, description="Prefect Secret block holding the API key, read by the flow when api_key is unset"
+    )
 
     def params(self) -> BackendParams:
-        return BackendParams(**self.model_dump(exclude={"api_key"}))
+        return BackendParams(**self.model_dump(exclude={"api_key", "api_key_block"}))
 
 
 class StorageSettings(BaseModel):
@@ -44,6 +47,12 @@ class StorageSettings(BaseModel):
     access_key_id: SecretStr | None = Field(None, description="S3 access key; else the AWS default chain")
     secret_access_key: SecretStr | None = Field(None, description="S3 secret key; else the AWS default chain")
     region: str | None = Field(None, description="S3 region")
+    access_key_id_block: str | None = Field(
+        None, description="Prefect Secret block holding the S3 access key, used when access_key_id is unset"
+    )
+    secret_access_key_block: str | None = Field(
+        None, description="Prefect Secret block holding the S3 secret, used when secret_access_key is unset"
+    )
 
     def storage_options(self, url: str) -> dict[str, Any]:
         """fsspec keyword arguments for `url`; empty for local paths."""
@@ -108,10 +117,22 @@ class TuningSettings(BaseModel):
     max_parallelism: int = Field(4096, ge=1, description="Never search above this")
 
 
+BuiltinVerifier = Annotated[Literal["exact_match", "math", "http", "none"], Field(title="built-in")]
+# A typed union rather than a free string, so the Prefect run form offers the built-ins as choices.
+CallableVerifier = Annotated[
+    str,
+    Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", title="module:function", examples=["my_rewards:score"]),
+]
+
+
 class VerifySettings(BaseModel):
     """How rewards are computed for backends that return none."""
 
-    verifier: str = Field("exact_match", description="exact_match | math | http | none | module:function")
+    verifier: BuiltinVerifier | CallableVerifier = Field(
+        "exact_match",
+        description="Reward for responses/chat backends: a built-in (exact_match, math, http, none) or "
+        "module:function, your Python callable (row, text) -> float",
+    )
     url: str | None = Field(None, description="NeMo Gym resources server for the http verifier")
     timeout_s: float = Field(60.0, gt=0, description="Per-request timeout of the http verifier")
 

@@ -22,7 +22,7 @@ class RunSpec(BaseModel):
     input: str = Field(..., description="Input JSONL of NeMo Gym rows: local path or s3://...")
     output: str = Field(..., description="Output directory (ledger, reports): local path or s3://...")
     dataset: str | None = Field(
-        None, description="Where to publish the dataset; default <output>/rollouts.jsonl"
+        None, description="Where to publish the dataset; default rollouts.jsonl in the output directory"
     )
     backend: BackendParams = Field(default_factory=BackendParams)
     collection: CollectionSettings = Field(default_factory=CollectionSettings)

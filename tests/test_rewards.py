@@ -58,7 +58,7 @@ def test_bad_specs() -> None:
     with pytest.raises(VerifierError, match="module:function"):
         make_verifier(VerifySettings(verifier="no_such_module_xyz:f"))
     with pytest.raises(VerifierError, match="Unknown verifier"):
-        make_verifier(VerifySettings(verifier="fuzzy"))
+        make_verifier(VerifySettings.model_construct(verifier="fuzzy", url=None, timeout_s=60.0))
     with pytest.raises(VerifierError, match="--verifier-url"):
         make_verifier(VerifySettings(verifier="http"))
     assert make_verifier(VerifySettings(verifier="none")) is None

@@ -54,7 +54,11 @@ def test_schedule_runs_by_itself_and_publishes(served) -> None:
 
 @pytest.mark.parametrize(
     ("change", "needle"),
-    [({"collection": {"parallelism": -1}}, "parallelism"), ({"backend": {"kind": "grpc"}}, "kind")],
+    [
+        ({"collection": {"parallelism": -1}}, "parallelism"),
+        ({"backend": {"kind": "grpc"}}, "kind"),
+        ({"verify": {"verifier": "fuzzy"}}, "verifier"),
+    ],
 )
 def test_bad_parameters_are_refused(served, prefect_server, tmp_path, change, needle) -> None:
     api = prefect_server.env["PREFECT_API_URL"]
@@ -70,7 +74,12 @@ def test_bad_parameters_are_refused(served, prefect_server, tmp_path, change, ne
         except urllib.error.HTTPError as exc:
             return exc.code, orjson.loads(exc.read() or b"{}")
 
-    _, deployment = call("/deployments/name/rollflow-run/test")
+    status, deployment = call("/deployments/name/rollflow-run/test")
+    for _ in range(60):  # when run alone, serve may still be registering its deployments
+        if status == 200:
+            break
+        time.sleep(1)
+        status, deployment = call("/deployments/name/rollflow-run/test")
     status, run = call(f"/deployments/{deployment['id']}/create_flow_run", {"parameters": {"spec": spec}})
     if status < 300:  # accepted by the API: then the flow itself must refuse it
         for _ in range(120):

@@ -22,15 +22,29 @@ ARGS = [
 ]  # fmt: skip
 
 
-def field(page, label: str):
-    """The text box of the run form's property labelled `label` (first match, in form order)."""
+def prop(page, label: str):
+    """The run form's property labelled `label` (first match, in form order)."""
     name = page.locator(".schema-form-property__label").filter(
         has_text=re.compile(rf"^{label}( \(Optional\))?$")
     )
-    box = name.first.locator(
+    return name.first.locator(
         "xpath=ancestor::div[contains(concat(' ', @class, ' '), ' schema-form-property ')][1]"
     )
-    return box.locator("textarea, input").first
+
+
+def field(page, label: str):
+    """The text or number box of the property labelled `label`."""
+    return prop(page, label).locator("textarea, input").first
+
+
+def choose(page, label: str, option: str) -> None:
+    """Pick `option` in the select of the property labelled `label` (an enum such as the backend kind)."""
+    control = prop(page, label).locator(".p-select-button__control").first
+    control.focus()
+    page.keyboard.press(" ")  # the select opens on the keyboard reliably; a click only focuses it
+    page.get_by_role("option", name=option, exact=True).click()
+    expect_value = prop(page, label).locator(".p-select-button__value").first
+    expect_value.filter(has_text=option).wait_for(timeout=10_000)
 
 
 def api(server, path: str, body: dict | None = None) -> object:
@@ -67,11 +81,16 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
             context = browser.new_context(viewport={"width": 1400, "height": 1000})
             page = context.new_page()
             page.goto(f"{prefect_server.url}/deployments/deployment/{deployment['id']}/run")
+            field(page, "Input").wait_for(timeout=30_000)
             field(page, "Input").fill(str(inp))
             field(page, "Output").fill(out)
+            choose(page, "Kind", "agent")
             field(page, "Url").fill(fast_sim.url)  # the first Url is the backend's
+            field(page, "Parallelism").fill("16")
             field(page, "Chunk Size").fill("50")
             SHOTS.mkdir(parents=True, exist_ok=True)
+            prop(page, "Input").evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(300)  # let the form repaint what was typed
             page.screenshot(path=str(SHOTS / "ui-run-form.png"), full_page=False)
             page.get_by_role("button", name="Submit").click()
             page.wait_for_url(f"**/deployments/deployment/{deployment['id']}**", timeout=30_000)
@@ -106,6 +125,10 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
         assert {"rollflow-report", "rollflow-dataset", "rollflow-progress"} <= keys, keys
         report = next(a for a in artifacts if a["key"] == "rollflow-report")
         assert "rows_written" in report["data"] and "published" in report["data"]
+        params = api(prefect_server, f"/flow_runs/{run_id}")["parameters"]["spec"]
+        assert params["backend"]["kind"] == "agent" and params["collection"]["parallelism"] == 16, params
+        run_json = orjson.loads(fs.cat_file(f"{out}/run.json"))
+        assert run_json["parallelism"] == 16, run_json
     finally:
         serve.terminate()
         serve.wait(30)
