@@ -11,9 +11,12 @@ import aiohttp
 import orjson
 
 from settings import BackendKind, BackendSettings
+from tasks.http import auth_headers
 from tasks.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
 
-CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
+# ServerDisconnectedError is a ClientConnectionError. Any other aiohttp.ClientError (a garbled status line,
+# a bad chunked encoding) is also a transport failure: counted as "connection" and retried.
+CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError)
 CHAT_PASSTHROUGH = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty")
 
 
@@ -37,9 +40,26 @@ class BackendError(Exception):
         self.attempts = attempts
         self.retry_after = retry_after
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields: the default Exception pickling would lose them (Dask ships errors across).
+        return (
+            _rebuild_error,
+            (str(self), self.kind, self.status, self.retryable, self.attempts, self.retry_after),
+        )
+
+
+def _rebuild_error(
+    message: str, kind: str, status: int | None, retryable: bool, attempts: int, retry_after: float | None
+) -> BackendError:
+    return BackendError(
+        message, kind=kind, status=status, retryable=retryable, attempts=attempts, retry_after=retry_after
+    )
+
 
 @dataclass(slots=True)
 class RolloutResult:
+    """One successful rollout: `fields` merge into the output row; the rest feeds verifiers and metrics."""
+
     fields: dict[str, Any]
     reward: float | None
     text: str
@@ -138,7 +158,10 @@ class AttemptObserver(Protocol):
 
 
 class BackendClient:
-    """Sends one rollout's request with bounded retries; the caller bounds concurrency."""
+    """Sends one rollout's request with bounded retries; the caller bounds concurrency.
+
+    Everything constant (URL, headers, timeout, policy) is built once here: rollout() is the hot path.
+    """
 
     def __init__(
         self,
@@ -157,7 +180,9 @@ class BackendClient:
             BackendKind.chat: f"{base}/v1/chat/completions",
         }[self.kind]
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout_s, connect=settings.connect_timeout_s)
-        self.policy = RetryPolicy(settings.max_retries, settings.backoff_base_s, settings.backoff_max_s)
+        self.policy = RetryPolicy.from_settings(settings)
+        self._headers = {"Content-Type": "application/json", **auth_headers(settings)}
+        self._secret = settings.api_key.get_secret_value() if settings.api_key is not None else ""
 
     def _body(self, row: dict[str, Any]) -> bytes:
         if self.kind is BackendKind.agent:
@@ -170,17 +195,19 @@ class BackendClient:
         return orjson.dumps(params)
 
     async def rollout(self, row: dict[str, Any], task_index: int, rollout_index: int) -> RolloutResult:
+        """The rollout's result, or BackendError once retries are exhausted (or at once if not retryable)."""
         body = self._body(row)
-        headers = {"X-Rollflow-Task-Index": str(task_index), "X-Rollflow-Rollout-Index": str(rollout_index)}
+        headers = {
+            **self._headers,
+            "X-Rollflow-Task-Index": str(task_index),
+            "X-Rollflow-Rollout-Index": str(rollout_index),
+        }
         attempt = 0
         while True:
             start = time.perf_counter()
             try:
                 reply = await self._post(body, headers)
                 result = self._result(reply, time.perf_counter() - start, attempt + 1)
-                for observer in self.observers:
-                    observer.success(result.latency_s)
-                return result
             except BackendError as exc:
                 for observer in self.observers:
                     observer.failure(exc.kind)
@@ -189,6 +216,10 @@ class BackendClient:
                     raise
                 await asyncio.sleep(self.policy.delay(attempt, exc.retry_after))
                 attempt += 1
+                continue
+            for observer in self.observers:
+                observer.success(result.latency_s)
+            return result
 
     async def _post(self, body: bytes, headers: dict[str, str]) -> Any:
         try:
@@ -202,16 +233,18 @@ class BackendClient:
                 kind="timeout",
                 retryable=True,
             ) from exc
+        except aiohttp.InvalidURL:
+            raise BackendError(f"invalid backend URL {self.url}", kind="connection") from None
         except CONNECTION_ERRORS as exc:
             raise BackendError(
-                f"connection to {self.url} failed: {type(exc).__name__}: {exc}",
+                self._scrub(f"connection to {self.url} failed: {type(exc).__name__}: {exc}"),
                 kind="connection",
                 retryable=True,
             ) from exc
         if status >= 400:
             snippet = payload[:300].decode("utf-8", "replace")
             raise BackendError(
-                f"HTTP {status} from {self.url}: {snippet}",
+                self._scrub(f"HTTP {status} from {self.url}: {snippet}"),
                 kind=f"http_{status}",
                 status=status,
                 retryable=status in RETRYABLE_STATUS,
@@ -219,28 +252,41 @@ class BackendClient:
             )
         try:
             return orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
+        except orjson.JSONDecodeError:
             raise BackendError(
                 f"malformed JSON body from {self.url} (HTTP {status}, {len(payload)} bytes)",
                 kind="malformed",
                 status=status,
                 retryable=True,
-            ) from exc
+            ) from None
+
+    def _scrub(self, message: str) -> str:
+        """A backend that echoes the request (headers included) must not put the key into an error."""
+        return message.replace(self._secret, "***") if self._secret else message
 
     def _result(self, reply: Any, latency: float, attempts: int) -> RolloutResult:
         if not isinstance(reply, dict):
             raise BackendError(f"expected a JSON object from {self.url}", kind="malformed", retryable=True)
-        if self.kind is BackendKind.chat:
-            response, text, tokens = chat_to_response(reply)
-            return RolloutResult({"response": response}, None, text, tokens, latency, attempts)
-        if self.kind is BackendKind.responses:
-            usage = reply.get("usage") or {}
+        try:
+            if self.kind is BackendKind.chat:
+                response, text, tokens = chat_to_response(reply)
+                return RolloutResult({"response": response}, None, text, tokens, latency, attempts)
+            if self.kind is BackendKind.responses:
+                usage = reply.get("usage") or {}
+                tokens = int(usage.get("output_tokens") or 0)
+                return RolloutResult(
+                    {"response": reply}, None, responses_text(reply), tokens, latency, attempts
+                )
+            response = reply.get("response")
+            usage = (response.get("usage") or {}) if isinstance(response, dict) else {}
+            reward = reply.get("reward")
+            if not isinstance(reward, int | float) or isinstance(reward, bool):
+                reward = None
             tokens = int(usage.get("output_tokens") or 0)
-            return RolloutResult({"response": reply}, None, responses_text(reply), tokens, latency, attempts)
-        response = reply.get("response")
-        usage = (response or {}).get("usage") or {} if isinstance(response, dict) else {}
-        reward = reply.get("reward")
-        if not isinstance(reward, int | float) or isinstance(reward, bool):
-            reward = None
-        tokens = int(usage.get("output_tokens") or 0)
-        return RolloutResult(reply, reward, responses_text(response), tokens, latency, attempts)
+            return RolloutResult(reply, reward, responses_text(response), tokens, latency, attempts)
+        except (AttributeError, TypeError, ValueError, IndexError, KeyError) as exc:
+            raise BackendError(
+                f"unexpected reply shape from {self.url}: {type(exc).__name__}: {exc}",
+                kind="malformed",
+                retryable=True,
+            ) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -81,6 +81,8 @@ def identity_changes(old: RunIdentity, new: RunIdentity) -> list[str]:
         a, b = old.config.get(key), new.config.get(key)
         if a != b:
             changes.append(f"config.{key} {_short(a)} -> {_short(b)}")
+    if not changes and old.config_hash != new.config_hash:
+        changes.append(f"config hash {old.config_hash[:12]}... -> {new.config_hash[:12]}...")
     if not changes and old.chunks != new.chunks:
         changes.append("the chunk plan differs")
     return changes
@@ -158,13 +160,16 @@ class Ledger:
 
     def committed(self) -> dict[int, ChunkManifest]:
         """Every committed chunk's manifest, from one listing."""
+        names = [n for n in self.store.list(CHUNKS) if n.endswith(".json") and n[:-5].isdigit()]
         found: dict[int, ChunkManifest] = {}
-        for name in self.store.list(CHUNKS):
-            if name.endswith(".json") and name[:-5].isdigit():
-                manifest = self.manifest(int(name[:-5]))
-                if manifest is not None:
-                    found[manifest.chunk] = manifest
-        return found
+        for rel, data in self.store.read_many([f"{CHUNKS}/{n}" for n in names]).items():
+            try:
+                manifest = ChunkManifest.model_validate_json(data)
+            except (ValidationError, ValueError):
+                continue  # a torn or foreign object is not a commit
+            if rel == self.manifest_path(manifest.chunk):
+                found[manifest.chunk] = manifest
+        return dict(sorted(found.items()))
 
     def commit(self, i: int, data: bytes, failures: bytes | None, manifest: ChunkManifest) -> None:
         """Data object, then failures, then the manifest: a crash before the last write commits nothing."""
@@ -186,10 +191,22 @@ class Ledger:
         finally:
             fh.close()
 
-    def write_bad_rows(self, src: IO[bytes]) -> None:
+    def iter_chunk_bytes(self, i: int, block: int = 1 << 20) -> Iterator[bytes]:
+        """A committed chunk's data object in blocks, for copying without holding it whole."""
+        with self.open_chunk(i) as fh:
+            while data := fh.read(block):
+                yield data
+
+    def write_bad_rows(self, src: IO[bytes] | Iterable[bytes]) -> None:
+        """bad_rows.jsonl, whole: from a file (copied in blocks) or from JSONL lines."""
         with self.store.open_write(BAD_ROWS) as out:
-            while block := src.read(1 << 20):
-                out.write(block)
+            read = getattr(src, "read", None)
+            if read is not None:
+                while block := read(1 << 20):
+                    out.write(block)
+                return
+            for line in src:
+                out.write(line if line.endswith(b"\n") else line + b"\n")
 
     def read_json(self, rel: str) -> Any:
         return orjson.loads(self.store.read_bytes(rel))

@@ -49,14 +49,14 @@ class InputScan:
 
 
 def row_problem(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """(row, None) for a valid NeMo Gym row, else (None, what is wrong)."""
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, f"the line is not UTF-8 ({exc.reason} at byte {exc.start})"
+    """(row, None) for a valid NeMo Gym row, else (None, what is wrong); one parse per good row."""
     try:
         row = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as uexc:
+            return None, f"the line is not UTF-8 ({uexc.reason} at byte {uexc.start})"
         return None, f"the line is not valid JSON ({exc})"
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {type(row).__name__}"
