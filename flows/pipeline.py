@@ -128,6 +128,12 @@ def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[
         if chunk_errors
         else ""
     )
+    if summary.changed_chunks:
+        failed_chunks += (
+            f" The data of chunk {', '.join(map(str, summary.changed_chunks[:10]))} changed after it was "
+            f"committed (it no longer matches its manifest's sha256); its commit was withdrawn, so the "
+            f"next run collects it again."
+        )
     return (
         f"The dataset was not published: the audit found {summary.missing:,} of "
         f"{summary.rows_expected:,} rollouts missing ({summary.failed:,} failed after retries, listed "

@@ -45,12 +45,17 @@ def _is_number(value: Any) -> bool:
 
 
 def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_repeats: int) -> ChunkAudit:
-    """Stream one chunk object; the cached result is reused while the chunk's sha256 is unchanged."""
+    """Stream one chunk object and check it against its plan and manifest.
+
+    The cached result is reused only while the object itself is unchanged (same manifest sha256 and the
+    same size + mtime/ETag stamp as when it was audited); anything else is read and hashed again.
+    """
     cache_rel = f"{AUDIT_DIR}/{spec.index:05d}.json"
     store = ledger.store
+    stamp = store.stamp(ledger.chunk_path(spec.index))
     if store.exists(cache_rel):
         cached = orjson.loads(store.read_bytes(cache_rel))
-        if cached.get("sha256") == manifest.sha256:
+        if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256:
             cached.pop("missing", None)
             return ChunkAudit(**cached)
     audit = ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed)
@@ -94,9 +99,13 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
     audit.sha256 = digest.hexdigest()
     audit.sha_matches = audit.sha256 == manifest.sha256
     if not audit.sha_matches:
-        audit.problems.append("chunk object does not match its manifest's sha256 (modified after commit)")
+        audit.problems.append(
+            "its data object does not match its manifest's sha256 (changed after commit): the commit was "
+            "withdrawn, so the next run of the same command collects this chunk again"
+        )
     del audit.problems[20:]
-    store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "sha256": manifest.sha256}))
+    if audit.sha_matches:
+        store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "stamp": stamp}))
     return audit
 
 
@@ -117,6 +126,8 @@ class AuditSummary:
     chunks_total: int = 0
     chunks_committed: int = 0
     sha_mismatches: int = 0
+    uncommitted_chunks: list[int] = field(default_factory=list)
+    changed_chunks: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -143,7 +154,11 @@ class AuditSummary:
         self.reward_sum += audit.reward_sum
         self.output_tokens += audit.output_tokens
         self.chunks_committed += int(audit.committed)
-        self.sha_mismatches += int(not audit.sha_matches)
+        if not audit.committed:
+            self.uncommitted_chunks.append(audit.chunk)
+        if not audit.sha_matches:
+            self.sha_mismatches += 1
+            self.changed_chunks.append(audit.chunk)
         self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
 
     def as_dict(self) -> dict[str, Any]:
@@ -156,12 +171,19 @@ class AuditSummary:
 def audit_run(
     ledger: Ledger, chunks: list[ChunkSpec], num_repeats: int, manifests: dict[int, ChunkManifest]
 ) -> AuditSummary:
-    """Audit every planned chunk; one that never committed counts wholly as missing."""
+    """Audit every planned chunk; one that never committed counts wholly as missing.
+
+    A chunk whose object no longer matches its manifest loses its commit here, so resuming collects
+    it again instead of trusting (or forever refusing) bytes nobody vouches for.
+    """
     summary = AuditSummary(chunks_total=len(chunks))
     for spec in chunks:
         manifest = manifests.get(spec.index)
         if manifest is None:
             summary.add(ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, committed=False))
             continue
-        summary.add(audit_chunk(ledger, spec, manifest, num_repeats))
+        audit = audit_chunk(ledger, spec, manifest, num_repeats)
+        if not audit.sha_matches:
+            ledger.uncommit(spec.index)
+        summary.add(audit)
     return summary

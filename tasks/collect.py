@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import secrets
 import time
@@ -19,7 +20,7 @@ from tasks.backends import AttemptObserver, BackendClient, BackendError, Rollout
 from tasks.http import session_for_loop
 from tasks.ledger import ChunkManifest, Ledger
 from tasks.limiter import ConcurrencyLimit
-from tasks.parts import delete_parts, read_parts, write_part
+from tasks.parts import chunk_parts, delete_parts, write_part
 from tasks.progress import ProgressEvent, hub
 from tasks.rows import ChunkSpec, iter_chunk_rows
 from tasks.verifiers import Verifier
@@ -192,7 +193,8 @@ class _Flusher:
             return
         lines = [self.batch.results[key] for key in keys]
         name = f"flush-{self.token}-{self.seq:05d}"
-        await asyncio.to_thread(write_part, self.ctx.ledger.store, self.chunk, name, lines)
+        ledger = self.ctx.ledger
+        await asyncio.to_thread(write_part, ledger.store, ledger.run_id, self.chunk, name, lines)
         self.saved += len(keys)
         self.seq += 1
 
@@ -227,24 +229,32 @@ class _Flusher:
             raise
 
 
-def _committed_rows(ledger: Ledger, chunk: int) -> dict[RolloutKey, bytes]:
-    """The rows a partly failed chunk already holds, so a re-run redoes only its failures."""
+def _committed_rows(ledger: Ledger, manifest: ChunkManifest) -> tuple[dict[RolloutKey, bytes], list[str]]:
+    """The rows a partly failed chunk already holds, so a re-run redoes only its failures.
+
+    Only bytes that still match the manifest are adopted; a changed object is redone whole.
+    """
+    with ledger.open_chunk(manifest.chunk) as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != manifest.sha256:
+        return {}, [f"chunk {manifest.chunk}'s data does not match its manifest; all its rollouts are redone"]
     kept: dict[RolloutKey, bytes] = {}
-    with ledger.open_chunk(chunk) as fh:
-        for line in fh:
-            if line.strip():
-                row = orjson.loads(line)
-                kept[(row["_ng_task_index"], row["_ng_rollout_index"])] = line.rstrip(b"\n")
-    return kept
+    for line in data.splitlines():
+        if line.strip():
+            row = orjson.loads(line)
+            kept[(row["_ng_task_index"], row["_ng_rollout_index"])] = line
+    return kept, []
 
 
 def _adoptable(
-    ctx: CollectContext, chunk: ChunkSpec, committed: bool
+    ctx: CollectContext, chunk: ChunkSpec, previous: ChunkManifest | None
 ) -> tuple[dict[RolloutKey, bytes], list[str]]:
-    """Rollouts already done for this chunk (saved parts, a partly failed commit) and unusable parts."""
-    kept, problems = read_parts(ctx.ledger.store, chunk.index)
-    if committed:
-        kept.update(_committed_rows(ctx.ledger, chunk.index))
+    """Rollouts already done for this chunk (this run's parts, a partly failed commit) and ignored parts."""
+    kept, problems = chunk_parts(ctx.ledger, chunk, ctx.collection.num_repeats)
+    if previous is not None:
+        rows, notes = _committed_rows(ctx.ledger, previous)
+        kept.update(rows)
+        problems += notes
     return kept, problems
 
 
@@ -254,7 +264,7 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     previous = await asyncio.to_thread(ctx.ledger.manifest, chunk.index)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
-    kept, problems = await asyncio.to_thread(_adoptable, ctx, chunk, previous is not None)
+    kept, problems = await asyncio.to_thread(_adoptable, ctx, chunk, previous)
     rows = await asyncio.to_thread(lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options)))
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()

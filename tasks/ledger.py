@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import secrets
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -35,6 +36,9 @@ class RunIdentity(BaseModel):
     parallelism: int | None = None
     created_at: str
     rollflow_version: str
+    # New for every fresh start (and every --restart), kept on resume: parts and manifests carry it,
+    # so nothing written under a discarded run is ever adopted or published. "" for older outputs.
+    run_id: str = ""
 
 
 class ChunkManifest(BaseModel):
@@ -53,6 +57,7 @@ class ChunkManifest(BaseModel):
     wall_s: float
     attempt: int
     stats: dict[str, Any] = Field(default_factory=dict)
+    run_id: str = ""
 
 
 class IdentityMismatch(Exception):
@@ -93,6 +98,15 @@ class Ledger:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._run_id: str | None = None
+
+    @property
+    def run_id(self) -> str:
+        """The bound run's id: set by open_run, else read once from run.json (a worker process)."""
+        if self._run_id is None:
+            stored = self.stored_identity()
+            self._run_id = stored.run_id if stored is not None else ""
+        return self._run_id
 
     @staticmethod
     def chunk_path(i: int) -> str:
@@ -116,12 +130,13 @@ class Ledger:
         stored = self.stored_identity()
         if stored is not None:
             changes = identity_changes(stored, identity)
-            if not changes:
+            if not changes and not restart:
                 if identity.parallelism is not None and identity.parallelism != stored.parallelism:
                     stored.parallelism = identity.parallelism
                     self._write_identity(stored)
+                self._run_id = stored.run_id
                 return stored
-            if not restart:
+            if changes and not restart:
                 committed = len(self.committed())
                 raise IdentityMismatch(
                     f"The output {self.store.root_url} holds a different run ({committed} committed "
@@ -129,18 +144,22 @@ class Ledger:
                     "were kept. Use a different --output for the new run, or pass --restart to discard "
                     "them and start over."
                 )
-            self.discard_run()
-        elif restart:
-            self.discard_run()
+        identity = identity.model_copy(update={"run_id": secrets.token_hex(8)})
+        # The new identity first: from then on every object of the old run is foreign (its run_id
+        # differs), so a crash in the middle of the clean-up below cannot bring old rollouts back.
         self._write_identity(identity)
+        self._run_id = identity.run_id
+        if stored is not None or restart:
+            self.discard_run(keep_identity=True)
         return identity
 
-    def discard_run(self) -> None:
+    def discard_run(self, keep_identity: bool = False) -> None:
         for rel in RUN_DIRS:
             self.store.delete_tree(rel)
         for rel in RUN_OUTPUTS:
             self.store.delete(rel)
-        self.store.delete(RUN)
+        if not keep_identity:
+            self.store.delete(RUN)
 
     def _write_identity(self, identity: RunIdentity) -> None:
         self.store.write_bytes(RUN, identity.model_dump_json(indent=2).encode())
@@ -152,11 +171,17 @@ class Ledger:
             self._write_identity(stored)
 
     def manifest(self, i: int) -> ChunkManifest | None:
+        """Chunk i's manifest if it is a commit of this run (another run's manifest is no commit)."""
         rel = self.manifest_path(i)
         try:
-            return ChunkManifest.model_validate_json(self.store.read_bytes(rel))
-        except (FileNotFoundError, ValidationError, ValueError):
+            manifest = ChunkManifest.model_validate_json(self.store.read_bytes(rel))
+        except (FileNotFoundError, IsADirectoryError, ValidationError, ValueError):
             return None
+        return manifest if manifest.run_id == self.run_id else None
+
+    def uncommit(self, i: int) -> None:
+        """Withdraw chunk i's commit (its data no longer matches): the chunk is collected again."""
+        self.store.delete(self.manifest_path(i))
 
     def committed(self) -> dict[int, ChunkManifest]:
         """Every committed chunk's manifest, from one listing."""
@@ -167,7 +192,7 @@ class Ledger:
                 manifest = ChunkManifest.model_validate_json(data)
             except (ValidationError, ValueError):
                 continue  # a torn or foreign object is not a commit
-            if rel == self.manifest_path(manifest.chunk):
+            if rel == self.manifest_path(manifest.chunk) and manifest.run_id == self.run_id:
                 found[manifest.chunk] = manifest
         return dict(sorted(found.items()))
 
@@ -175,6 +200,7 @@ class Ledger:
         """Data object, then failures, then the manifest: a crash before the last write commits nothing."""
         manifest.sha256 = hashlib.sha256(data).hexdigest()
         manifest.bytes = len(data)
+        manifest.run_id = self.run_id
         self.store.write_bytes(self.chunk_path(i), data)
         if failures:
             self.store.write_bytes(self.failures_path(i), failures)

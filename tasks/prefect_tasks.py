@@ -67,6 +67,12 @@ async def verify_task(handles: RunHandles, plan: RunPlan) -> AuditSummary:
 
 @task(name="concatenate", cache_policy=NONE)
 async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
     return await asyncio.to_thread(
-        concatenate, handles.ledger, plan.scan.chunks, handles.spec.dataset_url(), handles.dataset_options
+        concatenate,
+        handles.ledger,
+        plan.scan.chunks,
+        manifests,
+        handles.spec.dataset_url(),
+        handles.dataset_options,
     )

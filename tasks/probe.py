@@ -30,7 +30,7 @@ from tasks.collect import (
 )
 from tasks.limiter import ConcurrencyLimit
 from tasks.observe import AttemptLog, rate_limited
-from tasks.parts import read_parts, write_part
+from tasks.parts import chunk_parts, write_part
 from tasks.plan import RunPlan
 from tasks.rows import ChunkSpec, iter_chunk_rows
 from tasks.storage import Store
@@ -104,7 +104,7 @@ def chunk_of(chunks: Sequence[ChunkSpec], task_index: int) -> ChunkSpec:
 
 
 def save_parts(
-    store: Store, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str
+    store: Store, run_id: str, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str
 ) -> int:
     """Write the rollouts as one part per owning chunk; returns how many were saved."""
     by_chunk: dict[int, list[tuple[RolloutKey, bytes]]] = {}
@@ -112,7 +112,7 @@ def save_parts(
         by_chunk.setdefault(chunk_of(chunks, key[0]).index, []).append((key, line))
     name = f"{label}-{uuid.uuid4().hex[:8]}"
     for index, entries in by_chunk.items():
-        write_part(store, index, name, [line for _, line in sorted(entries)])
+        write_part(store, run_id, index, name, [line for _, line in sorted(entries)])
     return len(results)
 
 
@@ -136,7 +136,8 @@ async def probe_step(
         await run_rollouts(step_ctx, items, batch, ConcurrencyLimit(parallelism))
     finally:
         results = dict(batch.results)
-        saved = await asyncio.to_thread(save_parts, ctx.ledger.store, chunks, results, label)
+        ledger = ctx.ledger
+        saved = await asyncio.to_thread(save_parts, ledger.store, ledger.run_id, chunks, results, label)
     return StepResult(
         label=label,
         parallelism=parallelism,
@@ -175,9 +176,8 @@ class ProbeFeed:
 
     def _generate(self) -> Iterator[WorkItem]:
         k = self.ctx.collection.num_repeats
-        store = self.ctx.ledger.store
         for chunk in self.plan.pending:
-            done: set[RolloutKey] = set(read_parts(store, chunk.index)[0])
+            done: set[RolloutKey] = set(chunk_parts(self.ctx.ledger, chunk, k)[0])
             if chunk.index in self.plan.committed:
                 done |= _committed_keys(self.ctx, chunk.index)
             for task_index, row in iter_chunk_rows(self.ctx.input_url, chunk, self.ctx.input_options):

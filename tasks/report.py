@@ -60,6 +60,7 @@ def build_report(
         "failed": summary.failed,
         "duplicates": summary.duplicates,
         "missing": summary.missing,
+        "missing_chunks": summary.uncommitted_chunks,
         "invalid": summary.invalid,
         "missing_reward": summary.missing_reward,
         "bad_input_rows": bad_rows,

@@ -29,6 +29,10 @@ class ChunkSpec:
     byte_offset: int
     first_line: int
 
+    @property
+    def task_range(self) -> range:
+        return range(self.first_task, self.first_task + self.num_tasks)
+
 
 @dataclass
 class BadRow:

@@ -79,6 +79,17 @@ class Store:
             self.fs.invalidate_cache(path)
         return bool(self.fs.exists(path))
 
+    def stamp(self, rel: str) -> str:
+        """What changes whenever the object is rewritten: size and mtime_ns on disk, size and ETag on S3."""
+        path = self.path(rel)
+        if self.local:
+            st = os.stat(path)
+            return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        self.fs.invalidate_cache(path)
+        info = self.fs.info(path)
+        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+        return f"{info.get('size')}:{tag}"
+
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
 
@@ -89,7 +100,7 @@ class Store:
         if self.local:
             found: dict[str, bytes] = {}
             for rel in rels:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     found[rel] = self.read_bytes(rel)
             return found
         by_path = {self.path(rel): rel for rel in rels}

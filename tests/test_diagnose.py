@@ -8,7 +8,7 @@ from tuning_support import closed_loop, setup_run
 from infra.local import spawn_simulator
 from tasks.diagnose import diagnose, verdict
 from tasks.http import close_loop_session
-from tasks.parts import read_parts
+from tasks.parts import chunk_parts
 from tasks.probe import StepResult
 from tasks.throughput import measure_step
 
@@ -80,5 +80,7 @@ async def test_verdicts_against_the_simulator(tmp_path, sim_args, extra, kind, e
     finally:
         sim.stop()
     assert d.verdict == expected, (d.verdict, d.reason)
-    saved = sum(len(read_parts(s.handles.store, c.index)[0]) for c in s.plan.scan.chunks)
+    saved = sum(
+        len(chunk_parts(s.handles.ledger, c, s.plan.identity.num_repeats)[0]) for c in s.plan.scan.chunks
+    )
     assert saved == d.low.saved + d.high.saved == d.low.measure.ok + d.high.measure.ok

@@ -13,7 +13,7 @@ from tasks.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
 from tasks.collect import collect_chunk
 from tasks.diagnose import diagnose
 from tasks.http import close_loop_session
-from tasks.parts import read_parts
+from tasks.parts import chunk_parts
 from tasks.plot import throughput_png, tuning_markdown
 from tasks.probe import ProbeFeed, StepResult
 from tasks.throughput import measure_step
@@ -91,7 +91,9 @@ async def test_knee_on_simulators_and_nothing_wasted(tmp_path, slots, latency_ms
         assert lo <= t.chosen_parallelism <= hi, t.as_dict()
         assert t.discarded == 0 and t.stable
         probes = d.probe_rollouts + t.probe_rollouts
-        saved = sum(len(read_parts(s.handles.store, c.index)[0]) for c in s.plan.scan.chunks)
+        saved = sum(
+            len(chunk_parts(s.handles.ledger, c, s.plan.identity.num_repeats)[0]) for c in s.plan.scan.chunks
+        )
         before = (await sim_metrics(sim.url))["requests"]
         # collection adopts every saved probe rollout and asks the backend only for the rest
         s.ctx.limit.set_limit(t.chosen_parallelism)
