@@ -24,10 +24,11 @@ def test_a_row_verifier_never_gets_another_rows_reward(run_cli, fast_sim, tmp_pa
             row = {"responses_create_params": {"input": "Say hello."}, "target": (i % 7) / 6}
             fh.write(orjson.dumps(row) + b"\n")
     out = tmp_path / "out"
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     res = run_cli(
         "run", "--input", str(inp), "--output", str(out), "--backend-kind", "responses",
         "--backend-url", fast_sim.url, "--parallelism", "16", "--verifier", "row_reward:score",
-        "--no-progress", env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        "--no-progress", env={"PYTHONPATH": path},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     rows = [orjson.loads(line) for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
