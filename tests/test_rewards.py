@@ -43,15 +43,19 @@ def test_exact_match() -> None:
 
 
 async def test_callable_verifier_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A callable may read any field of the row: the cache reuses a reward only for the same row and text."""
     (tmp_path / "my_reward.py").write_text(
-        "calls = []\nasync def score(row, text):\n    calls.append(text)\n    return len(text) / 10\n"
+        "calls = []\nasync def score(row, text):\n    calls.append((row['id'], text))\n"
+        "    return row['weight'] * len(text) / 10\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     verify = make_verifier(VerifySettings(verifier="my_reward:score"))
     assert verify is not None
-    assert await verify({}, result("abcde")) == 0.5
-    assert await verify({}, result("abcde")) == 0.5
-    assert sys.modules["my_reward"].calls == ["abcde"]
+    first, second = {"id": 1, "weight": 1.0}, {"id": 2, "weight": 2.0}
+    assert await verify(first, result("abcde")) == 0.5
+    assert await verify(dict(first), result("abcde")) == 0.5
+    assert await verify(second, result("abcde")) == 1.0
+    assert sys.modules["my_reward"].calls == [(1, "abcde"), (2, "abcde")]
 
 
 def test_bad_specs() -> None:
