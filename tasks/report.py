@@ -120,6 +120,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", diagnosis_markdown(report["diagnosis"])]
     if report.get("tuning"):
         lines += ["", tuning_markdown(report["tuning"], image="throughput.png")]
+    if report.get("missing_chunks"):
+        chunks = ", ".join(map(str, report["missing_chunks"][:50]))
+        lines += ["", f"Chunks not committed ({report['missing']:,} rollouts missing): {chunks}"]
     if report.get("audit_problems"):
         lines += ["", "## Audit problems", ""] + [f"- {p}" for p in report["audit_problems"]]
     return "\n".join(lines) + "\n"
