@@ -62,7 +62,7 @@ async def test_lost_lease_stops_every_chunk_before_the_flow_returns(
     try:
         with temporary_settings({PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
             thief = asyncio.create_task(take_over_after_first_commit())
-            with pytest.raises(LeaseLost, match="(took|taken) over"):
+            with pytest.raises(LeaseLost, match=r"(took|taken) over"):
                 await rollflow_collect(spec)
             ended = time.time()
             await thief
