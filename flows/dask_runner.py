@@ -1,16 +1,27 @@
-"""chunked-collect on a Dask cluster: chunk tasks go to worker processes through Prefect's Dask runner."""
+"""chunked-collect on a Dask cluster: chunk tasks go to worker processes through Prefect's Dask runner.
+
+The blocking Dask calls run in a thread that stops when told (deadline, lease lost, Ctrl-C): it cancels
+the futures and leaves the runner, which closes a local cluster's workers. Workers of an existing cluster
+stop their chunk themselves at the deadline or when the run's lease is gone (tasks/remote.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flows.secrets import resolve_secret_blocks
 from settings import RunSpec
 from tasks.collect import ChunkOutcome
 from tasks.prefect_tasks import collect_chunk_remote_task
+from tasks.remote import WorkerScope
 from tasks.rows import ChunkSpec
+
+POLL_S = 0.1
 
 
 @dataclass
@@ -36,24 +47,63 @@ def worker_share(parallelism: int, worker_threads: int) -> int:
 
 
 def _collect_blocking(
-    spec: RunSpec, chunks: list[ChunkSpec], parallelism: int, retries: int
+    spec: RunSpec,
+    chunks: list[ChunkSpec],
+    parallelism: int,
+    retries: int,
+    scope: WorkerScope,
+    stop: threading.Event,
 ) -> CollectResult:
     result = CollectResult()
     with _runner(spec) as runner:
         workers = runner.client.scheduler_info()["workers"].values()
         share = worker_share(parallelism, sum(w.get("nthreads", 1) for w in workers))
         task = collect_chunk_remote_task.with_options(retries=retries)
-        futures = [runner.submit(task, {"spec": spec, "chunk": c, "share": share}) for c in chunks]
-        for future in futures:
-            try:
-                result.outcomes.append(future.result())
-            except Exception as exc:
-                result.errors.append(f"{type(exc).__name__}: {exc}")
+        params = {"share": share, "scope": scope, "resolve": resolve_secret_blocks}
+        pending = [runner.submit(task, {"spec": spec, "chunk": c, **params}) for c in chunks]
+        while pending and not stop.wait(POLL_S):
+            for future in [f for f in pending if f.wrapped_future.done()]:
+                pending.remove(future)
+                try:
+                    result.outcomes.append(future.result())
+                except Exception as exc:
+                    result.errors.append(f"{type(exc).__name__}: {exc}")
+        if pending:
+            runner.client.cancel([f.wrapped_future for f in pending])
+            result.stopped = True
     return result
 
 
 async def collect_on_dask(
-    spec: RunSpec, chunks: list[ChunkSpec], parallelism: int, retries: int
+    spec: RunSpec,
+    chunks: list[ChunkSpec],
+    parallelism: int,
+    retries: int,
+    deadline_s: float | None = None,
+    owner: str | None = None,
 ) -> CollectResult:
-    """Blocking Dask futures run off the flow's event loop (context variables travel with to_thread)."""
-    return await asyncio.to_thread(_collect_blocking, spec, chunks, parallelism, retries)
+    """Blocking Dask futures run off the flow's event loop (context variables travel with to_thread).
+
+    Stopped at `deadline_s` or by cancellation; either way the thread is awaited before this returns
+    or raises, so no chunk of this run is still running when it does.
+    """
+    stop = threading.Event()
+    stop_at = None if deadline_s is None else time.time() + deadline_s
+    scope = WorkerScope(stop_at=stop_at, owner=owner)
+    work = asyncio.ensure_future(
+        asyncio.to_thread(_collect_blocking, spec, chunks, parallelism, retries, scope, stop)
+    )
+    cancelled = False
+    try:
+        await asyncio.wait({work}, timeout=deadline_s)
+    except asyncio.CancelledError:
+        cancelled = True
+    stop.set()
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return work.result()

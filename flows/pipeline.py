@@ -18,7 +18,7 @@ from tasks.adaptive import adaptive_control
 from tasks.audit import AuditSummary
 from tasks.collect import ChunkOutcome, CollectContext
 from tasks.http import close_loop_session
-from tasks.lease import Lease, LeaseLost
+from tasks.lease import Lease
 from tasks.plan import RunPlan
 from tasks.prefect_tasks import (
     collect_chunk_task,
@@ -46,33 +46,36 @@ async def collect_stage(
 ) -> CollectResult:
     """Run the pending chunks as tasks, a bounded number at once, all under ctx.limit.
 
-    At the deadline the running chunks are cancelled (saving their finished rollouts as parts) and
-    whatever committed stays committed.
+    The chunk jobs live in a task group: at the deadline, or when this stage is cancelled (lease lost,
+    Ctrl-C), every running chunk is cancelled (saving its finished rollouts as parts) and awaited before
+    this returns or raises, so no chunk commits after its run. Whatever committed stays committed.
     """
     gate = asyncio.Semaphore(chunks_in_flight)
     collect = collect_chunk_task.with_options(retries=ctx.collection.chunk_retries)
+    results: list[ChunkOutcome | Exception] = []
 
-    async def run_one(chunk: Any) -> ChunkOutcome:
+    async def run_one(chunk: Any) -> None:
         async with gate:
             t0 = time.perf_counter()
-            outcome = await collect(ctx, chunk)
+            try:
+                outcome = await collect(ctx, chunk)
+            except Exception as exc:  # a chunk that failed after its retries; the audit reports the gap
+                results.append(exc)
+                return
             outcome.task_s = time.perf_counter() - t0
-            return outcome
+            results.append(outcome)
 
-    jobs = [asyncio.ensure_future(run_one(c)) for c in plan.pending]
-    _, late = await asyncio.wait(jobs, timeout=deadline_s)
-    for job in late:
-        job.cancel()
-    results = await asyncio.gather(*jobs, return_exceptions=True)
-    if late:
-        results = [r for r in results if not isinstance(r, asyncio.CancelledError)]
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors and not all(isinstance(e, Exception) for e in errors):
-        raise next(e for e in errors if not isinstance(e, Exception))
+    stopped = False
+    try:
+        async with asyncio.timeout(deadline_s), asyncio.TaskGroup() as group:
+            for chunk in plan.pending:
+                group.create_task(run_one(chunk))
+    except TimeoutError:
+        stopped = True
     return CollectResult(
         outcomes=[r for r in results if isinstance(r, ChunkOutcome)],
-        errors=[f"{type(e).__name__}: {e}" for e in errors],
-        stopped=bool(late),
+        errors=[f"{type(e).__name__}: {e}" for e in results if isinstance(e, Exception)],
+        stopped=stopped,
     )
 
 
@@ -145,22 +148,13 @@ def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[
 
 
 async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: RunHandles) -> dict[str, Any]:
-    """Hold the output's lease for the whole run; losing it to another run stops this one."""
+    """Hold the output's lease for the whole run; losing it cancels and awaits every writer of the run."""
     lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
     await lease_task(handles, lease)
-    main = asyncio.current_task()
-    keeper = asyncio.create_task(lease.keep(on_lost=main.cancel if main else lambda: None))
+    handles.lease_owner = lease.owner
     try:
-        return await _collect_verify_publish(spec, settings, handles)
-    except asyncio.CancelledError:
-        if lease.lost:
-            raise LeaseLost(
-                f"Another run took over {spec.output}'s lease, so this run stopped writing. Everything it "
-                f"committed is kept."
-            ) from None
-        raise
+        return await lease.guard(_collect_verify_publish(spec, settings, handles))
     finally:
-        keeper.cancel()
         await asyncio.to_thread(lease.release)
 
 
@@ -205,7 +199,9 @@ async def _collect_verify_publish(
                 else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
             )
             if spec.runner == "dask":
-                collected = await collect_on_dask(spec, pending, parallelism, spec.collection.chunk_retries)
+                collected = await collect_on_dask(
+                    spec, pending, parallelism, spec.collection.chunk_retries, left, handles.lease_owner
+                )
             elif mode == "adaptive":
                 async with adaptive_control(ctx) as controller:
                     collected = await collect_stage(ctx, plan, chunks_in_flight, left)

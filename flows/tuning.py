@@ -17,11 +17,13 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from rich.console import Console
 from rich.table import Table
 
+from flows.secrets import resolve_secret_blocks
 from settings import RollflowSettings, RunSpec, TuningSettings
 from tasks.http import close_loop_session
+from tasks.lease import Lease
 from tasks.plan import RunPlan
 from tasks.plot import data_uri, diagnosis_markdown, steps_table, throughput_png, tuning_markdown
-from tasks.prefect_tasks import plan_task, preflight_task
+from tasks.prefect_tasks import lease_task, plan_task, preflight_task
 from tasks.prefect_tuning_tasks import diagnose_task, tune_task
 from tasks.probe import ProbeFeed
 from tasks.runtime import RunHandles, collect_context, open_run
@@ -105,8 +107,24 @@ async def choose_parallelism(
 
 
 async def _stage(spec: RunSpec, tune_too: bool, params: TuningParams | None) -> dict[str, Any]:
-    settings = RollflowSettings()
+    """Probes write parts (and --restart discards chunks), so the stage holds the output's lease."""
+    settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
+    lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
+    await lease_task(handles, lease)
+    try:
+        return await lease.guard(_diagnose_and_tune(spec, settings, handles, tune_too, params))
+    finally:
+        await asyncio.to_thread(lease.release)
+
+
+async def _diagnose_and_tune(
+    spec: RunSpec,
+    settings: RollflowSettings,
+    handles: RunHandles,
+    tune_too: bool,
+    params: TuningParams | None,
+) -> dict[str, Any]:
     plan = await plan_task(handles, None)
     chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too, params=params)
     name = "tuning.json" if tune_too else "diagnosis.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from settings.models import (
     BackendParams,
@@ -36,6 +36,17 @@ class RunSpec(BaseModel):
     runner: Literal["local", "dask"] = Field("local", description="Where chunks run: this process or Dask")
     dask_address: str | None = Field(None, description="Existing Dask scheduler; default a local cluster")
     dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
+
+    @model_validator(mode="after")
+    def _runner_supports_parallelism(self) -> RunSpec:
+        if self.runner == "dask" and self.collection.parallelism == "adaptive":
+            raise ValueError(
+                "--parallelism adaptive is not supported with --runner dask: the adaptive controller "
+                "steers one process's limit, and Dask workers each hold a fixed share. Use --parallelism "
+                "auto (tuned once, then split across workers) or a number with --runner dask, or "
+                "--runner local with adaptive"
+            )
+        return self
 
     @staticmethod
     def fields_from(settings: RollflowSettings) -> dict[str, Any]:

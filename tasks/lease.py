@@ -14,15 +14,18 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import orjson
 
 from tasks.storage import Store
 
 LEASE = "lease.json"
+T = TypeVar("T")
 
 
 class LeaseHeld(Exception):
@@ -158,6 +161,9 @@ class Lease:
         self.token: str | None = None
         self.acquired_at = time.time()
         self.lost = False
+        self.lost_reason = ""
+        self.margin_s = ttl_s / 6
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollflow-lease")
 
     def _body(self) -> bytes:
         info = LeaseInfo(self.owner, self.host, self.pid, self.acquired_at, time.time() + self.ttl_s)
@@ -192,26 +198,99 @@ class Lease:
         data, token = self.cas.read()
         info = _parse(data)
         if info is None or info.owner != self.owner or not self.cas.write(self._body(), token):
-            self.lost = True
-            raise LeaseLost(
+            self._lose(
                 f"This run's lease on {self.store.root_url} was taken over by "
-                f"{info.owner if info else 'nobody'}; stopping so that only one run writes the output."
+                f"{info.owner if info else 'nobody'}; this run stopped writing so that only one run writes "
+                f"the output. Everything it committed is kept."
             )
+            raise LeaseLost(self.lost_reason)
 
     def release(self) -> None:
         with contextlib.suppress(Exception):
             info = _parse(self.cas.read()[0])
             if info is not None and info.owner == self.owner:
                 self.cas.delete()
+        self._pool.shutdown(wait=False)
 
-    async def keep(self, on_lost: Callable[[], None]) -> None:
-        """Renew every third of the TTL; a lost lease stops the run through `on_lost`."""
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
+    def _lose(self, reason: str) -> None:
+        self.lost = True
+        self.lost_reason = reason
+
+    async def _renew_within(self, budget_s: float) -> float:
+        """Renew on the lease's own thread; the monotonic start time of a renewal that succeeded in time."""
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(loop.run_in_executor(self._pool, self.renew), timeout=max(0.0, budget_s))
+        return started
+
+    async def keep(self, on_lost: Callable[[], None] | None = None) -> None:
+        """Renew every third of the TTL until the lease is lost, then call `on_lost` and return.
+
+        Lost means taken over, or not renewed in time: once now reaches the last good renewal + TTL -
+        margin, the stored lease may expire before this run stops, so the run must stop first.
+        """
+        valid_until = time.monotonic() + self.ttl_s - self.margin_s
+        while not self.lost:
+            now = time.monotonic()
+            await asyncio.sleep(max(0.0, min(self.ttl_s / 3, valid_until - now)))
+            now = time.monotonic()
+            if now >= valid_until:
+                self._lose(self._expired_message())
+                break
             try:
-                await asyncio.to_thread(self.renew)
-            except LeaseLost:
-                on_lost()
-                return
-            except Exception:  # a storage hiccup: try again next interval, before expiry
+                valid_until = await self._renew_within(valid_until - now) + self.ttl_s - self.margin_s
+            except LeaseLost as exc:
+                self._lose(str(exc))
+            except TimeoutError:
+                self._lose(self._expired_message())
+            except Exception:  # a storage hiccup: try again, until the lease could expire
                 continue
+        if on_lost is not None:
+            on_lost()
+
+    def _expired_message(self) -> str:
+        return (
+            f"This run could not renew its lease on {self.store.root_url} within its {self.ttl_s:g}s "
+            f"lifetime (storage unreachable, or the process too busy), so another run may take the output "
+            f"over: this run stopped writing. Everything it committed is kept; run the same command again "
+            f"to resume."
+        )
+
+    async def guard(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` while the lease is kept; if it is lost, `work` (and every task it started inside
+        a task group) is cancelled and awaited before LeaseLost is raised, so no writer outlives it."""
+
+        async def keeper() -> None:
+            await self.keep()
+            raise LeaseLost(self.lost_reason)
+
+        return await run_guarded(work, keeper())
+
+
+async def run_guarded(work: Coroutine[Any, Any, T], watcher: Coroutine[Any, Any, None]) -> T:
+    """`work`'s result, unless `watcher` raises first: then `work` is cancelled, awaited, and the
+    watcher's error raised. The watcher is cancelled as soon as `work` ends."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            watching = group.create_task(watcher)
+            job = group.create_task(work)
+            job.add_done_callback(lambda _: watching.cancel())
+    except BaseExceptionGroup as errors:
+        found = [e for e in errors.exceptions if isinstance(e, LeaseLost)] or list(errors.exceptions)
+        raise found[0] from None
+    return job.result()
+
+
+async def follow(store: Store, owner: str, interval_s: float) -> None:
+    """Raise LeaseLost once the output's lease is no longer `owner`'s live lease (for remote workers,
+    which write for a run without holding its lease)."""
+    cas = _Cas(store)
+    while True:
+        data, _ = await asyncio.to_thread(cas.read)
+        info = _parse(data)
+        if info is None or info.owner != owner or info.expires_at <= time.time():
+            raise LeaseLost(
+                f"The lease on {store.root_url} is no longer held by the run this worker writes for "
+                f"({owner}); the chunk stopped without committing."
+            )
+        await asyncio.sleep(interval_s)

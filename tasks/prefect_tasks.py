@@ -15,7 +15,7 @@ from tasks.concat import concatenate
 from tasks.lease import Lease
 from tasks.plan import RunPlan, plan_run
 from tasks.preflight import check_reachable
-from tasks.remote import collect_chunk_on_worker
+from tasks.remote import SettingsResolver, WorkerScope, collect_chunk_on_worker
 from tasks.rows import ChunkSpec
 from tasks.runtime import RunHandles
 
@@ -53,8 +53,15 @@ async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutc
 
 
 @task(**CHUNK_TASK)
-async def collect_chunk_remote_task(spec: RunSpec, chunk: ChunkSpec, share: int) -> ChunkOutcome:
-    return await collect_chunk_on_worker(spec, chunk, share, attempt=task_run.run_count or 1)
+async def collect_chunk_remote_task(
+    spec: RunSpec,
+    chunk: ChunkSpec,
+    share: int,
+    scope: WorkerScope | None = None,
+    resolve: SettingsResolver | None = None,
+) -> ChunkOutcome:
+    attempt = task_run.run_count or 1
+    return await collect_chunk_on_worker(spec, chunk, share, attempt, scope, resolve)
 
 
 @task(name="verify", cache_policy=NONE)

@@ -21,6 +21,7 @@ class RunHandles:
     input_options: dict[str, Any]
     output_options: dict[str, Any]
     dataset_options: dict[str, Any]
+    lease_owner: str | None = None  # set while the run holds the output's lease; remote workers check it
 
 
 def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:

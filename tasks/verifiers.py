@@ -127,9 +127,15 @@ class CachedVerifier:
         return reward
 
 
-def _sync(fn: Callable[[dict[str, Any], str], float]) -> Verifier:
+def _sync(fn: Callable[[dict[str, Any], str], Any]) -> Verifier:
+    """A synchronous reward function, run on a thread: a slow one must not stall the event loop (and
+    with it the output lease's renewals and every other rollout)."""
+
     async def verify(row: dict[str, Any], result: RolloutResult) -> float:
-        return fn(row, result.text)
+        value = await asyncio.to_thread(fn, row, result.text)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value)
 
     return verify
 
@@ -143,12 +149,11 @@ def _callable(spec: str) -> Verifier:
             f"Cannot import verifier {spec!r} ({type(exc).__name__}: {exc}). Expected module:function, a "
             f"callable (row, text) -> float importable from the current environment."
         ) from exc
+    if not inspect.iscoroutinefunction(fn):
+        return _sync(fn)
 
     async def verify(row: dict[str, Any], result: RolloutResult) -> float:
-        value = fn(row, result.text)
-        if inspect.isawaitable(value):
-            value = await value
-        return float(value)
+        return float(await fn(row, result.text))
 
     return verify
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
+from rollout_data import write_rows
 
 from infra.local import spawn_simulator
 from tasks.lease import Lease, LeaseHeld, LeaseLost
@@ -86,3 +89,52 @@ def test_killed_owner_on_this_host_is_taken_over(run_cli, cli_env, slow_sim, row
     res = run_cli(*args)
     assert res.returncode == 0, res.stderr
     assert len((out / "rollouts.jsonl").read_bytes().splitlines()) == ROWS * 2
+
+
+async def test_keep_declares_the_lease_lost_before_it_can_expire(tmp_path: Path) -> None:
+    root = tmp_path / "out"
+    lease = Lease(Store(str(root)), 1.5)
+    lease.acquire()
+    expires_at = orjson.loads((root / "lease.json").read_bytes())["expires_at"]
+    shutil.rmtree(root)
+    root.write_text("storage that fails every read and write")  # every renewal now errors
+    declared: list[float] = []
+    await asyncio.wait_for(lease.keep(on_lost=lambda: declared.append(time.time())), timeout=5)
+    assert lease.lost and "could not renew its lease" in lease.lost_reason
+    assert declared and declared[0] < expires_at, "loss must be declared before the stored lease expires"
+
+
+def test_slow_sync_verifier_does_not_starve_lease_renewals(run_cli, cli_env, tmp_path) -> None:
+    """A verifier that blocks longer than the lease lifetime: the lease stays renewed throughout."""
+    import blocking_verifier
+
+    ttl_s = 2.0
+    assert ttl_s < blocking_verifier.BLOCK_S
+    sim = spawn_simulator("--latency-ms", "5", "--slots", "16")
+    inp, out = write_rows(tmp_path / "rows.jsonl", 6), tmp_path / "out"
+    env = {
+        **cli_env,
+        "ROLLFLOW_PIPELINE__LEASE_TTL_S": str(ttl_s),
+        "PYTHONPATH": str(Path(__file__).parent),
+    }
+    args = ["run", "--input", str(inp), "--output", str(out), "--backend-kind", "responses",
+            "--backend-url", sim.url, "--verifier", "blocking_verifier:verify", "--parallelism", "6",
+            "--chunk-size", "3", "--no-progress"]  # fmt: skip
+    worst = -float("inf")
+    try:
+        proc = spawn(args, env)
+        t_end = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < t_end:
+            try:
+                info = orjson.loads((out / "lease.json").read_bytes())
+            except (FileNotFoundError, orjson.JSONDecodeError):
+                info = None
+            if info is not None and proc.poll() is None:
+                worst = max(worst, time.time() - info["expires_at"])
+            time.sleep(0.02)
+        code = proc.wait(10)
+    finally:
+        sim.stop()
+    assert code == 0, proc.stderr.read().decode()[-2000:]
+    assert worst > -float("inf"), "the lease was never seen"
+    assert worst < 0, f"the stored lease was expired for {worst:.2f}s while the run was still writing"
