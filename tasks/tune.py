@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.collect import CollectContext
+from tasks.diagnose import TuningError
 from tasks.plan import RunPlan
 from tasks.probe import ProbeFeed, StepResult, probe_next
 
@@ -318,7 +319,7 @@ async def tune(
         stop = await _search(history, opts, valid, baseline, out_of_budget, measure)
         good = valid()
         if not good:
-            raise RuntimeError(
+            raise TuningError(
                 "Tuning found no parallelism at which the backend answered reliably "
                 f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in history)}). "
                 "Check the backend, or pass a fixed --parallelism."
