@@ -20,7 +20,7 @@ from rich.table import Table
 from settings import RollflowSettings, RunSpec, TuningSettings
 from tasks.http import close_loop_session
 from tasks.plan import RunPlan
-from tasks.plot import data_uri, diagnosis_markdown, steps_table, throughput_png, tuning_markdown
+from tasks.plot import data_uri, diagnosis_markdown, probe_fate, steps_table, throughput_png, tuning_markdown
 from tasks.prefect_tasks import plan_task, preflight_task
 from tasks.prefect_tuning_tasks import diagnose_task, tune_task
 from tasks.probe import ProbeFeed
@@ -154,7 +154,7 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
         console.print(table)
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
-            f"({t['total_probe_rollouts']:,} probe rollouts, all kept, {t['discarded']} discarded); "
+            f"({t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
             f"plot: {output.rstrip('/')}/throughput.png",
             highlight=False,
         )

@@ -59,7 +59,6 @@ class Diagnosis:
             },
             "time_split": self.figures.get("time_split", {}),
             "probe_rollouts": self.probe_rollouts,
-            "discarded": 0,
         }
 
 
