@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from settings import RollflowSettings
 
 EXIT_ERROR = 2
 
@@ -99,7 +102,9 @@ def _json_value(text: str) -> Any:
         return text
 
 
-def command_defaults(settings: Any, defaults: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def command_defaults(
+    settings: RollflowSettings, defaults: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """The command's own defaults (e.g. `run`'s parallelism auto) for fields no env var or .env set.
 
     pydantic-settings records in each group's `model_fields_set` what a source gave, so .env counts
