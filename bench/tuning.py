@@ -104,7 +104,8 @@ async def compare(slots: int, latency_ms: float) -> None:
         f"  {slots:>5} x {latency_ms:>4.0f} ms  {capacity:>8,.0f}/s | recipe {r_spent:>5,} rollouts, chose "
         f"{r_chosen:>4}, {r_rate / capacity:>5.2f} of capacity | rollflow {f_spent:>5,} rollouts "
         f"({f_spent / r_spent:.2f} of recipe), knee {t.knee:>4}, chose {t.chosen_parallelism:>4}, "
-        f"{f_rate / capacity:>5.2f} of capacity, {d.verdict}, discarded {t.discarded}"
+        f"{f_rate / capacity:>5.2f} of capacity, {d.verdict}, "
+        f"discarded {sum(s.errors for s in t.steps)} (failed probes: never saved as parts)"
     )
 
 

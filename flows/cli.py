@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from settings import RollflowSettings
 
 EXIT_ERROR = 2
 
@@ -99,17 +102,35 @@ def _json_value(text: str) -> Any:
         return text
 
 
-def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: str | None = None) -> Any:
-    """Settings from env/.env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
+def command_defaults(
+    settings: RollflowSettings, defaults: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The command's own defaults (e.g. `run`'s parallelism auto) for fields no env var or .env set.
+
+    pydantic-settings records in each group's `model_fields_set` what a source gave, so .env counts
+    exactly like the environment and neither is overridden by a default.
+    """
+    return {
+        group: {k: v for k, v in fields.items() if k not in getattr(settings, group).model_fields_set}
+        for group, fields in defaults.items()
+    }
+
+
+def build_spec(
+    args: argparse.Namespace, extra: list[str], defaults: dict[str, dict[str, Any]] | None = None
+) -> Any:
+    """Defaults, then .env, then env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
     from settings import RollflowSettings, RunSpec
 
-    top = RunSpec.fields_from(RollflowSettings())
+    settings = RollflowSettings()
+    top = RunSpec.fields_from(settings)
     backend, collection, verify, tuning = (top.pop(k) for k in ("backend", "collection", "verify", "tuning"))
+    groups = {"backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
+    for group, fields in command_defaults(settings, defaults or {}).items():
+        groups[group].update(fields)
     for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom"):
         if getattr(args, key, None) is not None:
             tuning[key] = getattr(args, key)
-    if default_parallelism and "ROLLFLOW_COLLECTION__PARALLELISM" not in os.environ:
-        collection["parallelism"] = default_parallelism
     gym = _nemo_gym_args(extra)
     if gym:
         backend["kind"] = "agent"
@@ -191,11 +212,14 @@ def _quiet_prefect(verbose: bool) -> None:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
-    spec = build_spec(args, extra, default_parallelism="auto" if flow_name == "run" else None)
+    defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
+    spec = build_spec(args, extra, defaults)
     _quiet_prefect(args.verbose)
     from flows.runner import run_and_print
 
-    return run_and_print(spec, flow_name, progress=not args.no_progress, print_json=args.json)
+    return run_and_print(
+        spec, flow_name, progress=not args.no_progress, print_json=args.json, verbose=args.verbose
+    )
 
 
 def cmd_simulate(argv: list[str]) -> int:

@@ -230,6 +230,7 @@ async def _collect_verify_publish(
         metrics=metrics,
         published=publish,
         bad_rows=plan.scan.bad_rows,
+        adopted=sum(o.adopted for o in collected.outcomes),
         extra={
             **extra,
             "chunk_errors": collected.errors[:20],

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
@@ -18,6 +21,7 @@ EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from flows.secrets import SecretBlockError
+    from tasks.diagnose import TuningError
     from tasks.lease import LeaseHeld, LeaseLost
     from tasks.ledger import IdentityMismatch
     from tasks.preflight import BackendUnreachable
@@ -34,7 +38,46 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         SecretBlockError,
         LeaseHeld,
         LeaseLost,
+        TuningError,
     )
+
+
+class HideKnownErrors(logging.Filter):
+    """Console only: drop Prefect's records of an expected error, which rollflow reports in one paragraph.
+
+    Prefect logs a failed task or flow with its traceback, then its Failed state; the API handler (the
+    Prefect UI) still gets both, and the run's state stays Failed with the message.
+    """
+
+    def __init__(self, known: tuple[type[BaseException], ...]) -> None:
+        super().__init__()
+        self.known = known
+        self.names = tuple(f"exception {t.__name__}: " for t in known)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            return not isinstance(record.exc_info[1], self.known)
+        if not record.name.startswith("prefect"):
+            return True
+        message = record.getMessage().replace("exception: ", "exception ")
+        return not any(name in message for name in self.names)
+
+
+@contextmanager
+def known_errors_quiet(known: tuple[type[BaseException], ...], verbose: bool) -> Iterator[None]:
+    """Install HideKnownErrors on Prefect's console handlers (none with --verbose) while a flow runs."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    hide = HideKnownErrors(known)
+    handlers = [] if verbose else logging.getLogger().handlers
+    consoles = [h for h in handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:
+        handler.addFilter(hide)
+    try:
+        yield
+    finally:
+        for handler in consoles:
+            handler.removeFilter(hide)
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -70,7 +113,9 @@ async def _run_flow(spec: RunSpec, flow_name: str) -> dict[str, Any]:
     return await flow(spec)
 
 
-def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool) -> int:
+def run_and_print(
+    spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool, verbose: bool = False
+) -> int:
     from flows.pipeline import RunIncomplete
 
     console = Console(stderr=True)
@@ -78,7 +123,10 @@ def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: 
     report: dict[str, Any] | None = None
     status = EXIT_OK
     try:
-        with ProgressBar(console, enabled=progress and console.is_terminal):
+        with (
+            known_errors_quiet((*user_errors, RunIncomplete), verbose),
+            ProgressBar(console, enabled=progress and console.is_terminal),
+        ):
             report = asyncio.run(_run_flow(spec, flow_name))
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE

@@ -22,7 +22,7 @@ from settings import RollflowSettings, RunSpec, TuningSettings
 from tasks.http import close_loop_session
 from tasks.lease import Lease
 from tasks.plan import RunPlan
-from tasks.plot import data_uri, diagnosis_markdown, steps_table, throughput_png, tuning_markdown
+from tasks.plot import data_uri, diagnosis_markdown, probe_fate, steps_table, throughput_png, tuning_markdown
 from tasks.prefect_tasks import lease_task, plan_task, preflight_task
 from tasks.prefect_tuning_tasks import diagnose_task, tune_task
 from tasks.probe import ProbeFeed
@@ -157,15 +157,6 @@ def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
 
 
-def params_from_args(args: argparse.Namespace) -> TuningParams:
-    given = {
-        key: getattr(args, key)
-        for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom")
-        if getattr(args, key, None) is not None
-    }
-    return TuningParams(**given)
-
-
 def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     """The verdict, its next step and the tuning table, as the CLI shows them."""
     d = found["diagnosis"]
@@ -181,24 +172,27 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
         console.print(table)
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
-            f"({t['total_probe_rollouts']:,} probe rollouts, all kept, {t['discarded']} discarded); "
+            f"({t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
             f"plot: {output.rstrip('/')}/throughput.png",
             highlight=False,
         )
 
 
 def _run(args: argparse.Namespace, tune_too: bool) -> int:
+    """The stage's tuning settings come from the spec, so flags, env and .env apply as for `run`."""
     from flows.cli import _quiet_prefect, build_spec
-    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors
+    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors, known_errors_quiet
 
     spec = build_spec(args, [])
-    params = params_from_args(args)
-    _quiet_prefect(getattr(args, "verbose", False))
+    verbose = getattr(args, "verbose", False)
+    _quiet_prefect(verbose)
     console = Console(stderr=True)
     flow_fn = rollflow_tune if tune_too else rollflow_diagnose
+    known = _user_errors()
     try:
-        found = asyncio.run(flow_fn(spec, params))
-    except (*_user_errors(), RuntimeError, ValueError) as exc:
+        with known_errors_quiet(known, verbose):
+            found = asyncio.run(flow_fn(spec))
+    except known as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
     print_tuning(console, found, spec.output)

@@ -21,6 +21,10 @@ RATE_LIMIT_RATE = 0.01
 TIMEOUT_KINDS = ("timeout",)
 
 
+class TuningError(RuntimeError):
+    """Diagnosis or tuning cannot go on with this input or backend; the message says what to change."""
+
+
 @dataclass
 class Diagnosis:
     """The verdict, the next step in plain words, and the figures behind it."""
@@ -55,7 +59,6 @@ class Diagnosis:
             },
             "time_split": self.figures.get("time_split", {}),
             "probe_rollouts": self.probe_rollouts,
-            "discarded": 0,
         }
 
 
@@ -192,7 +195,7 @@ async def diagnose(
         if own:
             feed.close()
     if lo is None or hi is None:
-        raise ValueError(
+        raise TuningError(
             f"The input has too few rows left to diagnose ({feed.handed_out} rollouts available, "
             f"{2 * rows} needed); lower --diagnose-rows or skip diagnosis with a fixed --parallelism."
         )

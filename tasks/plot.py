@@ -85,6 +85,13 @@ def diagnosis_markdown(diagnosis: dict[str, Any]) -> str:
     )
 
 
+def probe_fate(tuning: dict[str, Any]) -> str:
+    """After collection: adopted and discarded as counted; before it: where the probes wait."""
+    if "discarded" not in tuning:
+        return "each successful one is saved as a part for its chunk to adopt"
+    return f"{tuning['adopted']:,} adopted by their chunks, {tuning['discarded']:,} discarded"
+
+
 def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> str:
     """Markdown: the verdict line, the steps table, the plot (`image`: a file name or a data: URI)."""
     lines = [
@@ -93,7 +100,7 @@ def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> st
         f"Knee **{tuning['knee']}**, chosen parallelism **{tuning['chosen_parallelism']}** "
         f"(stopped on {tuning['stop_reason']}; peak {tuning['peak_rollouts_per_s']:,.1f} rollouts/s). "
         f"Tuning took {tuning['probe_rollouts']:,} rollouts (plus {tuning.get('seed_rollouts', 0):,} from "
-        f"the diagnosis); all are part of the dataset, {tuning['discarded']} discarded.",
+        f"the diagnosis); {probe_fate(tuning)}.",
         "",
         "| phase | parallelism | rollouts/s | p50 ms | p95 ms | errors | rollouts | note |",
         "|---|---:|---:|---:|---:|---:|---:|---|",

@@ -35,6 +35,17 @@ class RunMetrics:
     prefect_overhead_share: float | None = None
 
 
+def probe_accounting(tuning: dict[str, Any], adopted: int) -> dict[str, Any]:
+    """Probe rollouts requested minus those chunks adopted at commit: what tuning cost the dataset.
+
+    `adopted` is the manifests' count of saved rollouts taken over by this run's chunks; a failed probe
+    is never saved, and a part no chunk committed is not adopted, so either shows as discarded.
+    """
+    requested = tuning["total_probe_rollouts"]
+    kept = min(adopted, requested)
+    return {**tuning, "adopted": kept, "discarded": requested - kept}
+
+
 def build_report(
     *,
     input_url: str,
@@ -46,6 +57,7 @@ def build_report(
     published: bool,
     bad_rows: int,
     extra: dict[str, Any] | None = None,
+    adopted: int = 0,
 ) -> dict[str, Any]:
     collect_s = metrics.collect_s or 0.0
     report: dict[str, Any] = {
@@ -75,6 +87,8 @@ def build_report(
     }
     if extra:
         report.update(extra)
+    if report.get("tuning"):
+        report["tuning"] = probe_accounting(report["tuning"], adopted)
     return report
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.collect import CollectContext
+from tasks.diagnose import TuningError
 from tasks.plan import RunPlan
 from tasks.probe import ProbeFeed, StepResult, probe_next
 
@@ -94,7 +95,7 @@ class TuneStep:
 
 @dataclass
 class Tuning:
-    """The curve, the knee, the choice, and what it cost (nothing is discarded)."""
+    """The curve, the knee, the choice, and what it cost (the run report counts what chunks adopted)."""
 
     steps: list[TuneStep]
     knee: int
@@ -105,7 +106,6 @@ class Tuning:
     base_latency_s: float | None
     stable: bool = True
     seed_rollouts: int = 0
-    discarded: int = 0
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,7 +115,6 @@ class Tuning:
             "chosen_parallelism": self.chosen_parallelism,
             "probe_rollouts": self.probe_rollouts,
             "seed_rollouts": self.seed_rollouts,
-            "discarded": self.discarded,
             "stop_reason": self.stop_reason,
             "peak_rollouts_per_s": round(self.peak_rollouts_per_s, 3),
             "base_latency_s": None if self.base_latency_s is None else round(self.base_latency_s, 6),
@@ -318,7 +317,7 @@ async def tune(
         stop = await _search(history, opts, valid, baseline, out_of_budget, measure)
         good = valid()
         if not good:
-            raise RuntimeError(
+            raise TuningError(
                 "Tuning found no parallelism at which the backend answered reliably "
                 f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in history)}). "
                 "Check the backend, or pass a fixed --parallelism."

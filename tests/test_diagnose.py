@@ -31,7 +31,8 @@ def test_verdicts_from_synthetic_steps() -> None:
     over = verdict(step(5, 64), step(20, 64, attempt_errors={"http_503": 30, "timeout": 4}))
     assert over.verdict == "over-capacity" and "timeout" in over.reason
     d = verdict(step(5, 64), step(20, 64)).as_dict()
-    assert set(d) >= {"verdict", "throughput", "errors", "time_split", "next_step"} and d["discarded"] == 0
+    assert set(d) >= {"verdict", "throughput", "errors", "time_split", "next_step"}
+    assert "discarded" not in d, "only a run that collected can count what its chunks adopted"
 
 
 CASES = [

@@ -51,6 +51,47 @@ def test_bad_input_stops_before_any_request(run_cli, fast_sim, tmp_path, content
     assert not (tmp_path / "out" / "chunks").exists()
 
 
+def _rows_then_bad_line_5(path: Path) -> Path:
+    write_rows(path, 4)
+    with path.open("ab") as fh:
+        fh.write(b'{"responses_create_params": {"inp\n')
+    return path
+
+
+def test_user_error_is_one_paragraph_without_traceback(run_cli, fast_sim, tmp_path):
+    """Prefect's task-failure traceback stays out of the terminal unless --verbose asks for it."""
+    inp = _rows_then_bad_line_5(tmp_path / "bad.jsonl")
+    res = run_cli(*args_for(inp, tmp_path / "out", fast_sim.url))
+    assert res.returncode == 2
+    assert f"{inp}, line 5" in one_paragraph(res.stderr)
+    assert "Traceback" not in res.stderr and "task_engine" not in res.stderr, res.stderr
+    assert res.stderr.count("not valid JSON") == 1, res.stderr
+    res = run_cli(*args_for(inp, tmp_path / "out", fast_sim.url, "--verbose"))
+    assert res.returncode == 2 and "Traceback" in res.stderr and "InputError" in res.stderr
+    assert f"{inp}, line 5" in one_paragraph(res.stderr)
+
+
+def test_tuning_user_error_is_one_paragraph(run_cli, fast_sim, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 60)
+    res = run_cli("diagnose", *args_for(inp, tmp_path / "out", fast_sim.url)[1:])
+    assert res.returncode == 2
+    assert "too few rows left to diagnose" in one_paragraph(res.stderr)
+    assert "Traceback" not in res.stderr and res.stderr.count("too few rows") == 1, res.stderr
+
+
+def test_unexpected_error_keeps_its_traceback(run_cli, fast_sim, tmp_path):
+    """A bug (here in the user's verifier module, at import) is not a known error: its traceback shows."""
+    (tmp_path / "buggy_rewards.py").write_text("raise RuntimeError('bug in buggy_rewards')\n")
+    inp = write_rows(tmp_path / "rows.jsonl", 10)
+    res = run_cli(
+        *args_for(inp, tmp_path / "out", fast_sim.url, "--verifier", "buggy_rewards:score"),
+        "--backend-kind", "responses",
+        env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert res.returncode != 0
+    assert "Traceback" in res.stderr and "RuntimeError: bug in buggy_rewards" in res.stderr, res.stderr
+
+
 def test_empty_input(run_cli, fast_sim, tmp_path):
     inp = tmp_path / "empty.jsonl"
     inp.write_bytes(b"\n\n")
@@ -104,6 +145,7 @@ def test_unreachable_backend(run_cli, tmp_path):
     assert res.returncode == 2
     message = one_paragraph(res.stderr)
     assert "unreachable" in message and "--backend-url" in message
+    assert "Traceback" not in res.stderr and res.stderr.count("unreachable") == 1, res.stderr
 
 
 def test_missing_bucket(run_cli, fast_sim, moto_s3, tmp_path):
@@ -113,6 +155,7 @@ def test_missing_bucket(run_cli, fast_sim, moto_s3, tmp_path):
     message = one_paragraph(res.stderr)
     assert "no-such-bucket-rf" in message and "does not exist" in message
     assert "testing" not in res.stderr
+    assert "Traceback" not in res.stderr and res.stderr.count("does not exist") == 1, res.stderr
 
 
 def test_incomplete_run_is_not_published_then_resumes(run_cli, tmp_path):

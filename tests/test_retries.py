@@ -24,10 +24,12 @@ REPLY = b'{"output": [{"type": "message", "content": [{"type": "output_text", "t
 async def server() -> AsyncIterator[Callable[[list[web.Response | str]], str]]:
     runners: list[web.AppRunner] = []
     seen: list[dict[str, str]] = []
+    peers: list[tuple[str, int] | None] = []
 
     async def start(script: list[web.Response | str]) -> str:
         async def handler(request: web.Request) -> web.StreamResponse:
             seen.append(dict(request.headers))
+            peers.append(request.transport.get_extra_info("peername") if request.transport else None)
             step = script.pop(0) if len(script) > 1 else script[0]
             if step == "hang":
                 await asyncio.sleep(2)
@@ -44,6 +46,7 @@ async def server() -> AsyncIterator[Callable[[list[web.Response | str]], str]]:
         return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
     start.seen = seen  # type: ignore[attr-defined]
+    start.peers = peers  # type: ignore[attr-defined]
     yield start
     await close_loop_session()
     for runner in runners:
@@ -105,4 +108,24 @@ async def test_api_key_sent_never_in_errors(server) -> None:
     headers = server.seen[-1]
     assert headers["Authorization"] == "Bearer sk-hidden-123"
     assert headers["X-Rollflow-Task-Index"] == "5" and headers["X-Rollflow-Rollout-Index"] == "1"
-    assert isinstance(session_for_loop(settings), aiohttp.ClientSession)
+
+
+async def test_one_session_per_loop_reused_then_closed(server) -> None:
+    """Requests of one loop share a session and its connections; another loop gets its own."""
+    url = await server(["ok"])
+    first = session_for_loop()
+    for _ in range(3):
+        await client(url).rollout(ROW, 0, 0)
+    assert session_for_loop() is first and not first.closed
+    assert len(set(server.peers)) == 1, "one kept-alive connection for every request"
+    other = await asyncio.to_thread(asyncio.run, _session_in_new_loop())
+    assert other is not first and other.closed and not first.closed
+    await close_loop_session()
+    assert first.closed and session_for_loop() is not first
+
+
+async def _session_in_new_loop() -> aiohttp.ClientSession:
+    session = session_for_loop()
+    assert session_for_loop() is session
+    await close_loop_session()
+    return session
