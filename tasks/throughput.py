@@ -114,6 +114,9 @@ def steady_window(records: Sequence[Record], parallelism: int) -> tuple[float, f
     return None
 
 
+EARLY_BIAS = 0.05  # the overshoot a window opened at the first completion may carry (see the docstring)
+
+
 def rate_and_error(records: Sequence[Record], t0: float, t1: float) -> tuple[float, float]:
     """Successful progress per second over [t0, t1], and the standard error of its BINS sub-intervals."""
     span = t1 - t0
@@ -139,6 +142,8 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
         return StepMeasure(parallelism, n, ok, rate, p50, p95, dict(errors), wall, wall, n, "span", rate)
     t0, t1 = window
     rate, err = rate_and_error(records, t0, t1)
+    if t0 < sorted(r.end for r in records)[min(max(parallelism, 1), n) - 1]:
+        err = max(err, EARLY_BIAS * rate)
     return StepMeasure(
         parallelism=parallelism,
         rollouts=n,
@@ -156,10 +161,18 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
 
 
 def combine_measures(measures: Sequence[StepMeasure], records: Sequence[Record]) -> StepMeasure:
-    """Separate steps at one parallelism as one: rates weighted by inverse variance (an error floor of
-    1% keeps one lucky step from outweighing the rest), counts summed, percentiles over all `records`."""
-    weights = [1.0 / max(m.rate_err, 0.01 * m.rollouts_per_s, 1e-9) ** 2 for m in measures]
-    rate = sum(w * m.rollouts_per_s for w, m in zip(weights, measures, strict=True)) / sum(weights)
+    """Separate steps at one parallelism as one: counts summed, percentiles over all `records`, and the
+    rates that agree with the highest (within 2 standard errors) weighted by inverse variance (an error
+    floor of 1% keeps one lucky step from outweighing the rest). A rate far below the others is a loaded
+    client's (this estimator does not read high), so it is left out."""
+    best = max(measures, key=lambda m: m.rollouts_per_s)
+    agree = [
+        m
+        for m in measures
+        if best.rollouts_per_s - m.rollouts_per_s <= 2 * math.hypot(best.rate_err, m.rate_err)
+    ]
+    weights = [1.0 / max(m.rate_err, 0.01 * m.rollouts_per_s, 1e-9) ** 2 for m in agree]
+    rate = sum(w * m.rollouts_per_s for w, m in zip(weights, agree, strict=True)) / sum(weights)
     errors: Counter[str] = Counter()
     for m in measures:
         errors.update(m.errors)

@@ -45,6 +45,7 @@ from tasks.tune_rules import (
     refine_target,
     search_stop,
     step_rollouts,
+    stop_uncertain,
     to_extend,
     too_many_errors,
     unstable,
@@ -251,7 +252,9 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
     stop: str | None = None
     if len(good) >= 2:
         top = max(good, key=lambda s: s.parallelism)
-        stop = search_stop([s for s in good if s is not top], top, baseline(), opts)
+        earlier = [s for s in good if s is not top]
+        stop = search_stop(earlier, top, baseline(), opts)
+        stop = await _confirm(history, earlier, top, stop, opts, baseline, out_of_budget, measure)
         parallelism = top.parallelism * 2
     else:
         parallelism = max(good[0].parallelism * 2, opts.start) if good else opts.start
@@ -266,6 +269,7 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
         earlier = valid()
         reason = search_stop(earlier, step, baseline(), opts)
         history.append(("search", step, reason or ""))
+        reason = await _confirm(history, earlier, step, reason, opts, baseline, out_of_budget, measure)
         if reason == "errors" and not earlier:
             if parallelism == 1:
                 return "errors"
@@ -274,6 +278,22 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
         stop = reason
         parallelism *= 2
     return stop
+
+
+async def _confirm(history, earlier, step, reason, opts, baseline, out_of_budget, measure):  # type: ignore[no-untyped-def]
+    """Extend the latest step while its stop (or go-on) hangs on its rate's uncertainty; the decision
+    is then made on the step and its extensions together."""
+    merged = step
+    for _ in range(opts.max_extensions):
+        if reason == "errors" or not stop_uncertain(earlier, merged, baseline(), opts) or out_of_budget():
+            break
+        extra = await measure(step.parallelism, "extend")
+        if extra is None:
+            break
+        history.append(("extend", extra, f"confirming {reason or 'the gain'}"))
+        merged = merge_steps([merged, extra])
+        reason = search_stop(earlier, merged, baseline(), opts)
+    return reason
 
 
 async def _stability(history, chosen, measured, opts, valid, measure, notes, out_of_budget):  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tasks.probe import StepResult
 
@@ -33,6 +33,7 @@ class TuneOptions:
     headroom: float = 0.8
     peak_fraction: float = 0.92
     z: float = 2.0
+    over_knee: float = 1.25
     extend_rel_err: float = 0.015
     max_extensions: int = 3
     refine_steps: int = 2
@@ -119,6 +120,24 @@ def search_stop(
     return None
 
 
+def stop_uncertain(
+    valid: Sequence[StepResult], latest: StepResult, baseline: StepResult | None, opts: TuneOptions
+) -> bool:
+    """Whether the search's decision on `latest` flips within `z` standard errors of its rate (a rate
+    that reads low stops the search early, one that reads high runs it a doubling too far)."""
+    decided = search_stop(valid, latest, baseline, opts)
+    if decided in ("plateau", "latency-knee", "degradation") and "+" not in latest.label:
+        return True  # a stop read off one step is confirmed once: a loaded client reads low, never high
+    if latest.measure.rel_err <= opts.extend_rel_err:
+        return False
+    for sign in (1, -1):
+        rate = max(0.0, latest.rollouts_per_s + sign * opts.z * latest.measure.rate_err)
+        bumped = replace(latest, measure=replace(latest.measure, rollouts_per_s=rate))
+        if search_stop(valid, bumped, baseline, opts) != decided:
+            return True
+    return False
+
+
 def knee_estimate(valid: Sequence[StepResult]) -> int:
     """Peak throughput x unloaded latency, within the measured range."""
     peak = peak_step(valid)
@@ -164,8 +183,11 @@ def to_extend(valid: Sequence[StepResult], opts: TuneOptions) -> StepResult | No
 
 
 def choose(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int:
-    """max(ceil(headroom x knee), the peak floor): trims parallelism that buys little, not throughput."""
-    return max(math.ceil(opts.headroom * knee), peak_floor(valid, opts), 1)
+    """max(ceil(headroom x knee), the peak floor): trims parallelism that buys little, not throughput.
+    A floor far above the bandwidth-delay knee means the steps between read low (a loaded client), not
+    that the backend needs that many in flight: it is capped at `over_knee` x knee."""
+    floor = min(peak_floor(valid, opts), math.ceil(opts.over_knee * knee))
+    return max(math.ceil(opts.headroom * knee), floor, 1)
 
 
 def refine_target(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int | None:

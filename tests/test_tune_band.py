@@ -29,7 +29,14 @@ async def test_every_choice_within_the_knee_band(tmp_path, slots: int, latency_m
             feed.close()
             await close_loop_session()
             choices.append(t.chosen_parallelism)
-            assert 0.75 * slots <= t.chosen_parallelism <= 1.5 * slots, (choices, t.as_dict())
+            assert 0.75 * slots <= t.chosen_parallelism <= 1.5 * slots, (
+                choices,
+                t.stop_reason,
+                [
+                    (x.phase, x.parallelism, round(x.rollouts_per_s), round(x.rollouts_per_s_err), x.rollouts)
+                    for x in t.steps
+                ],
+            )
     finally:
         sim.stop()
     assert len(choices) == RUNS
