@@ -34,7 +34,7 @@ from tasks.parts import chunk_parts, write_part
 from tasks.plan import RunPlan
 from tasks.rows import ChunkSpec, iter_chunk_rows
 from tasks.storage import Store
-from tasks.throughput import StepMeasure, measure_step
+from tasks.throughput import StepMeasure, combine_measures, measure_step
 
 
 @dataclass
@@ -90,8 +90,31 @@ class StepResult:
             "wall_s": round(m.wall_s, 6),
             "window_s": round(m.window_s, 6),
             "method": m.method,
+            "rollouts_per_s_err": round(m.rate_err, 3),
             "saved": self.saved,
         }
+
+
+def merge_steps(steps: Sequence[StepResult]) -> StepResult:
+    """Steps at one parallelism (a step and its extensions) as one measurement."""
+    if len(steps) == 1:
+        return steps[0]
+    attempt_errors: dict[str, int] = {}
+    for st in steps:
+        for kind, n in st.attempt_errors.items():
+            attempt_errors[kind] = attempt_errors.get(kind, 0) + n
+    records = [r for st in steps for r in st.records]
+    return StepResult(
+        label="+".join(st.label for st in steps),
+        parallelism=steps[0].parallelism,
+        measure=combine_measures([st.measure for st in steps], records),
+        backend_s=sum(st.backend_s for st in steps),
+        verify_s=sum(st.verify_s for st in steps),
+        retries=sum(st.retries for st in steps),
+        attempt_errors=attempt_errors,
+        saved=sum(st.saved for st in steps),
+        records=records,
+    )
 
 
 def chunk_of(chunks: Sequence[ChunkSpec], task_index: int) -> ChunkSpec:

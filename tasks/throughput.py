@@ -1,24 +1,25 @@
-"""Steady-state throughput of one probe step, from its per-request timeline.
+"""Steady throughput of one probe step, with its uncertainty, from the per-request timeline.
 
 A step at parallelism P starts with P requests sent at once and ends with the in-flight count draining
-to zero; neither edge is the rate the backend sustains, and with short steps (100-200 rollouts) the
-edges are most of the step. Counting completions over a window is fragile too: requests that started
-together finish in waves, and while a backend queue fills up (P above its capacity) completions come
-faster than they will later. So the rate comes from Little's law, which needs no window alignment:
+to zero; neither edge is the rate the backend sustains. Two ways of reading the middle overshoot:
+- counting completions in a window: requests that started together finish in waves, so a window that
+  opens just before a wave counts one wave too many (up to slots / window x capacity);
+- Little's law (mean in flight / mean hold) over a window shorter than a few holds: the requests of
+  the first wave held their slots for less than the steady hold (the queue was still filling), and the
+  ones still in flight when the window opens carry that into it; on a real client (whose own lag makes
+  the first waves shorter still) this read 5-13% above slots / latency.
 
-    throughput = mean requests in flight / mean time each one holds its slot
-
-over the steady part of the step (`measure_step`):
-1. Ramp-up: only requests that *started* after the first completion count. By then the first wave has
-   met the backend, so each later request sees the queue (or free slots) the steady state has.
-2. Tail: nothing starts during the drain (it begins at the last start), and requests already running
-   keep the wait they queued for, so no request is dropped. (On a backend that shares its capacity
-   among the requests in flight the last ones finish a little early; the bias is a few percent.)
-3. In flight: the time-weighted mean in-flight count between the first completion and the last start
-   (P whenever the step keeps its limit full, as probes do). Successes only: the rate is multiplied by
-   the share of the counted requests that succeeded.
-A step with fewer than 5 such requests falls back to the whole-span rate (successes / first start to
-last end), which underestimates; `method` says which was used. Steps of >= 2 P rollouts are enough.
+So the rate is the *progress* of the requests in flight (`measure_step`): each request advances by
+overlap / its own hold, and the sum over the steady window, divided by its length, is the rate at which
+whole requests complete there. It has no wave edges (progress is continuous) and needs no alignment:
+1. Ramp-up: the window opens when the first wave is done (the P-th completion), so no request whose
+   hold was shortened by a filling queue is counted; steps too short for that (under ~2.5 cycles) open
+   at the first completion instead, with a few percent of overshoot that their uncertainty covers.
+2. Tail: the window closes at the last start; after it the in-flight count drains.
+3. Failures: the rate is multiplied by the share of counted progress that succeeded.
+Uncertainty: the window is cut into `BINS` equal intervals; `rate_err` is the standard error of their
+rates (a short or uneven step gets a wide one). A step with no window falls back to the whole-span rate
+(successes / first start to last end, an underestimate) with an error as large as the rate itself.
 
 p50/p95 latency are over successful requests of the whole step; errors are counted by kind.
 """
@@ -29,10 +30,10 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import quantiles
+from statistics import quantiles, stdev
 from typing import Protocol
 
-TAIL_FRACTION = 0.0  # share of the latest starts left out (kept as a knob; see the docstring)
+BINS = 6
 MIN_STEADY = 5
 
 
@@ -56,7 +57,13 @@ class StepMeasure:
     wall_s: float = 0.0
     window_s: float = 0.0
     window_completions: int = 0
-    method: str = "little"
+    method: str = "progress"
+    rate_err: float = 0.0
+
+    @property
+    def rel_err(self) -> float:
+        """rate_err / rate (1.0 when nothing was measured)."""
+        return self.rate_err / self.rollouts_per_s if self.rollouts_per_s > 0 else 1.0
 
     @property
     def error_count(self) -> int:
@@ -84,25 +91,43 @@ def percentiles(values: Sequence[float]) -> tuple[float | None, float | None]:
     return cuts[9], cuts[18]
 
 
-def mean_in_flight(records: Sequence[Record], t0: float, t1: float) -> float:
-    """Time-weighted mean number of requests in flight between t0 and t1."""
-    if t1 <= t0:
-        return float(sum(1 for r in records if r.start <= t0 < r.end))
-    busy = sum(max(0.0, min(r.end, t1) - max(r.start, t0)) for r in records)
-    return busy / (t1 - t0)
+def progress(records: Sequence[Record], t0: float, t1: float) -> float:
+    """Whole successful requests' worth of progress made between t0 and t1 (each at 1 / its hold)."""
+    return sum(
+        max(0.0, min(r.end, t1) - max(r.start, t0)) / (r.end - r.start)
+        for r in records
+        if r.error is None and r.end > r.start
+    )
 
 
-def steady_requests(records: Sequence[Record]) -> tuple[list[Record], float, float]:
-    """The requests counted (started after the first completion), and the interval they started in."""
-    first_end = min(r.end for r in records)
-    later = sorted((r for r in records if r.start >= first_end), key=lambda r: r.start)
-    keep = later[: len(later) - math.floor(TAIL_FRACTION * len(later))]
+def steady_window(records: Sequence[Record], parallelism: int) -> tuple[float, float] | None:
+    """(opens, closes): from the end of the first wave (or, if that leaves no window, the first
+    completion) to the last start; None when nothing is left between them."""
+    ends = sorted(r.end for r in records)
     last_start = max(r.start for r in records)
-    return keep, first_end, last_start
+    wave_done = ends[min(max(parallelism, 1), len(ends)) - 1]
+    holds = sorted(r.end - r.start for r in records)
+    for opens, min_span in ((wave_done, holds[len(holds) // 2]), (ends[0], 0.0)):
+        later = sum(1 for r in records if r.start >= opens)
+        if last_start - opens > min_span and later >= MIN_STEADY:
+            return opens, last_start
+    return None
+
+
+EARLY_BIAS = 0.05  # the overshoot a window opened at the first completion may carry (see the docstring)
+
+
+def rate_and_error(records: Sequence[Record], t0: float, t1: float) -> tuple[float, float]:
+    """Successful progress per second over [t0, t1], and the standard error of its BINS sub-intervals."""
+    span = t1 - t0
+    rate = progress(records, t0, t1) / span
+    width = span / BINS
+    parts = [progress(records, t0 + i * width, t0 + (i + 1) * width) / width for i in range(BINS)]
+    return rate, stdev(parts) / math.sqrt(BINS)
 
 
 def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
-    """Steady throughput, latency percentiles and error counts of one step (see the module docstring)."""
+    """Steady throughput with its uncertainty, latency percentiles and errors (see the module docstring)."""
     n = len(records)
     errors = Counter(r.error for r in records if r.error is not None)
     ok_latencies = [r.end - r.start for r in records if r.error is None]
@@ -111,14 +136,14 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
     if n == 0:
         return StepMeasure(parallelism, 0, 0, 0.0, None, None)
     wall = max(r.end for r in records) - min(r.start for r in records)
-    steady, t0, t1 = steady_requests(records)
-    if len(steady) < MIN_STEADY:
+    window = steady_window(records, parallelism)
+    if window is None:
         rate = ok / wall if wall > 0 else 0.0
-        return StepMeasure(parallelism, n, ok, rate, p50, p95, dict(errors), wall, wall, n, method="span")
-    in_flight = mean_in_flight(records, t0, t1)
-    hold = sum(r.end - r.start for r in steady) / len(steady)
-    good = sum(1 for r in steady if r.error is None)
-    rate = in_flight / hold * good / len(steady) if hold > 0 else 0.0
+        return StepMeasure(parallelism, n, ok, rate, p50, p95, dict(errors), wall, wall, n, "span", rate)
+    t0, t1 = window
+    rate, err = rate_and_error(records, t0, t1)
+    if t0 < sorted(r.end for r in records)[min(max(parallelism, 1), n) - 1]:
+        err = max(err, EARLY_BIAS * rate)
     return StepMeasure(
         parallelism=parallelism,
         rollouts=n,
@@ -128,7 +153,41 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
         p95_s=p95,
         errors=dict(errors),
         wall_s=wall,
-        window_s=max(0.0, t1 - t0),
-        window_completions=len(steady),
-        method="little",
+        window_s=t1 - t0,
+        window_completions=sum(1 for r in records if t0 < r.end <= t1),
+        method="progress",
+        rate_err=err,
+    )
+
+
+def combine_measures(measures: Sequence[StepMeasure], records: Sequence[Record]) -> StepMeasure:
+    """Separate steps at one parallelism as one: counts summed, percentiles over all `records`, and the
+    rates that agree with the highest (within 2 standard errors) weighted by inverse variance (an error
+    floor of 1% keeps one lucky step from outweighing the rest). A rate far below the others is a loaded
+    client's (this estimator does not read high), so it is left out."""
+    best = max(measures, key=lambda m: m.rollouts_per_s)
+    agree = [
+        m
+        for m in measures
+        if best.rollouts_per_s - m.rollouts_per_s <= 2 * math.hypot(best.rate_err, m.rate_err)
+    ]
+    weights = [1.0 / max(m.rate_err, 0.01 * m.rollouts_per_s, 1e-9) ** 2 for m in agree]
+    rate = sum(w * m.rollouts_per_s for w, m in zip(weights, agree, strict=True)) / sum(weights)
+    errors: Counter[str] = Counter()
+    for m in measures:
+        errors.update(m.errors)
+    p50, p95 = percentiles([r.end - r.start for r in records if r.error is None])
+    return StepMeasure(
+        parallelism=measures[0].parallelism,
+        rollouts=sum(m.rollouts for m in measures),
+        ok=sum(m.ok for m in measures),
+        rollouts_per_s=rate,
+        p50_s=p50,
+        p95_s=p95,
+        errors=dict(errors),
+        wall_s=sum(m.wall_s for m in measures),
+        window_s=sum(m.window_s for m in measures),
+        window_completions=sum(m.window_completions for m in measures),
+        method="progress" if any(m.method == "progress" for m in measures) else "span",
+        rate_err=1.0 / math.sqrt(sum(weights)),
     )

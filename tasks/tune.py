@@ -15,10 +15,12 @@ Refinement measures the knee estimate itself (and, if that falls short of `peak_
 bisects once toward the nearest measured point above it), so the knee is known far closer than 2x.
 
 Choice. chosen = max(ceil(headroom x knee), P_floor), P_floor = the smallest measured parallelism whose
-throughput reached `peak_fraction` (92%) of the peak: as close to the peak as short steps measure (their
-rates carry a few percent of noise, and Little's law overshoots a filling queue by up to ~7%). Headroom
-(0.8) trims parallelism that buys almost nothing on a soft knee; it never cuts into throughput: on a sharp
-knee (fixed slots) 0.8 x knee gives only 80% of capacity, and the floor keeps the choice at the knee.
+throughput reached `peak_fraction` (92%) of the peak, a rate within `z` standard errors of that counting
+as reaching it (each step's rate carries its uncertainty; the smaller parallelism wins a tie). When the
+floor or the peak stands where it does only within that uncertainty, that step is extended (up to
+`max_extensions` times) before the choice is made. Headroom (0.8) trims parallelism that buys almost
+nothing on a soft knee; it never cuts into throughput: on a sharp knee (fixed slots) 0.8 x knee gives
+only 80% of capacity, and the floor keeps the choice at the knee.
 
 Stability. The chosen value runs for a longer stretch (`stability_rollouts`, >= `stability_cycles` x P);
 if errors or a latency spread (p95/p50) well beyond the unloaded one appear, it backs off x `backoff`.
@@ -35,34 +37,33 @@ from typing import Any
 from tasks.collect import CollectContext
 from tasks.diagnose import TuningError
 from tasks.plan import RunPlan
-from tasks.probe import ProbeFeed, StepResult, probe_next
+from tasks.probe import ProbeFeed, StepResult, merge_steps, probe_next
+from tasks.tune_rules import (
+    TuneOptions,
+    base_latency,
+    choose,
+    knee_estimate,
+    refine_target,
+    search_stop,
+    step_rollouts,
+    stop_uncertain,
+    to_extend,
+    too_many_errors,
+    unstable,
+    utilisation,
+)
 
-
-@dataclass
-class TuneOptions:
-    """Knobs of the search; defaults suit backends whose latency is 10 ms to minutes."""
-
-    start: int = 8
-    min_rollouts: int = 100
-    cycles: float = 2.0
-    stability_rollouts: int = 200
-    stability_cycles: float = 3.0
-    plateau_gain: float = 0.10
-    degrade: float = 0.10
-    max_error_rate: float = 0.02
-    knee_utilisation: float = 0.90
-    knee_gain: float = 1.7
-    saturated_utilisation: float = 0.75
-    headroom: float = 0.8
-    peak_fraction: float = 0.92
-    refine_steps: int = 2
-    near: float = 0.05
-    backoff: float = 0.75
-    max_backoffs: int = 2
-    spread_jump: float = 1.5
-    max_parallelism: int = 4096
-    max_steps: int = 12
-    time_budget_s: float = 900.0
+__all__ = [
+    "TuneOptions",
+    "TuneStep",
+    "Tuning",
+    "choose",
+    "knee_estimate",
+    "refine_target",
+    "search_stop",
+    "step_rollouts",
+    "tune",
+]
 
 
 @dataclass
@@ -78,12 +79,14 @@ class TuneStep:
     rollouts: int
     utilisation: float | None = None
     note: str = ""
+    rollouts_per_s_err: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "phase": self.phase,
             "parallelism": self.parallelism,
             "rollouts_per_s": round(self.rollouts_per_s, 3),
+            "rollouts_per_s_err": round(self.rollouts_per_s_err, 3),
             "latency_p50_s": None if self.latency_p50_s is None else round(self.latency_p50_s, 6),
             "latency_p95_s": None if self.latency_p95_s is None else round(self.latency_p95_s, 6),
             "errors": self.errors,
@@ -123,138 +126,6 @@ class Tuning:
         }
 
 
-# ---- pure decisions (unit-tested on synthetic steps) -------------------------------------------
-
-
-def step_rollouts(parallelism: int, opts: TuneOptions, stability: bool = False) -> int:
-    """Rollouts for a step at `parallelism`: enough whole cycles for a steady measurement."""
-    if stability:
-        return max(opts.stability_rollouts, math.ceil(opts.stability_cycles * parallelism))
-    return max(opts.min_rollouts, math.ceil(opts.cycles * parallelism))
-
-
-def attempt_error_rate(step: StepResult) -> float:
-    attempts = step.measure.ok + sum(step.attempt_errors.values())
-    return sum(step.attempt_errors.values()) / attempts if attempts else 0.0
-
-
-def too_many_errors(step: StepResult, baseline: StepResult | None, opts: TuneOptions) -> bool:
-    """Failed rollouts above the threshold, or failed attempts that grew with load: clearly more than at
-    the lowest level (a backend that fails a steady few percent at any load is flaky, not overloaded;
-    retries cover it)."""
-    if step.measure.rollouts == 0:
-        return True
-    if step.measure.error_rate > opts.max_error_rate:
-        return True
-    if baseline is None or baseline is step or baseline.parallelism >= step.parallelism:
-        return False
-    rate = attempt_error_rate(step)
-    return rate > 2 * attempt_error_rate(baseline) + 2 * opts.max_error_rate
-
-
-def base_latency(steps: Sequence[StepResult]) -> float | None:
-    """The unloaded latency: the lowest p50 seen (the lowest levels run below the knee)."""
-    values = [s.measure.p50_s for s in steps if s.measure.p50_s]
-    return min(values) if values else None
-
-
-def utilisation(step: StepResult, latency0: float | None) -> float | None:
-    """Throughput x unloaded latency / P: 1.0 below the knee, P_knee / P above it."""
-    if not latency0 or step.parallelism <= 0:
-        return None
-    return step.rollouts_per_s * latency0 / step.parallelism
-
-
-def normalised_gain(lower: StepResult, upper: StepResult) -> float:
-    """Throughput ratio scaled to one doubling of parallelism (so x1.5 steps compare with x2)."""
-    if lower.rollouts_per_s <= 0:
-        return float("inf")
-    ratio = upper.rollouts_per_s / lower.rollouts_per_s
-    octaves = math.log2(upper.parallelism / lower.parallelism)
-    return ratio ** (1 / octaves) if octaves > 0 else ratio
-
-
-def search_stop(
-    valid: Sequence[StepResult], latest: StepResult, baseline: StepResult | None, opts: TuneOptions
-) -> str | None:
-    """Why the doubling search stops after `latest` (None: keep doubling). `valid`: earlier good steps."""
-    if too_many_errors(latest, baseline, opts):
-        return "errors"
-    lower = [s for s in valid if s.parallelism < latest.parallelism]
-    best = max((s.rollouts_per_s for s in valid), default=0.0)
-    if best and latest.rollouts_per_s < (1 - opts.degrade) * best:
-        return "degradation"
-    if not lower:
-        return None
-    prev = max(lower, key=lambda s: s.parallelism)
-    gain = normalised_gain(prev, latest)
-    if gain < 1 + opts.plateau_gain:
-        return "plateau"
-    u = utilisation(latest, base_latency([*valid, latest]))
-    if u is not None and (
-        u < opts.saturated_utilisation or (u < opts.knee_utilisation and gain < opts.knee_gain)
-    ):
-        return "latency-knee"
-    if latest.parallelism * 2 > opts.max_parallelism:
-        return "max-parallelism"
-    return None
-
-
-def knee_estimate(valid: Sequence[StepResult]) -> int:
-    """Peak throughput x unloaded latency, within the measured range."""
-    peak = max(valid, key=lambda s: s.rollouts_per_s)
-    latency0 = base_latency(valid)
-    lo = min(s.parallelism for s in valid)
-    if not latency0:
-        return peak.parallelism
-    bdp = peak.rollouts_per_s * latency0
-    return int(min(max(round(bdp), lo, 1), peak.parallelism))
-
-
-def peak_floor(valid: Sequence[StepResult], opts: TuneOptions) -> int:
-    """The smallest measured parallelism whose throughput reached peak_fraction of the peak."""
-    peak = max(s.rollouts_per_s for s in valid)
-    return min(s.parallelism for s in valid if s.rollouts_per_s >= opts.peak_fraction * peak)
-
-
-def choose(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int:
-    """max(ceil(headroom x knee), the peak floor): trims parallelism that buys little, not throughput."""
-    return max(math.ceil(opts.headroom * knee), peak_floor(valid, opts), 1)
-
-
-def refine_target(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int | None:
-    """Where to measure next to pin the knee down: the estimate itself, then a bisection between it and
-    the nearest measured point above it (None: the knee is known closely enough)."""
-    near = [s for s in valid if abs(s.parallelism - knee) <= opts.near * knee]
-    if not near:
-        return knee
-    peak = max(s.rollouts_per_s for s in valid)
-    if any(s.rollouts_per_s >= opts.peak_fraction * peak for s in near):
-        return None
-    above = [s.parallelism for s in valid if s.parallelism > knee * (1 + opts.near)]
-    if not above:
-        return None
-    mid = (knee + min(above)) // 2
-    if any(abs(s.parallelism - mid) <= opts.near * mid for s in valid):
-        return None
-    return mid
-
-
-def unstable(step: StepResult, reference: Sequence[StepResult], opts: TuneOptions) -> str | None:
-    """Why a stability stretch failed, else None: errors, or a p95/p50 spread that jumped beyond what the
-    shorter steps at or below this level showed (queueing at the knee itself is expected, so the bar is
-    `spread_jump` x that and at least 2)."""
-    baseline = min(reference, key=lambda s: s.parallelism) if reference else None
-    if too_many_errors(step, baseline, opts):
-        return f"{step.errors} failed rollouts, {sum(step.attempt_errors.values())} failed attempts"
-    spread = step.measure.spread
-    seen = [s.measure.spread for s in reference if s is not step and s.parallelism <= step.parallelism]
-    ref = max((x for x in seen if x is not None), default=None)
-    if spread is not None and ref is not None and spread > max(opts.spread_jump * ref, 2.0):
-        return f"latency spread p95/p50 {spread:.2f} against {ref:.2f} in shorter steps"
-    return None
-
-
 # ---- the search against a backend --------------------------------------------------------------
 
 
@@ -270,6 +141,7 @@ def _row(phase: str, step: StepResult, latency0: float | None, note: str = "") -
         rollouts=m.rollouts,
         utilisation=utilisation(step, latency0),
         note=note,
+        rollouts_per_s_err=m.rate_err,
     )
 
 
@@ -295,8 +167,13 @@ async def tune(
     notes: list[str] = []
 
     def valid() -> list[StepResult]:
+        """Good steps, a step and its extensions merged into one measurement per parallelism."""
         good = [s for _, s, _ in history if s.measure.rollouts and not too_many_errors(s, baseline(), opts)]
-        return [s for s in good if s.measure.method != "span"] or good
+        good = [s for s in good if s.measure.method != "span"] or good
+        by_level: dict[int, list[StepResult]] = {}
+        for s in good:
+            by_level.setdefault(s.parallelism, []).append(s)
+        return [merge_steps(steps) for steps in by_level.values()]
 
     def baseline() -> StepResult | None:
         steps = [s for _, s, _ in history if s.measure.rollouts]
@@ -336,6 +213,16 @@ async def tune(
             stability_step = step
             good = valid()
             knee = knee_estimate(good)
+        for _ in range(opts.max_extensions):
+            ambiguous = to_extend(good, opts)
+            if ambiguous is None or out_of_budget():
+                break
+            step = await measure(ambiguous.parallelism, "extend")
+            if step is None:
+                break
+            history.append(("extend", step, f"rate {ambiguous.rollouts_per_s:,.0f} uncertain"))
+            good = valid()
+            knee = knee_estimate(good)
         chosen = choose(good, knee, opts)
         stable, chosen = await _stability(
             history, chosen, stability_step, opts, valid, measure, notes, out_of_budget
@@ -364,7 +251,9 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
     stop: str | None = None
     if len(good) >= 2:
         top = max(good, key=lambda s: s.parallelism)
-        stop = search_stop([s for s in good if s is not top], top, baseline(), opts)
+        earlier = [s for s in good if s is not top]
+        stop = search_stop(earlier, top, baseline(), opts)
+        stop = await _confirm(history, earlier, top, stop, opts, baseline, out_of_budget, measure)
         parallelism = top.parallelism * 2
     else:
         parallelism = max(good[0].parallelism * 2, opts.start) if good else opts.start
@@ -379,6 +268,7 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
         earlier = valid()
         reason = search_stop(earlier, step, baseline(), opts)
         history.append(("search", step, reason or ""))
+        reason = await _confirm(history, earlier, step, reason, opts, baseline, out_of_budget, measure)
         if reason == "errors" and not earlier:
             if parallelism == 1:
                 return "errors"
@@ -387,6 +277,22 @@ async def _search(history, opts, valid, baseline, out_of_budget, measure) -> str
         stop = reason
         parallelism *= 2
     return stop
+
+
+async def _confirm(history, earlier, step, reason, opts, baseline, out_of_budget, measure):  # type: ignore[no-untyped-def]
+    """Extend the latest step while its stop (or go-on) hangs on its rate's uncertainty; the decision
+    is then made on the step and its extensions together."""
+    merged = step
+    for _ in range(opts.max_extensions):
+        if reason == "errors" or not stop_uncertain(earlier, merged, baseline(), opts) or out_of_budget():
+            break
+        extra = await measure(step.parallelism, "extend")
+        if extra is None:
+            break
+        history.append(("extend", extra, f"confirming {reason or 'the gain'}"))
+        merged = merge_steps([merged, extra])
+        reason = search_stop(earlier, merged, baseline(), opts)
+    return reason
 
 
 async def _stability(history, chosen, measured, opts, valid, measure, notes, out_of_budget):  # type: ignore[no-untyped-def]

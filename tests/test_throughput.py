@@ -10,6 +10,7 @@ from tasks.collect import RequestRecord
 from tasks.http import close_loop_session
 from tasks.probe import ProbeFeed, probe_step
 from tasks.throughput import measure_step, percentiles
+from tasks.tune import TuneOptions, step_rollouts
 
 
 @pytest.mark.parametrize(
@@ -20,15 +21,15 @@ from tasks.throughput import measure_step, percentiles
         (32, 32, 100),
         (40, 32, 100),
         (64, 32, 200),
-        (128, 128, 256),
-        (160, 128, 320),
+        (128, 128, 384),
+        (160, 128, 480),
     ],
 )
 def test_short_steps_measure_the_steady_rate(parallelism: int, slots: int, n: int) -> None:
     latency = 0.05
     truth = min(parallelism, slots) / latency
     m = measure_step(closed_loop(n, parallelism, slots, latency), parallelism)
-    assert m.method == "little"
+    assert m.method == "progress"
     assert m.rollouts_per_s == pytest.approx(truth, rel=0.05)
 
 
@@ -64,3 +65,25 @@ async def test_real_simulator_short_step(tmp_path) -> None:
     assert 0.8 * 8 / 0.04 <= below.rollouts_per_s <= 1.05 * 8 / 0.04
     assert 0.8 * capacity <= above.rollouts_per_s <= 1.1 * capacity
     assert below.saved == 120 and above.saved == 160
+
+
+async def test_steps_above_the_knee_never_read_above_capacity(tmp_path) -> None:
+    """A 32-slot, 50 ms backend serves at most 640/s: no step at or past its knee may measure more."""
+    sim = spawn_simulator("--slots", "32", "--latency-ms", "50")
+    capacity = 32 / 0.05
+    steps = []
+    try:
+        s = setup_run(tmp_path, sim.url, rows=4000)
+        feed = ProbeFeed(s.ctx, s.plan)
+        for parallelism in (40, 64, 80, 128, 64, 80):
+            items = feed.take(step_rollouts(parallelism, TuneOptions()))
+            steps.append(await probe_step(s.ctx, items, parallelism, chunks=s.plan.scan.chunks))
+        feed.close()
+        await close_loop_session()
+    finally:
+        sim.stop()
+    for st in steps:
+        m = st.measure
+        assert m.method == "progress" and 0 < m.rate_err < 0.1 * m.rollouts_per_s, st.as_dict()
+        assert m.rollouts_per_s - 2 * m.rate_err <= capacity, st.as_dict()
+        assert m.rollouts_per_s <= 1.03 * capacity, st.as_dict()

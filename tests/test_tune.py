@@ -21,7 +21,7 @@ from tasks.tune import TuneOptions, choose, knee_estimate, refine_target, search
 
 
 def step(p: int, slots: int, latency: float = 0.05, n: int | None = None) -> StepResult:
-    n = n or max(100, 2 * p)
+    n = n or step_rollouts(p, TuneOptions())
     return StepResult(f"p{p}", p, measure_step(closed_loop(n, p, slots, latency), p))
 
 
@@ -47,8 +47,8 @@ def test_choice_trims_a_soft_knee_only_where_throughput_is_kept() -> None:
     assert 100 <= knee <= 110
     chosen = choose([*steps, step(100, 100)], knee, opts)
     assert 95 <= chosen <= 110
-    assert step_rollouts(8, opts) == 100 and step_rollouts(200, opts) == 400
-    assert step_rollouts(200, opts, stability=True) == 600
+    assert step_rollouts(8, opts) == 100 and step_rollouts(200, opts) == 600
+    assert step_rollouts(200, opts, stability=True) == 800
 
 
 def test_adaptive_decisions() -> None:
@@ -72,9 +72,8 @@ PROFILES = [
     (8, 50, (), (7, 15)),
     (32, 50, (), (29, 60)),
     (128, 400, (), (115, 240)),
-    # with 3% faults a step's rate carries the faults' noise: the choice may land above the knee, which
-    # on a slot-limited backend costs latency (requests queue), never throughput
-    (32, 50, ("--fault-rate", "0.03", "--fault-kinds", "500,503,reset"), (29, 96)),
+    # with 3% faults a step's rate carries the faults' noise: the band is up to 2x the slots
+    (32, 50, ("--fault-rate", "0.03", "--fault-kinds", "500,503,reset"), (29, 64)),
 ]
 
 
