@@ -151,6 +151,7 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
     """Hold the output's lease for the whole run; losing it cancels and awaits every writer of the run."""
     lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
     await lease_task(handles, lease)
+    handles.ledger.fence = lease.check
     handles.lease_owner = lease.owner
     try:
         return await lease.guard(_collect_verify_publish(spec, settings, handles))

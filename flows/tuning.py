@@ -112,6 +112,7 @@ async def _stage(spec: RunSpec, tune_too: bool, params: TuningParams | None) -> 
     handles = open_run(spec, settings)
     lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
     await lease_task(handles, lease)
+    handles.ledger.fence = lease.check
     try:
         return await lease.guard(_diagnose_and_tune(spec, settings, handles, tune_too, params))
     finally:

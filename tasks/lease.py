@@ -163,6 +163,7 @@ class Lease:
         self.lost = False
         self.lost_reason = ""
         self.margin_s = ttl_s / 6
+        self.valid_until = time.monotonic() + ttl_s - self.margin_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollflow-lease")
 
     def _body(self) -> bytes:
@@ -179,6 +180,7 @@ class Lease:
 
     def acquire(self) -> None:
         for _ in range(3):
+            started = time.monotonic()
             data, token = self.cas.read()
             info = _parse(data)
             live = info is not None and info.expires_at > time.time() and info.owner_alive_here()
@@ -187,6 +189,7 @@ class Lease:
             body = self._body()
             if self.cas.write(body, token if data is not None else None):
                 self.token = self.cas.read()[1]
+                self.valid_until = started + self.ttl_s - self.margin_s
                 return
         data, _ = self.cas.read()
         info = _parse(data)
@@ -229,16 +232,16 @@ class Lease:
         Lost means taken over, or not renewed in time: once now reaches the last good renewal + TTL -
         margin, the stored lease may expire before this run stops, so the run must stop first.
         """
-        valid_until = time.monotonic() + self.ttl_s - self.margin_s
         while not self.lost:
             now = time.monotonic()
-            await asyncio.sleep(max(0.0, min(self.ttl_s / 3, valid_until - now)))
+            await asyncio.sleep(max(0.0, min(self.ttl_s / 3, self.valid_until - now)))
             now = time.monotonic()
-            if now >= valid_until:
+            if now >= self.valid_until:
                 self._lose(self._expired_message())
                 break
             try:
-                valid_until = await self._renew_within(valid_until - now) + self.ttl_s - self.margin_s
+                started = await self._renew_within(self.valid_until - now)
+                self.valid_until = started + self.ttl_s - self.margin_s
             except LeaseLost as exc:
                 self._lose(str(exc))
             except TimeoutError:
@@ -247,6 +250,13 @@ class Lease:
                 continue
         if on_lost is not None:
             on_lost()
+
+    def check(self) -> None:
+        """Raise LeaseLost unless this run surely still holds the lease (the ledger's commit fence)."""
+        if not self.lost and time.monotonic() >= self.valid_until:
+            self._lose(self._expired_message())
+        if self.lost:
+            raise LeaseLost(self.lost_reason)
 
     def _expired_message(self) -> str:
         return (

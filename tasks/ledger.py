@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -99,6 +99,8 @@ class Ledger:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._run_id: str | None = None
+        # Called before every commit; the run's lease sets it, so a run that lost the output commits nothing.
+        self.fence: Callable[[], None] | None = None
 
     @property
     def run_id(self) -> str:
@@ -207,6 +209,8 @@ class Ledger:
         else:
             self.store.delete(self.failures_path(i))
         manifest.committed_at = datetime.now(UTC).isoformat()
+        if self.fence is not None:
+            self.fence()
         self.store.write_bytes(self.manifest_path(i), manifest.model_dump_json().encode())
 
     @contextlib.contextmanager

@@ -138,3 +138,24 @@ def test_slow_sync_verifier_does_not_starve_lease_renewals(run_cli, cli_env, tmp
     assert code == 0, proc.stderr.read().decode()[-2000:]
     assert worst > -float("inf"), "the lease was never seen"
     assert worst < 0, f"the stored lease was expired for {worst:.2f}s while the run was still writing"
+
+
+def test_a_commit_after_the_lease_could_expire_is_refused(tmp_path: Path) -> None:
+    """The ledger's fence: once the lease is past its safe lifetime, no manifest is written."""
+    from tasks.ledger import ChunkManifest, Ledger
+
+    store = Store(str(tmp_path))
+    lease = Lease(store, ttl_s=0.6)
+    lease.acquire()
+    ledger = Ledger(store)
+    ledger.fence = lease.check
+    manifest = ChunkManifest(
+        chunk=0, first_task=0, num_tasks=1, rows_expected=1, rows=1, failed=0, sha256="", bytes=0,
+        started_at="", committed_at="", wall_s=0.0, attempt=1,
+    )  # fmt: skip
+    ledger.commit(0, b"{}\n", None, manifest)
+    assert ledger.manifest(0) is not None
+    time.sleep(0.6)
+    with pytest.raises(LeaseLost, match="could not renew"):
+        ledger.commit(1, b"{}\n", None, manifest.model_copy(update={"chunk": 1}))
+    assert ledger.manifest(1) is None
