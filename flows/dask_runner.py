@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from settings import RunSpec
-from tasks.collect import ChunkOutcome
-from tasks.prefect_tasks import collect_chunk_remote_task
-from tasks.rows import ChunkSpec
+from rollflow.settings import RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 
 
 @dataclass

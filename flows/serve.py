@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from settings import RollflowSettings, RunSpec
+from rollflow.settings import RollflowSettings, RunSpec
 
 DEPLOYMENT = "rollflow"
 
@@ -33,7 +33,7 @@ def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, A
     """to_deployment's schedule keywords; a schedule needs input and output among the defaults."""
     if not (args.cron or args.interval_s):
         return {}
-    from flows.cli import UsageError
+    from rollflow.flows.cli.main import UsageError
 
     missing = [k for k in ("input", "output") if k not in params["spec"]]
     if missing:
@@ -47,8 +47,8 @@ def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, A
 
 
 def deployments(args: argparse.Namespace, settings: RollflowSettings) -> list[Any]:
-    from flows.pipeline import rollflow_run
-    from flows.tuning import rollflow_diagnose, rollflow_tune
+    from rollflow.flows.pipeline import rollflow_run
+    from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
 
     params = default_parameters(settings)
     schedule = schedule_of(args, params)

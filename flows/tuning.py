@@ -17,15 +17,21 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from rich.console import Console
 from rich.table import Table
 
-from settings import RollflowSettings, RunSpec, TuningSettings
-from tasks.http import close_loop_session
-from tasks.plan import RunPlan
-from tasks.plot import data_uri, diagnosis_markdown, steps_table, throughput_png, tuning_markdown
-from tasks.prefect_tasks import plan_task, preflight_task
-from tasks.prefect_tuning_tasks import diagnose_task, tune_task
-from tasks.probe import ProbeFeed
-from tasks.runtime import RunHandles, collect_context, open_run
-from tasks.tune import TuneOptions
+from rollflow.settings import RollflowSettings, RunSpec, TuningSettings
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.publish.plot import (
+    data_uri,
+    diagnosis_markdown,
+    steps_table,
+    throughput_png,
+    tuning_markdown,
+)
+from rollflow.tasks.tuning.probe import ProbeFeed
+from rollflow.tasks.tuning.tune import TuneOptions
+from rollflow.tasks.wrappers.prefect_tasks import plan_task, preflight_task
+from rollflow.tasks.wrappers.prefect_tuning_tasks import diagnose_task, tune_task
+from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
 
 TuningParams = TuningSettings
 
@@ -170,8 +176,8 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
 
 
 def _run(args: argparse.Namespace, tune_too: bool) -> int:
-    from flows.cli import _quiet_prefect, build_spec
-    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors
+    from rollflow.flows.cli.main import _quiet_prefect, build_spec
+    from rollflow.flows.cli.runner import EXIT_ERROR, EXIT_OK, _user_errors
 
     spec = build_spec(args, [])
     params = params_from_args(args)

@@ -11,9 +11,9 @@ import orjson
 import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
 
-from infra.local import spawn_simulator
-from tasks.lease import Lease, LeaseHeld, LeaseLost
-from tasks.storage import Store
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.storage.lease import Lease, LeaseHeld, LeaseLost
+from rollflow.tasks.storage.store import Store
 
 
 def foreign_lease(expires_in: float) -> bytes:

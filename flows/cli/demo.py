@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from importlib.resources import files
 from pathlib import Path
 
 from rich.console import Console
 
-from flows.runner import EXIT_OK, run_and_print
-from settings import BackendParams, CollectionSettings, RunSpec
+from rollflow.flows.cli.runner import EXIT_OK, run_and_print
+from rollflow.settings import BackendParams, CollectionSettings, RunSpec
 
-SAMPLE = Path(__file__).resolve().parent.parent / "infra" / "data" / "sample.jsonl"
+SAMPLE = Path(str(files("rollflow.infra") / "data" / "sample.jsonl"))
 
 
 async def run_demo(output: str, *, parallelism: int | str, num_repeats: int) -> int:
-    from infra.simulator import SimConfig, start_simulator
+    from rollflow.infra.simulator import SimConfig, start_simulator
 
     console = Console(stderr=True)
     sim = await start_simulator(SimConfig(slots=64, latency_ms=40.0), host="127.0.0.1", port=0)

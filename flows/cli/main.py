@@ -101,7 +101,7 @@ def _json_value(text: str) -> Any:
 
 def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: str | None = None) -> Any:
     """Settings from env/.env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
-    from settings import RollflowSettings, RunSpec
+    from rollflow.settings import RollflowSettings, RunSpec
 
     top = RunSpec.fields_from(RollflowSettings())
     backend, collection, verify, tuning = (top.pop(k) for k in ("backend", "collection", "verify", "tuning"))
@@ -193,20 +193,20 @@ def _quiet_prefect(verbose: bool) -> None:
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     spec = build_spec(args, extra, default_parallelism="auto" if flow_name == "run" else None)
     _quiet_prefect(args.verbose)
-    from flows.runner import run_and_print
+    from rollflow.flows.cli.runner import run_and_print
 
     return run_and_print(spec, flow_name, progress=not args.no_progress, print_json=args.json)
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    from infra.simulator import main as simulate_main
+    from rollflow.infra.simulator import main as simulate_main
 
     return simulate_main(argv)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     _quiet_prefect(args.verbose)
-    from flows.demo import run_demo
+    from rollflow.flows.cli.demo import run_demo
 
     return asyncio.run(run_demo(args.output, parallelism=args.parallelism, num_repeats=args.num_repeats))
 
@@ -216,7 +216,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="rollflow", description="Maximum-throughput, resumable LLM rollout collection on Prefect."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from flows.tuning import add_tuning_flags
+    from rollflow.flows.tuning import add_tuning_flags
 
     run = sub.add_parser(
         "run", help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate"
@@ -238,7 +238,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
     )
-    from flows.serve import add_serve_parser
+    from rollflow.flows.serve import add_serve_parser
 
     add_serve_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
@@ -262,13 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("diagnose", "tune"):
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            from flows.tuning import cmd_diagnose, cmd_tune
+            from rollflow.flows.tuning import cmd_diagnose, cmd_tune
 
             return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "serve":
-            from flows.serve import cmd_serve
+            from rollflow.flows.serve import cmd_serve
 
             return cmd_serve(args)
         return cmd_demo(args)

@@ -1,4 +1,4 @@
-"""A live progress bar (rollouts/s, ETA, failures) fed by tasks.progress events."""
+"""A live progress bar (rollouts/s, ETA, failures) fed by rollflow.tasks.collect.progress events."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from tasks.progress import ProgressEvent, hub
+from rollflow.tasks.collect.progress import ProgressEvent, hub
 
 
 class ProgressBar:

@@ -10,20 +10,20 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from flows.progress import ProgressBar
-from settings import RunSpec
+from rollflow.flows.cli.progress import ProgressBar
+from rollflow.settings import RunSpec
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from flows.secrets import SecretBlockError
-    from tasks.lease import LeaseHeld, LeaseLost
-    from tasks.ledger import IdentityMismatch
-    from tasks.preflight import BackendUnreachable
-    from tasks.rows import InputError
-    from tasks.storage import StorageError
-    from tasks.verifiers import VerifierError
+    from rollflow.flows.secrets import SecretBlockError
+    from rollflow.tasks.collect.preflight import BackendUnreachable
+    from rollflow.tasks.collect.rows import InputError
+    from rollflow.tasks.collect.verifiers import VerifierError
+    from rollflow.tasks.storage.lease import LeaseHeld, LeaseLost
+    from rollflow.tasks.storage.ledger import IdentityMismatch
+    from rollflow.tasks.storage.store import StorageError
 
     return (
         InputError,
@@ -64,14 +64,14 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 
 async def _run_flow(spec: RunSpec, flow_name: str) -> dict[str, Any]:
-    from flows.pipeline import rollflow_collect, rollflow_run
+    from rollflow.flows.pipeline import rollflow_collect, rollflow_run
 
     flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
     return await flow(spec)
 
 
 def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool) -> int:
-    from flows.pipeline import RunIncomplete
+    from rollflow.flows.pipeline import RunIncomplete
 
     console = Console(stderr=True)
     user_errors = _user_errors()
@@ -94,7 +94,7 @@ def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: 
         return 130
     if report is not None:
         if report.get("diagnosis"):
-            from flows.tuning import print_tuning
+            from rollflow.flows.tuning import print_tuning
 
             print_tuning(console, report, report["output"])
         console.print(summary_table(report))

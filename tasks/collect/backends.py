@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from settings import BackendKind, BackendSettings
-from tasks.http import auth_headers
-from tasks.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.settings import BackendKind, BackendSettings
+from rollflow.tasks.collect.http import auth_headers
+from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
 
 # ServerDisconnectedError is a ClientConnectionError. Any other aiohttp.ClientError (a garbled status line,
 # a bad chunked encoding) is also a transport failure: counted as "connection" and retried.

@@ -11,7 +11,7 @@ import weakref
 
 import aiohttp
 
-from settings import BackendSettings
+from rollflow.settings import BackendSettings
 
 _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary()

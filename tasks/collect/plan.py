@@ -11,10 +11,10 @@ from typing import Any
 
 import orjson
 
-from settings import RunSpec
-from tasks.ledger import ChunkManifest, Ledger, RunIdentity
-from tasks.rows import BadRow, InputScan, scan_input
-from tasks.storage import Store
+from rollflow.settings import RunSpec
+from rollflow.tasks.collect.rows import BadRow, InputScan, scan_input
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
+from rollflow.tasks.storage.store import Store
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from settings import BackendParams
+from rollflow.settings import BackendParams
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 RETRY_AFTER_JITTER_S = 0.25

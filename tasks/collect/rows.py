@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from tasks.storage import describe_error, open_input
+from rollflow.tasks.storage.store import describe_error, open_input
 
 MAX_BAD_TEXT = 2000
 

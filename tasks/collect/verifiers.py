@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from settings import VerifySettings
-from tasks.backends import BackendError, RolloutResult
-from tasks.http import session_for_loop
-from tasks.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.settings import VerifySettings
+from rollflow.tasks.collect.backends import BackendError, RolloutResult
+from rollflow.tasks.collect.http import session_for_loop
+from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
 
 Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000

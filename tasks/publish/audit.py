@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from tasks.ledger import ChunkManifest, Ledger
-from tasks.rows import ChunkSpec
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 AUDIT_DIR = "audit"
 

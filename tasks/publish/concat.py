@@ -6,9 +6,9 @@ import hashlib
 import posixpath
 from typing import Any
 
-from tasks.ledger import ChunkManifest, Ledger
-from tasks.rows import ChunkSpec
-from tasks.storage import StorageError, Store
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+from rollflow.tasks.storage.store import StorageError, Store
 
 COPY_BLOCK = 4 * 1024 * 1024
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
-from tasks.audit import AuditSummary
-from tasks.plot import diagnosis_markdown, tuning_markdown
-from tasks.storage import Store
+from rollflow.tasks.publish.audit import AuditSummary
+from rollflow.tasks.publish.plot import diagnosis_markdown, tuning_markdown
+from rollflow.tasks.storage.store import Store
 
 
 @dataclass

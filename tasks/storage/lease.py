@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from tasks.storage import Store
+from rollflow.tasks.storage.store import Store
 
 LEASE = "lease.json"
 

@@ -12,7 +12,7 @@ from typing import IO, Any
 import orjson
 from pydantic import BaseModel, Field, ValidationError
 
-from tasks.storage import Store
+from rollflow.tasks.storage.store import Store
 
 RUN = "run.json"
 CHUNKS, FAILURES = "chunks", "failures"

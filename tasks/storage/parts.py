@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import orjson
 
-from tasks.ledger import Ledger
-from tasks.rows import ChunkSpec
-from tasks.storage import Store
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.store import Store
 
 PARTS_DIR = "parts"
 HEADER_KEY = "_rf_part"

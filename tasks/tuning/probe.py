@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from tasks.collect import (
+from rollflow.tasks.collect.chunk import (
     CollectContext,
     RequestRecord,
     RolloutBatch,
@@ -28,13 +28,13 @@ from tasks.collect import (
     prepare_row,
     run_rollouts,
 )
-from tasks.limiter import ConcurrencyLimit
-from tasks.observe import AttemptLog, rate_limited
-from tasks.parts import chunk_parts, write_part
-from tasks.plan import RunPlan
-from tasks.rows import ChunkSpec, iter_chunk_rows
-from tasks.storage import Store
-from tasks.throughput import StepMeasure, measure_step
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptLog, rate_limited
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
+from rollflow.tasks.storage.parts import chunk_parts, write_part
+from rollflow.tasks.storage.store import Store
+from rollflow.tasks.tuning.throughput import StepMeasure, measure_step
 
 
 @dataclass

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.collect import CollectContext
-from tasks.plan import RunPlan
-from tasks.probe import ProbeFeed, StepResult, probe_next
+from rollflow.tasks.collect.chunk import CollectContext
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
 
 
 @dataclass

@@ -8,16 +8,16 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.runtime import task_run
 
-from settings import RunSpec
-from tasks.audit import AuditSummary, audit_run
-from tasks.collect import ChunkOutcome, CollectContext, collect_chunk
-from tasks.concat import concatenate
-from tasks.lease import Lease
-from tasks.plan import RunPlan, plan_run
-from tasks.preflight import check_reachable
-from tasks.remote import collect_chunk_on_worker
-from tasks.rows import ChunkSpec
-from tasks.runtime import RunHandles
+from rollflow.settings import RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome, CollectContext, collect_chunk
+from rollflow.tasks.collect.plan import RunPlan, plan_run
+from rollflow.tasks.collect.preflight import check_reachable
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.publish.audit import AuditSummary, audit_run
+from rollflow.tasks.publish.concat import concatenate
+from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.wrappers.remote import collect_chunk_on_worker
+from rollflow.tasks.wrappers.runtime import RunHandles
 
 
 @task(name="plan", cache_policy=NONE)

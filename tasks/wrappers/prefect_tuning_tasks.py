@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.collect import CollectContext
-from tasks.diagnose import Diagnosis, diagnose
-from tasks.plan import RunPlan
-from tasks.probe import ProbeFeed, StepResult
-from tasks.tune import TuneOptions, Tuning, tune
+from rollflow.tasks.collect.chunk import CollectContext
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.tuning.diagnose import Diagnosis, diagnose
+from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
+from rollflow.tasks.tuning.tune import TuneOptions, Tuning, tune
 
 
 @task(name="diagnose-bottleneck", cache_policy=NONE)

@@ -6,11 +6,11 @@ A worker needs only what travels in the spec (output URI, backend URL) plus its 
 
 from __future__ import annotations
 
-from settings import RollflowSettings, RunSpec
-from tasks.collect import ChunkOutcome, collect_chunk
-from tasks.http import close_loop_session
-from tasks.rows import ChunkSpec
-from tasks.runtime import collect_context, open_run
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 
 async def collect_chunk_on_worker(

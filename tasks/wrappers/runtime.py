@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from settings import RollflowSettings, RunSpec
-from tasks.collect import CollectContext
-from tasks.ledger import Ledger
-from tasks.limiter import ConcurrencyLimit
-from tasks.storage import Store
-from tasks.verifiers import make_verifier
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import CollectContext
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.verifiers import make_verifier
+from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.store import Store
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""After collection: the audit, concatenation into the dataset, the run report and its plot."""

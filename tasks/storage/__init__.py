@@ -1,0 +1,1 @@
+"""Where data lives: the fsspec store, the run ledger and chunk manifests, partial parts, the run lease."""

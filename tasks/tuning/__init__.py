@@ -1,0 +1,1 @@
+"""Choosing parallelism: probe steps, throughput measures, diagnose-bottleneck, tune-parallelism, adaptive."""
