@@ -7,15 +7,12 @@ part, so collection (now or in a later `rollflow run` on the same output) adopts
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from typing import Any
 
 import orjson
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
-from rich.console import Console
-from rich.table import Table
 
 from rollflow.settings import RollflowSettings, RunSpec, TuningSettings
 from rollflow.tasks.collect.http import close_loop_session
@@ -132,74 +129,3 @@ async def rollflow_diagnose(spec: RunSpec, params: TuningParams | None = None) -
 async def rollflow_tune(spec: RunSpec, params: TuningParams | None = None) -> dict[str, Any]:
     """diagnose-bottleneck then tune-parallelism: <output>/tuning.json and throughput.png."""
     return await _stage(spec, tune_too=True, params=params)
-
-
-# ---- CLI entry points (hooked into flows/cli.py by `rollflow diagnose` / `rollflow tune`) ------------
-
-
-def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("diagnosis and tuning")
-    g.add_argument("--diagnose-low", type=int, help="low parallelism of the diagnosis (default 5)")
-    g.add_argument("--diagnose-high", type=int, help="high parallelism of the diagnosis (default 20)")
-    g.add_argument("--diagnose-rows", type=int, help="rollouts at each diagnosis level (default 100)")
-    g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
-
-
-def params_from_args(args: argparse.Namespace) -> TuningParams:
-    given = {
-        key: getattr(args, key)
-        for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom")
-        if getattr(args, key, None) is not None
-    }
-    return TuningParams(**given)
-
-
-def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
-    """The verdict, its next step and the tuning table, as the CLI shows them."""
-    d = found["diagnosis"]
-    console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
-    console.print(f"next step: {d['next_step']}", highlight=False)
-    if "tuning" in found:
-        t = found["tuning"]
-        table = Table(title="tune-parallelism", title_justify="left")
-        for col in ("phase", "parallelism", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
-            table.add_column(col, justify="left" if col in ("phase", "note") else "right")
-        for row in steps_table(t):
-            table.add_row(*("-" if v is None else str(v) for v in row.values()))
-        console.print(table)
-        console.print(
-            f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
-            f"({t['total_probe_rollouts']:,} probe rollouts, all kept, {t['discarded']} discarded); "
-            f"plot: {output.rstrip('/')}/throughput.png",
-            highlight=False,
-        )
-
-
-def _run(args: argparse.Namespace, tune_too: bool) -> int:
-    from rollflow.flows.cli.main import _quiet_prefect, build_spec
-    from rollflow.flows.cli.runner import EXIT_ERROR, EXIT_OK, _user_errors
-
-    spec = build_spec(args, [])
-    params = params_from_args(args)
-    _quiet_prefect(getattr(args, "verbose", False))
-    console = Console(stderr=True)
-    flow_fn = rollflow_tune if tune_too else rollflow_diagnose
-    try:
-        found = asyncio.run(flow_fn(spec, params))
-    except (*_user_errors(), RuntimeError, ValueError) as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
-        return EXIT_ERROR
-    print_tuning(console, found, spec.output)
-    if getattr(args, "json", False):
-        print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
-    return EXIT_OK
-
-
-def cmd_diagnose(args: argparse.Namespace) -> int:
-    """`rollflow diagnose`: the verdict and its next step."""
-    return _run(args, tune_too=False)
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    """`rollflow tune`: diagnosis, then the tuning table and the chosen parallelism."""
-    return _run(args, tune_too=True)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollflow.flows.cli.runner import EXIT_OK, run_and_print
+from rollflow.flows.cli.errors import EXIT_OK
+from rollflow.flows.cli.runner import run_and_print
 from rollflow.settings import BackendParams, CollectionSettings, RunSpec
 
 SAMPLE = Path(str(files("rollflow.infra") / "data" / "sample.jsonl"))

@@ -1,4 +1,7 @@
-"""The `rollflow` command: run, collect, simulate, demo."""
+"""The `rollflow` command: run, collect, diagnose, tune, serve, simulate, demo.
+
+Each command imports its module when it runs, so `rollflow simulate` starts without loading Prefect.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 
 import orjson
 
-EXIT_ERROR = 2
+from rollflow.flows.cli.errors import EXIT_ERROR, UsageError, quiet_prefect
 
 NEMO_GYM_KEYS = {
     "input_jsonl_fpath": "input",
@@ -20,10 +23,6 @@ NEMO_GYM_KEYS = {
     "num_repeats": "num_repeats",
     "agent_name": "agent_name",
 }
-
-
-class UsageError(Exception):
-    """A flag or argument the user must change; the message says how."""
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -179,20 +178,9 @@ def build_spec(args: argparse.Namespace, extra: list[str], default_parallelism: 
         raise UsageError(f"Invalid settings: {problems}.") from exc
 
 
-def _quiet_prefect(verbose: bool) -> None:
-    """Prefect's INFO logs would fight the progress bar; they stay in the Prefect UI either way."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "ERROR")
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-        # A run that ends unpublished is reported below in one paragraph, not as a flow traceback.
-        os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")
-
-
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     spec = build_spec(args, extra, default_parallelism="auto" if flow_name == "run" else None)
-    _quiet_prefect(args.verbose)
+    quiet_prefect(args.verbose)
     from rollflow.flows.cli.runner import run_and_print
 
     return run_and_print(spec, flow_name, progress=not args.no_progress, print_json=args.json)
@@ -205,7 +193,7 @@ def cmd_simulate(argv: list[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    _quiet_prefect(args.verbose)
+    quiet_prefect(args.verbose)
     from rollflow.flows.cli.demo import run_demo
 
     return asyncio.run(run_demo(args.output, parallelism=args.parallelism, num_repeats=args.num_repeats))
@@ -216,7 +204,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="rollflow", description="Maximum-throughput, resumable LLM rollout collection on Prefect."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from rollflow.flows.tuning import add_tuning_flags
+    from rollflow.flows.cli.tuning_cmd import add_tuning_flags
 
     run = sub.add_parser(
         "run", help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate"
@@ -238,7 +226,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
     )
-    from rollflow.flows.serve import add_serve_parser
+    from rollflow.flows.cli.serve_cmd import add_serve_parser
 
     add_serve_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
@@ -253,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
-    _quiet_prefect("--verbose" in argv)
+    quiet_prefect("--verbose" in argv)
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
     try:
@@ -262,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("diagnose", "tune"):
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            from rollflow.flows.tuning import cmd_diagnose, cmd_tune
+            from rollflow.flows.cli.tuning_cmd import cmd_diagnose, cmd_tune
 
-            return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args)
+            return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, build_spec(args, []))
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "serve":
-            from rollflow.flows.serve import cmd_serve
+            from rollflow.flows.cli.serve_cmd import cmd_serve
 
             return cmd_serve(args)
         return cmd_demo(args)

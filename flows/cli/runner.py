@@ -10,31 +10,11 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from rollflow.flows.cli.errors import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, user_errors
 from rollflow.flows.cli.progress import ProgressBar
+from rollflow.flows.cli.tuning_cmd import print_tuning
+from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RunSpec
-
-EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from rollflow.flows.secrets import SecretBlockError
-    from rollflow.tasks.collect.preflight import BackendUnreachable
-    from rollflow.tasks.collect.rows import InputError
-    from rollflow.tasks.collect.verifiers import VerifierError
-    from rollflow.tasks.storage.lease import LeaseHeld, LeaseLost
-    from rollflow.tasks.storage.ledger import IdentityMismatch
-    from rollflow.tasks.storage.store import StorageError
-
-    return (
-        InputError,
-        StorageError,
-        IdentityMismatch,
-        BackendUnreachable,
-        VerifierError,
-        SecretBlockError,
-        LeaseHeld,
-        LeaseLost,
-    )
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -64,17 +44,12 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 
 async def _run_flow(spec: RunSpec, flow_name: str) -> dict[str, Any]:
-    from rollflow.flows.pipeline import rollflow_collect, rollflow_run
-
     flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
     return await flow(spec)
 
 
 def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool) -> int:
-    from rollflow.flows.pipeline import RunIncomplete
-
     console = Console(stderr=True)
-    user_errors = _user_errors()
     report: dict[str, Any] | None = None
     status = EXIT_OK
     try:
@@ -83,7 +58,7 @@ def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: 
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
-    except user_errors as exc:
+    except user_errors() as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
@@ -94,8 +69,6 @@ def run_and_print(spec: RunSpec, flow_name: str, *, progress: bool, print_json: 
         return 130
     if report is not None:
         if report.get("diagnosis"):
-            from rollflow.flows.tuning import print_tuning
-
             print_tuning(console, report, report["output"])
         console.print(summary_table(report))
         if print_json:

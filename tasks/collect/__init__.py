@@ -1,4 +1,4 @@
-"""Collecting rollouts: input rows, the chunk plan, backend clients, retries, in-flight limit, verifiers.
+"""Collecting rollouts: input rows, the chunk plan, backends, retries, in-flight limit, parts, verifiers.
 
 Imports no Prefect.
 """

@@ -19,11 +19,11 @@ from rollflow.settings import BackendSettings, CollectionSettings
 from rollflow.tasks.collect.backends import AttemptObserver, BackendClient, BackendError, RolloutResult
 from rollflow.tasks.collect.http import session_for_loop
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.parts import chunk_parts, delete_parts, write_part
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.collect.verifiers import Verifier
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
-from rollflow.tasks.storage.parts import chunk_parts, delete_parts, write_part
 
 RolloutKey = tuple[int, int]
 WorkItem = tuple[int, dict[str, Any], int]

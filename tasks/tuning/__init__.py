@@ -1,1 +1,4 @@
-"""Choosing parallelism: probe steps, throughput measures, diagnose-bottleneck, tune-parallelism, adaptive."""
+"""Choosing parallelism: probe steps, throughput measures, diagnose-bottleneck, tune-parallelism, adaptive.
+
+Imports no Prefect.
+"""

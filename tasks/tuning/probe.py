@@ -30,9 +30,9 @@ from rollflow.tasks.collect.chunk import (
 )
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptLog, rate_limited
+from rollflow.tasks.collect.parts import chunk_parts, write_part
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
-from rollflow.tasks.storage.parts import chunk_parts, write_part
 from rollflow.tasks.storage.store import Store
 from rollflow.tasks.tuning.throughput import StepMeasure, measure_step
 
