@@ -7,7 +7,7 @@ from tuning_support import closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.collect.http import close_loop_session
-from rollflow.tasks.storage.parts import chunk_parts
+from rollflow.tasks.collect.parts import chunk_parts
 from rollflow.tasks.tuning.diagnose import diagnose, verdict
 from rollflow.tasks.tuning.probe import StepResult
 from rollflow.tasks.tuning.throughput import measure_step

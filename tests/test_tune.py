@@ -11,8 +11,8 @@ from tuning_support import closed_loop, setup_run, sim_metrics
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.collect.chunk import collect_chunk
 from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.parts import chunk_parts
 from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
-from rollflow.tasks.storage.parts import chunk_parts
 from rollflow.tasks.tuning.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
