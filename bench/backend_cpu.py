@@ -13,10 +13,10 @@ import time
 
 from aiohttp import web
 
-from infra.local import free_port, wait_http
-from settings import BackendSettings
-from tasks.backends import BackendClient
-from tasks.http import close_loop_session, session_for_loop
+from rollflow.infra.local import free_port, wait_http
+from rollflow.settings import BackendSettings
+from rollflow.tasks.collect.backends import BackendClient
+from rollflow.tasks.collect.http import close_loop_session, session_for_loop
 
 RESPONSE = (
     b'{"id":"r1","object":"response","model":"m","output":[{"type":"message","role":"assistant",'

@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 from harness import REPO, run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
-from infra.local import spawn_moto
+from rollflow.infra.local import spawn_moto
 
 PARALLELISM, FLUSH_S, RATE = 16, 0.5, 800
 

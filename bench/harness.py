@@ -13,10 +13,9 @@ from typing import Any
 
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from rollflow.infra.local import Service, spawn_prefect_server, spawn_simulator
 
-from infra.local import Service, spawn_prefect_server, spawn_simulator  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 __all__ = [
     "REPO",

@@ -24,15 +24,15 @@ from pathlib import Path
 import orjson
 from harness import spawn_simulator, write_input
 
-from settings import RollflowSettings, RunSpec
-from tasks.adaptive import AdaptiveOptions, adaptive_control
-from tasks.collect import RolloutBatch, run_rollouts
-from tasks.diagnose import diagnose
-from tasks.http import close_loop_session
-from tasks.plan import plan_run
-from tasks.probe import ProbeFeed, probe_step
-from tasks.runtime import collect_context, open_run
-from tasks.tune import TuneOptions, tune
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import RolloutBatch, run_rollouts
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.plan import plan_run
+from rollflow.tasks.tuning.adaptive import AdaptiveOptions, adaptive_control
+from rollflow.tasks.tuning.diagnose import diagnose
+from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
+from rollflow.tasks.tuning.tune import TuneOptions, tune
+from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 PROFILES = [(8, 50.0), (32, 50.0), (48, 100.0), (128, 400.0)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prefect.artifacts import acreate_link_artifact, acreate_progress_artifact, aupdate_progress_artifact
 
-from tasks.progress import ProgressEvent, hub
+from rollflow.tasks.collect.progress import ProgressEvent, hub
 
 
 @contextlib.asynccontextmanager

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flows.secrets import resolve_secret_blocks
-from settings import RunSpec
-from tasks.collect import ChunkOutcome
-from tasks.prefect_tasks import collect_chunk_remote_task
-from tasks.remote import WorkerScope
-from tasks.rows import ChunkSpec
+from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.settings import RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
+from rollflow.tasks.wrappers.remote import WorkerScope
 
 POLL_S = 0.1
 

@@ -10,17 +10,19 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
-from flows.artifacts import chunk_progress, dataset_link
-from flows.dask_runner import CollectResult, collect_on_dask
-from flows.secrets import resolve_secret_blocks
-from settings import CollectionSettings, RollflowSettings, RunSpec
-from tasks.adaptive import adaptive_control
-from tasks.audit import AuditSummary
-from tasks.collect import ChunkOutcome, CollectContext
-from tasks.http import close_loop_session
-from tasks.lease import Lease
-from tasks.plan import RunPlan
-from tasks.prefect_tasks import (
+from rollflow.flows.artifacts import chunk_progress, dataset_link
+from rollflow.flows.dask_runner import CollectResult, collect_on_dask
+from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome, CollectContext
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.publish.audit import AuditSummary
+from rollflow.tasks.publish.report import RunMetrics, build_report, render_markdown, write_report
+from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.wrappers.prefect_tasks import (
     collect_chunk_task,
     concatenate_task,
     lease_task,
@@ -28,9 +30,7 @@ from tasks.prefect_tasks import (
     preflight_task,
     verify_task,
 )
-from tasks.progress import ProgressEvent, hub
-from tasks.report import RunMetrics, build_report, render_markdown, write_report
-from tasks.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
+from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 
 
 class RunIncomplete(Exception):
@@ -178,7 +178,7 @@ async def _collect_verify_publish(
             f"(needs {4 * spec.tuning.diagnose_rows}); collected at parallelism {parallelism}"
         )
     elif pending:
-        from flows.tuning import choose_parallelism
+        from rollflow.flows.tuning import choose_parallelism
 
         parallelism, extra = await choose_parallelism(spec, settings, handles, plan)
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import SecretStr
 
-from settings import RollflowSettings
+from rollflow.settings import RollflowSettings
 
 # (settings group, secret field): each field `f` may name a block in `f_block`.
 SECRET_FIELDS = (("backend", "api_key"), ("storage", "access_key_id"), ("storage", "secret_access_key"))

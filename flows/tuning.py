@@ -7,27 +7,30 @@ part, so collection (now or in a later `rollflow run` on the same output) adopts
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from typing import Any
 
 import orjson
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
-from rich.console import Console
-from rich.table import Table
 
-from flows.secrets import resolve_secret_blocks
-from settings import RollflowSettings, RunSpec, TuningSettings
-from tasks.http import close_loop_session
-from tasks.lease import Lease
-from tasks.plan import RunPlan
-from tasks.plot import data_uri, diagnosis_markdown, probe_fate, steps_table, throughput_png, tuning_markdown
-from tasks.prefect_tasks import lease_task, plan_task, preflight_task
-from tasks.prefect_tuning_tasks import diagnose_task, tune_task
-from tasks.probe import ProbeFeed
-from tasks.runtime import RunHandles, collect_context, open_run
-from tasks.tune import TuneOptions
+from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.settings import RollflowSettings, RunSpec, TuningSettings
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.publish.plot import (
+    data_uri,
+    diagnosis_markdown,
+    steps_table,
+    throughput_png,
+    tuning_markdown,
+)
+from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.tuning.probe import ProbeFeed
+from rollflow.tasks.tuning.tune import TuneOptions
+from rollflow.tasks.wrappers.prefect_tasks import lease_task, plan_task, preflight_task
+from rollflow.tasks.wrappers.prefect_tuning_tasks import diagnose_task, tune_task
+from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
 
 TuningParams = TuningSettings
 
@@ -145,68 +148,3 @@ async def rollflow_diagnose(spec: RunSpec, params: TuningParams | None = None) -
 async def rollflow_tune(spec: RunSpec, params: TuningParams | None = None) -> dict[str, Any]:
     """diagnose-bottleneck then tune-parallelism: <output>/tuning.json and throughput.png."""
     return await _stage(spec, tune_too=True, params=params)
-
-
-# ---- CLI entry points (hooked into flows/cli.py by `rollflow diagnose` / `rollflow tune`) ------------
-
-
-def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("diagnosis and tuning")
-    g.add_argument("--diagnose-low", type=int, help="low parallelism of the diagnosis (default 5)")
-    g.add_argument("--diagnose-high", type=int, help="high parallelism of the diagnosis (default 20)")
-    g.add_argument("--diagnose-rows", type=int, help="rollouts at each diagnosis level (default 100)")
-    g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
-
-
-def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
-    """The verdict, its next step and the tuning table, as the CLI shows them."""
-    d = found["diagnosis"]
-    console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
-    console.print(f"next step: {d['next_step']}", highlight=False)
-    if "tuning" in found:
-        t = found["tuning"]
-        table = Table(title="tune-parallelism", title_justify="left")
-        for col in ("phase", "parallelism", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
-            table.add_column(col, justify="left" if col in ("phase", "note") else "right")
-        for row in steps_table(t):
-            table.add_row(*("-" if v is None else str(v) for v in row.values()))
-        console.print(table)
-        console.print(
-            f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
-            f"({t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
-            f"plot: {output.rstrip('/')}/throughput.png",
-            highlight=False,
-        )
-
-
-def _run(args: argparse.Namespace, tune_too: bool) -> int:
-    """The stage's tuning settings come from the spec, so flags, env and .env apply as for `run`."""
-    from flows.cli import _quiet_prefect, build_spec
-    from flows.runner import EXIT_ERROR, EXIT_OK, _user_errors, known_errors_quiet
-
-    spec = build_spec(args, [])
-    verbose = getattr(args, "verbose", False)
-    _quiet_prefect(verbose)
-    console = Console(stderr=True)
-    flow_fn = rollflow_tune if tune_too else rollflow_diagnose
-    known = _user_errors()
-    try:
-        with known_errors_quiet(known, verbose):
-            found = asyncio.run(flow_fn(spec))
-    except known as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
-        return EXIT_ERROR
-    print_tuning(console, found, spec.output)
-    if getattr(args, "json", False):
-        print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
-    return EXIT_OK
-
-
-def cmd_diagnose(args: argparse.Namespace) -> int:
-    """`rollflow diagnose`: the verdict and its next step."""
-    return _run(args, tune_too=False)
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    """`rollflow tune`: diagnosis, then the tuning table and the chosen parallelism."""
-    return _run(args, tune_too=True)

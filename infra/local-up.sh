@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-exec "$PY" -m infra.local up
+exec "$PY" -m rollflow.infra.local up

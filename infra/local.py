@@ -16,8 +16,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -62,17 +60,20 @@ class Service:
                 self.proc.wait(5)
 
 
-def _python_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
 def spawn_simulator(*args: str, port: int | None = None) -> Service:
-    """`python -m infra.simulator` on 127.0.0.1; returns once it answers /health."""
+    """`python -m rollflow.infra.simulator` on 127.0.0.1; returns once it answers /health."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "infra.simulator", "--host", "127.0.0.1", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_python_env(), stdout=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollflow.infra.simulator",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", 30, proc)
@@ -110,7 +111,7 @@ def spawn_prefect_server(
     """`prefect server start` (SQLite) on 127.0.0.1; PREFECT_API_URL for clients is in .env."""
     port = port or free_port()
     home = home or tempfile.mkdtemp(prefix="rollflow-prefect-")
-    env = _python_env()
+    env = dict(os.environ)
     env.update(
         {
             "PREFECT_HOME": home,

@@ -1,6 +1,6 @@
 """rollflow configuration: pydantic-settings models, read from ROLLFLOW_* env vars, .env and CLI flags."""
 
-from settings.models import (
+from rollflow.settings.models import (
     BackendKind,
     BackendParams,
     BackendSettings,
@@ -24,4 +24,4 @@ __all__ = [
     "TuningSettings",
     "VerifySettings",
 ]
-from settings.spec import RunSpec
+from rollflow.settings.spec import RunSpec

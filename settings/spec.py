@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
-from settings.models import (
+from rollflow.settings.models import (
     BackendParams,
     BackendSettings,
     CollectionSettings,

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from infra.local import Service
+from rollflow.infra.local import Service
 
 ROWS = 1200
 

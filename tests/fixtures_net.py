@@ -1,5 +1,5 @@
-"""Loopback helpers shared by every fixture that starts a server (one implementation, in infra.local)."""
+"""Loopback helpers shared by each fixture that starts a server (one implementation, rollflow.infra.local)."""
 
-from infra.local import free_port, wait_http
+from rollflow.infra.local import free_port, wait_http
 
 __all__ = ["free_port", "wait_http"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.local import Service, spawn_prefect_server
+from rollflow.infra.local import Service, spawn_prefect_server
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -8,7 +8,7 @@ import pytest
 from cli_runs import ROWS, run_args
 from rollout_data import assert_complete, write_rows
 
-from infra.local import Service, spawn_simulator
+from rollflow.infra.local import Service, spawn_simulator
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import s3fs
 
-from infra.local import Service, spawn_moto
+from rollflow.infra.local import Service, spawn_moto
 
 
 @dataclass

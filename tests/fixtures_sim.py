@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import select
 import subprocess
@@ -13,18 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from infra.local import Service, spawn_simulator
+from rollflow.infra.local import Service, spawn_simulator
 
 REPO = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"rollflow simulator listening on (http://\S+)")
 
 
 def start_simulator_process(*args: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen[str], str]:
-    """`python -m infra.simulator --port 0 *args`; its URL is read from the "listening on" line."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "infra.simulator", "--port", "0", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    """`python -m rollflow.infra.simulator --port 0 *args`; its URL is read from the "listening on" line."""
+    cmd = [sys.executable, "-m", "rollflow.infra.simulator", "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

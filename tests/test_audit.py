@@ -6,10 +6,10 @@ from pathlib import Path
 
 import orjson
 
-from tasks.audit import audit_chunk, audit_run
-from tasks.ledger import ChunkManifest, Ledger
-from tasks.rows import ChunkSpec
-from tasks.storage import Store
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.publish.audit import audit_chunk, audit_run
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+from rollflow.tasks.storage.store import Store
 
 
 def line(t: int, r: int, reward: object = 1.0) -> bytes:

@@ -12,9 +12,9 @@ from aiohttp import web
 from local_http import AGENT, RESPONSE, ScriptedServer
 from pydantic import SecretStr
 
-from settings import BackendSettings
-from tasks.backends import BackendClient, BackendError
-from tasks.http import close_loop_session, session_for_loop
+from rollflow.settings import BackendSettings
+from rollflow.tasks.collect.backends import BackendClient, BackendError
+from rollflow.tasks.collect.http import close_loop_session, session_for_loop
 
 ROW = {
     "responses_create_params": {"input": [{"role": "user", "content": "6 x 7?"}], "temperature": 0.5},

@@ -12,9 +12,9 @@ import orjson
 import pytest
 from cli_runs import run_args, spawn
 
-from infra.local import spawn_simulator
-from settings import RunSpec
-from tasks.lease import LeaseLost
+from rollflow.infra.local import spawn_simulator
+from rollflow.settings import RunSpec
+from rollflow.tasks.storage.lease import LeaseLost
 
 WATCH_S = 3.0
 
@@ -40,7 +40,7 @@ async def test_lost_lease_stops_every_chunk_before_the_flow_returns(
 ) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.pipeline import rollflow_collect
+    from rollflow.flows.pipeline import rollflow_collect
 
     monkeypatch.setenv("ROLLFLOW_PIPELINE__LEASE_TTL_S", "1.5")
     sim = spawn_simulator("--latency-ms", "50", "--slots", "8")  # 160/s: 1,200 rollouts take ~8 s

@@ -25,7 +25,7 @@ import pytest
 from cli_runs import spawn
 from rollout_data import write_rows
 
-from infra.local import Service, spawn_simulator
+from rollflow.infra.local import Service, spawn_simulator
 
 ROWS, REPEATS, CHUNK = 120, 2, 20
 SCHEDULES = int(os.environ.get("ROLLFLOW_TEST_SCHEDULES", "6"))

@@ -17,9 +17,9 @@ import pytest
 import yaml
 from rollout_data import assert_complete, write_rows
 
-from flows.serve import default_parameters
-from infra.local import wait_http
-from settings import RollflowSettings
+from rollflow.flows.serve import default_parameters
+from rollflow.infra.local import wait_http
+from rollflow.settings import RollflowSettings
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -115,11 +115,15 @@ def test_serve_refuses_a_schedule_without_input(run_cli) -> None:
 
 
 def test_local_up_prints_urls_and_stops_on_ctrl_c() -> None:
-    """`python -m infra.local up` (what infra/local-up.sh runs): three servers, then all gone on SIGINT."""
+    """`python -m rollflow.infra.local up` (what infra/local-up.sh runs): three servers, gone on SIGINT."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLFLOW_", "PREFECT_API_URL"))}
-    env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO)})
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infra.local", "up"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "rollflow.infra.local", "up"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     lines: list[str] = []

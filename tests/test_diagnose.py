@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from tuning_support import closed_loop, setup_run
 
-from infra.local import spawn_simulator
-from tasks.diagnose import diagnose, verdict
-from tasks.http import close_loop_session
-from tasks.parts import chunk_parts
-from tasks.probe import StepResult
-from tasks.throughput import measure_step
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.parts import chunk_parts
+from rollflow.tasks.tuning.diagnose import diagnose, verdict
+from rollflow.tasks.tuning.probe import StepResult
+from rollflow.tasks.tuning.throughput import measure_step
 
 
 def step(p: int, slots: int, latency: float = 0.05, **kw) -> StepResult:

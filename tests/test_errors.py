@@ -8,7 +8,7 @@ import orjson
 import pytest
 from rollout_data import write_rows
 
-from infra.local import free_port
+from rollflow.infra.local import free_port
 
 
 def args_for(inp: Path | str, out: Path | str, url: str, *extra: str) -> list[str]:
@@ -160,7 +160,7 @@ def test_missing_bucket(run_cli, fast_sim, moto_s3, tmp_path):
 
 def test_incomplete_run_is_not_published_then_resumes(run_cli, tmp_path):
     """A backend that fails every request: rows go to failures/, exit 1; fixed backend: re-run completes."""
-    from infra.local import spawn_simulator
+    from rollflow.infra.local import spawn_simulator
 
     inp = write_rows(tmp_path / "rows.jsonl", 60)
     out = tmp_path / "out"

@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tasks.rows import BadRow, InputError, iter_chunk_rows, scan_input
+from rollflow.tasks.collect.rows import BadRow, InputError, iter_chunk_rows, scan_input
 
 
 def row(i: int) -> bytes:

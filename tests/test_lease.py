@@ -14,9 +14,9 @@ import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
 from rollout_data import write_rows
 
-from infra.local import spawn_simulator
-from tasks.lease import Lease, LeaseHeld, LeaseLost
-from tasks.storage import Store
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.storage.lease import Lease, LeaseHeld, LeaseLost
+from rollflow.tasks.storage.store import Store
 
 
 def foreign_lease(expires_in: float) -> bytes:
@@ -142,7 +142,7 @@ def test_slow_sync_verifier_does_not_starve_lease_renewals(run_cli, cli_env, tmp
 
 def test_a_commit_after_the_lease_could_expire_is_refused(tmp_path: Path) -> None:
     """The ledger's fence: once the lease is past its safe lifetime, no manifest is written."""
-    from tasks.ledger import ChunkManifest, Ledger
+    from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
     store = Store(str(tmp_path))
     lease = Lease(store, ttl_s=0.6)

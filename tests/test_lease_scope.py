@@ -12,8 +12,8 @@ import pytest
 from key_server import KeyServer
 from rollout_data import write_rows
 
-from tasks.lease import Lease
-from tasks.storage import Store
+from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.storage.store import Store
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

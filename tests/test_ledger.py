@@ -9,8 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tasks.ledger import ChunkManifest, IdentityMismatch, Ledger, RunIdentity
-from tasks.storage import Store
+from rollflow.tasks.storage.ledger import ChunkManifest, IdentityMismatch, Ledger, RunIdentity
+from rollflow.tasks.storage.store import Store
 
 
 class RecordingStore(Store):

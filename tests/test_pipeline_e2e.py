@@ -8,7 +8,7 @@ import orjson
 import pytest
 from rollout_data import assert_complete, write_rows
 
-from infra.local import Service, spawn_simulator
+from rollflow.infra.local import Service, spawn_simulator
 
 ROWS, REPEATS = 2000, 2
 

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from rollout_data import write_rows
 
-from infra.local import Service, spawn_simulator
+from rollflow.infra.local import Service, spawn_simulator
 
 # Diagnosis and tuning on small steps, so a run of a few hundred rows diagnoses, tunes, then collects.
 SMALL_STEPS = {

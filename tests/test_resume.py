@@ -10,7 +10,7 @@ import orjson
 from cli_runs import ROWS, run_args, spawn, wait_until
 from rollout_data import assert_complete
 
-from infra.local import spawn_simulator
+from rollflow.infra.local import spawn_simulator
 
 
 def manifests(out: Path) -> int:

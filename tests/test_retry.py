@@ -9,12 +9,12 @@ import pytest
 from aiohttp import web
 from local_http import ScriptedServer, serve_garbage
 
-from infra.local import free_port
-from settings import BackendSettings
-from tasks.backends import BackendClient, BackendError
-from tasks.http import close_loop_session, session_for_loop
-from tasks.observe import AttemptLog
-from tasks.retry import RetryPolicy, parse_retry_after
+from rollflow.infra.local import free_port
+from rollflow.settings import BackendSettings
+from rollflow.tasks.collect.backends import BackendClient, BackendError
+from rollflow.tasks.collect.http import close_loop_session, session_for_loop
+from rollflow.tasks.collect.observe import AttemptLog
+from rollflow.tasks.collect.retry import RetryPolicy, parse_retry_after
 
 ROW = {"responses_create_params": {"input": "hi"}}
 

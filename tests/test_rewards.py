@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from settings import VerifySettings
-from tasks.backends import RolloutResult
-from tasks.verifiers import VerifierError, exact_match, last_boxed, make_verifier, math_match
+from rollflow.settings import VerifySettings
+from rollflow.tasks.collect.backends import RolloutResult
+from rollflow.tasks.collect.verifiers import VerifierError, exact_match, last_boxed, make_verifier, math_match
 
 
 def result(text: str) -> RolloutResult:

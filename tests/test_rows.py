@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tasks.rows import MAX_BAD_TEXT, BadRow, InputError, iter_chunk_rows, scan_input
+from rollflow.tasks.collect.rows import MAX_BAD_TEXT, BadRow, InputError, iter_chunk_rows, scan_input
 
 
 def good(i: int) -> bytes:

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from pydantic import SecretStr
 
-from flows.secrets import SecretBlockError, resolve_secret_blocks
-from settings import RollflowSettings
-from settings.models import BackendSettings, StorageSettings
+from rollflow.flows.secrets import SecretBlockError, resolve_secret_blocks
+from rollflow.settings import RollflowSettings
+from rollflow.settings.models import BackendSettings, StorageSettings
 
 
 def test_secret_blocks_fill_unset_keys_and_env_keys_win(prefect_server) -> None:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from fixtures_sim import start_simulator_process, stop_process
 
-from infra.simulator import SimConfig, start_simulator
+from rollflow.infra.simulator import SimConfig, start_simulator
 
 MESSAGES = [{"role": "user", "content": "What is 6 * 7?"}]
 ROW = {"responses_create_params": {"input": MESSAGES, "model": "m"}, "expected_answer": "42"}

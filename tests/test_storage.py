@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fixtures_net import free_port
 
-from tasks.storage import TMP_MARK, StorageError, Store, open_input
+from rollflow.tasks.storage.store import TMP_MARK, StorageError, Store, open_input
 
 WHERE = ["local", "s3"]
 BIG = 12 * 1024 * 1024  # above s3fs's 5 MiB block: a multipart upload

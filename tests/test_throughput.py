@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from tuning_support import closed_loop, setup_run
 
-from infra.local import spawn_simulator
-from tasks.collect import RequestRecord
-from tasks.http import close_loop_session
-from tasks.probe import ProbeFeed, probe_step
-from tasks.throughput import measure_step, percentiles
-from tasks.tune import TuneOptions, step_rollouts
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.collect.chunk import RequestRecord
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
+from rollflow.tasks.tuning.throughput import measure_step, percentiles
+from rollflow.tasks.tuning.tune import TuneOptions, step_rollouts
 
 
 @pytest.mark.parametrize(

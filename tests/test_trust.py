@@ -10,7 +10,7 @@ import orjson
 import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
 
-from infra.local import spawn_simulator
+from rollflow.infra.local import spawn_simulator
 
 ROW_REWARD = "def score(row, text):\n    return float(row['target'])\n"
 

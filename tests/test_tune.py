@@ -8,16 +8,24 @@ import orjson
 import pytest
 from tuning_support import closed_loop, setup_run, sim_metrics
 
-from infra.local import spawn_simulator
-from tasks.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
-from tasks.collect import collect_chunk
-from tasks.diagnose import diagnose
-from tasks.http import close_loop_session
-from tasks.parts import chunk_parts
-from tasks.plot import throughput_png, tuning_markdown
-from tasks.probe import ProbeFeed, StepResult
-from tasks.throughput import measure_step
-from tasks.tune import TuneOptions, choose, knee_estimate, refine_target, search_stop, step_rollouts, tune
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.collect.chunk import collect_chunk
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.parts import chunk_parts
+from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
+from rollflow.tasks.tuning.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
+from rollflow.tasks.tuning.diagnose import diagnose
+from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
+from rollflow.tasks.tuning.throughput import measure_step
+from rollflow.tasks.tuning.tune import (
+    TuneOptions,
+    choose,
+    knee_estimate,
+    refine_target,
+    search_stop,
+    step_rollouts,
+    tune,
+)
 
 
 def step(p: int, slots: int, latency: float = 0.05, n: int | None = None) -> StepResult:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from tuning_support import setup_run
 
-from infra.local import spawn_simulator
-from tasks.diagnose import diagnose
-from tasks.http import close_loop_session
-from tasks.probe import ProbeFeed
-from tasks.tune import TuneOptions, tune
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.tuning.diagnose import diagnose
+from rollflow.tasks.tuning.probe import ProbeFeed
+from rollflow.tasks.tuning.tune import TuneOptions, tune
 
 RUNS = 5
 PROFILES = [(8, 50), (32, 50), (128, 200)]  # slots, latency ms; jitter 20% on all

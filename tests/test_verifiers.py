@@ -10,11 +10,11 @@ import pytest
 from aiohttp import web
 from local_http import RESPONSE, ScriptedServer
 
-from settings import VerifySettings
-from tasks.backends import BackendError, RolloutResult
-from tasks.http import close_loop_session
-from tasks.retry import RetryPolicy
-from tasks.verifiers import (
+from rollflow.settings import VerifySettings
+from rollflow.tasks.collect.backends import BackendError, RolloutResult
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.retry import RetryPolicy
+from rollflow.tasks.collect.verifiers import (
     CachedVerifier,
     VerifierError,
     exact_match,

@@ -10,10 +10,10 @@ from typing import Any
 
 from rollout_data import write_rows
 
-from settings import RollflowSettings, RunSpec
-from tasks.collect import CollectContext, RequestRecord
-from tasks.plan import RunPlan, plan_run
-from tasks.runtime import RunHandles, collect_context, open_run
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import CollectContext, RequestRecord
+from rollflow.tasks.collect.plan import RunPlan, plan_run
+from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The simulated inference backend: a real HTTP server with a capacity model and fault injection."""
 
-from infra.simulator.config import SimConfig
-from infra.simulator.server import RunningSimulator, build_app, main, start_simulator
+from rollflow.infra.simulator.config import SimConfig
+from rollflow.infra.simulator.server import RunningSimulator, build_app, main, start_simulator
 
 __all__ = ["RunningSimulator", "SimConfig", "build_app", "main", "start_simulator"]

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from infra.simulator.config import SimConfig
+from rollflow.infra.simulator.config import SimConfig
 
 
 class QueueFull(Exception):

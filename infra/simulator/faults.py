@@ -10,8 +10,8 @@ import random
 
 from aiohttp import web
 
-from infra.simulator.capacity import Counters
-from infra.simulator.config import SimConfig
+from rollflow.infra.simulator.capacity import Counters
+from rollflow.infra.simulator.config import SimConfig
 
 MALFORMED_BODY = b'{"id": "resp_trunc", "object": "response", "output": ['
 

@@ -1,7 +1,7 @@
-"""The simulated backend's HTTP side: NeMo Gym agent /run, /v1/responses, /v1/chat/completions, /verify,
-plus /health, /metrics and /admin/config; the CLI (`python -m infra.simulator`, `rollflow simulate`) and an
-in-process starter. The generation hot path stays lean (orjson, no logging, cached content) because the
-benchmarks drive it at thousands of requests per second on the same cores as the client.
+"""The simulated backend's HTTP side: NeMo Gym agent /run, /v1/responses, /v1/chat/completions, /verify, plus
+/health, /metrics and /admin/config; the CLI (`python -m rollflow.infra.simulator`, `rollflow simulate`)
+and an in-process starter. The generation hot path stays lean (orjson, no logging, cached content) because
+the benchmarks drive it at thousands of requests per second on the same cores as the client.
 """
 
 from __future__ import annotations
@@ -18,10 +18,16 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from infra.simulator.capacity import Capacity, Counters, QueueFull
-from infra.simulator.config import SimConfig, parse_fault_kinds
-from infra.simulator.content import ContentModel, chat_object, response_text, responses_object, reward
-from infra.simulator.faults import Faults
+from rollflow.infra.simulator.capacity import Capacity, Counters, QueueFull
+from rollflow.infra.simulator.config import SimConfig, parse_fault_kinds
+from rollflow.infra.simulator.content import (
+    ContentModel,
+    chat_object,
+    response_text,
+    responses_object,
+    reward,
+)
+from rollflow.infra.simulator.faults import Faults
 
 JSON = "application/json"
 SIMULATOR_KEY = web.AppKey("simulator", "Simulator")
@@ -187,7 +193,7 @@ async def start_simulator(config: SimConfig, host: str = "127.0.0.1", port: int 
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The CLI of `python -m infra.simulator` and `rollflow simulate`; defaults come from SimConfig."""
+    """The CLI of `python -m rollflow.infra.simulator` and `rollflow simulate`; defaults from SimConfig."""
     d = SimConfig()
     p = argparse.ArgumentParser(prog="rollflow simulate", description="The simulated inference backend.")
     p.add_argument("--host", default="127.0.0.1")

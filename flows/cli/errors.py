@@ -1,0 +1,90 @@
+"""What the CLI owns about failure: exit codes, the errors it shows as one paragraph, and quiet logs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A flag or argument the user must change; the message says how."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors with a message written for the user: printed as one paragraph, exit status EXIT_ERROR.
+
+    Imported when called, so the CLI's start (and `rollflow simulate`) does not load the tasks.
+    """
+    from rollflow.flows.secrets import SecretBlockError
+    from rollflow.tasks.collect.preflight import BackendUnreachable
+    from rollflow.tasks.collect.rows import InputError
+    from rollflow.tasks.collect.verifiers import VerifierError
+    from rollflow.tasks.storage.lease import LeaseHeld, LeaseLost
+    from rollflow.tasks.storage.ledger import IdentityMismatch
+    from rollflow.tasks.storage.store import StorageError
+    from rollflow.tasks.tuning.diagnose import TuningError
+
+    return (
+        InputError,
+        StorageError,
+        IdentityMismatch,
+        BackendUnreachable,
+        VerifierError,
+        SecretBlockError,
+        LeaseHeld,
+        LeaseLost,
+        TuningError,
+    )
+
+
+class HideKnownErrors(logging.Filter):
+    """Console only: drop Prefect's records of an expected error, which rollflow reports in one paragraph.
+
+    Prefect logs a failed task or flow with its traceback, then its Failed state; the API handler (the
+    Prefect UI) still gets both, and the run's state stays Failed with the message.
+    """
+
+    def __init__(self, known: tuple[type[BaseException], ...]) -> None:
+        super().__init__()
+        self.known = known
+        self.names = tuple(f"exception {t.__name__}: " for t in known)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            return not isinstance(record.exc_info[1], self.known)
+        if not record.name.startswith("prefect"):
+            return True
+        message = record.getMessage().replace("exception: ", "exception ")
+        return not any(name in message for name in self.names)
+
+
+@contextmanager
+def known_errors_quiet(known: tuple[type[BaseException], ...], verbose: bool) -> Iterator[None]:
+    """Install HideKnownErrors on Prefect's console handlers (none with --verbose) while a flow runs."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    hide = HideKnownErrors(known)
+    handlers = [] if verbose else logging.getLogger().handlers
+    consoles = [h for h in handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:
+        handler.addFilter(hide)
+    try:
+        yield
+    finally:
+        for handler in consoles:
+            handler.removeFilter(hide)
+
+
+def quiet_prefect(verbose: bool) -> None:
+    """Prefect's INFO logs would fight the progress bar; they stay in the Prefect UI either way."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "ERROR")
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        # A run that ends unpublished is reported below in one paragraph, not as a flow traceback.
+        os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")

@@ -1,0 +1,292 @@
+"""The `rollflow` command: run, collect, diagnose, tune, serve, simulate, demo.
+
+Each command imports its module when it runs, so `rollflow simulate` starts without loading Prefect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from rollflow.flows.cli.errors import EXIT_ERROR, UsageError, quiet_prefect
+
+if TYPE_CHECKING:
+    from rollflow.settings import RollflowSettings
+
+NEMO_GYM_KEYS = {
+    "input_jsonl_fpath": "input",
+    "output_jsonl_fpath": "dataset",
+    "num_samples_in_parallel": "parallelism",
+    "limit": "limit",
+    "num_repeats": "num_repeats",
+    "agent_name": "agent_name",
+}
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("input and output")
+    g.add_argument("--input", help="input JSONL of NeMo Gym rows (local path or s3://...)")
+    g.add_argument("--output", help="output directory: ledger, reports, rollouts.jsonl (local or s3://...)")
+    g.add_argument("--dataset", help="publish the dataset here instead of <output>/rollouts.jsonl")
+    g.add_argument("--limit", type=int, help="use only the first N rows")
+    g.add_argument("--num-repeats", type=int, help="rollouts per input row")
+    g.add_argument("--skip-bad-rows", action="store_true", default=None, help="record bad rows, go on")
+    g.add_argument("--restart", action="store_true", default=None, help="discard a different run's chunks")
+    g.add_argument("--allow-incomplete", action="store_true", default=None, help="publish despite gaps")
+    b = p.add_argument_group("backend")
+    b.add_argument("--backend-url", help="base URL of the backend (vLLM, SGLang, OpenAI, NeMo Gym agent)")
+    b.add_argument("--backend-kind", choices=["agent", "responses", "chat"])
+    b.add_argument("--model", help="model name for responses/chat backends")
+    b.add_argument("--timeout-s", type=float, help="per-request timeout in seconds")
+    b.add_argument("--max-retries", type=int, help="retries per rollout on transient errors")
+    b.add_argument("--agent-name", help="fills a missing agent_ref.name")
+    b.add_argument("--overrides", help="JSON object merged into responses_create_params")
+    c = p.add_argument_group("collection")
+    c.add_argument(
+        "--parallelism",
+        type=_parallelism,
+        help="requests in flight across all chunks: N, auto (diagnose + tune first; the default of "
+        "`rollflow run`) or adaptive (tune, then keep adjusting)",
+    )
+    c.add_argument("--chunk-size", type=int, help="input rows per chunk task (default 1000)")
+    c.add_argument("--chunks-in-flight", type=int, help="chunks collected at once")
+    c.add_argument("--flush-interval-s", type=float, help="save a running chunk's rollouts this often")
+    c.add_argument("--stall-timeout-s", type=float, help="retry a chunk that makes no progress this long")
+    c.add_argument("--deadline-s", type=float, help="stop cleanly after this many seconds (resumable)")
+    c.add_argument("--runner", choices=["local", "dask"], help="run chunks here or on a Dask cluster")
+    c.add_argument("--dask-address", help="scheduler of an existing Dask cluster, e.g. tcp://host:8786")
+    c.add_argument("--dask-workers", type=int, help="worker processes of a local Dask cluster (default 2)")
+    c.add_argument("--record-latency", action="store_true", default=None, help="add _rf.latency_s per row")
+    v = p.add_argument_group("verify")
+    v.add_argument("--verifier", help="exact_match | math | http | none | module:function")
+    v.add_argument("--verifier-url", help="NeMo Gym resources server for --verifier http")
+    o = p.add_argument_group("display")
+    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    o.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
+    o.add_argument("--verbose", action="store_true", help="show Prefect's logs")
+
+
+def _parallelism(text: str) -> int | str:
+    if text in ("auto", "adaptive"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, auto or adaptive, not {text!r}") from None
+
+
+def _nemo_gym_args(extra: list[str]) -> dict[str, str]:
+    """`+key=value` arguments of ng_collect_rollouts, so switching tools is changing the command name."""
+    found: dict[str, str] = {}
+    for token in extra:
+        if not token.startswith("+") or "=" not in token:
+            raise UsageError(f"Unrecognised argument {token!r}. See `rollflow collect --help`.")
+        key, value = token[1:].split("=", 1)
+        if key not in NEMO_GYM_KEYS and not key.startswith("responses_create_params."):
+            known = ", ".join(f"+{k}" for k in NEMO_GYM_KEYS)
+            raise UsageError(f"Unknown NeMo Gym argument +{key}. rollflow understands {known}.")
+        found[key] = value
+    return found
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
+def command_defaults(
+    settings: RollflowSettings, defaults: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The command's own defaults (e.g. `run`'s parallelism auto) for fields no env var or .env set.
+
+    pydantic-settings records in each group's `model_fields_set` what a source gave, so .env counts
+    exactly like the environment and neither is overridden by a default.
+    """
+    return {
+        group: {k: v for k, v in fields.items() if k not in getattr(settings, group).model_fields_set}
+        for group, fields in defaults.items()
+    }
+
+
+def build_spec(
+    args: argparse.Namespace, extra: list[str], defaults: dict[str, dict[str, Any]] | None = None
+) -> Any:
+    """Defaults, then .env, then env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
+    from rollflow.settings import RollflowSettings, RunSpec
+
+    settings = RollflowSettings()
+    top = RunSpec.fields_from(settings)
+    backend, collection, verify, tuning = (top.pop(k) for k in ("backend", "collection", "verify", "tuning"))
+    groups = {"backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
+    for group, fields in command_defaults(settings, defaults or {}).items():
+        groups[group].update(fields)
+    for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom"):
+        if getattr(args, key, None) is not None:
+            tuning[key] = getattr(args, key)
+    gym = _nemo_gym_args(extra)
+    if gym:
+        backend["kind"] = "agent"
+    for key, value in gym.items():
+        if key.startswith("responses_create_params."):
+            collection["overrides"] = {**collection["overrides"], key.split(".", 1)[1]: _json_value(value)}
+        elif NEMO_GYM_KEYS[key] in ("input", "dataset"):
+            top[NEMO_GYM_KEYS[key]] = value
+        else:
+            collection[NEMO_GYM_KEYS[key]] = value
+    if gym.get("output_jsonl_fpath") and not args.output:
+        top["output"] = gym["output_jsonl_fpath"] + ".rollflow"
+    flag_map = {
+        "input": (top, "input"),
+        "output": (top, "output"),
+        "dataset": (top, "dataset"),
+        "restart": (top, "restart"),
+        "allow_incomplete": (top, "allow_incomplete"),
+        "backend_url": (backend, "url"),
+        "backend_kind": (backend, "kind"),
+        "model": (backend, "model"),
+        "timeout_s": (backend, "timeout_s"),
+        "max_retries": (backend, "max_retries"),
+        "limit": (collection, "limit"),
+        "num_repeats": (collection, "num_repeats"),
+        "skip_bad_rows": (collection, "skip_bad_rows"),
+        "agent_name": (collection, "agent_name"),
+        "parallelism": (collection, "parallelism"),
+        "chunk_size": (collection, "chunk_size"),
+        "chunks_in_flight": (collection, "chunks_in_flight"),
+        "record_latency": (collection, "record_latency"),
+        "flush_interval_s": (collection, "flush_interval_s"),
+        "stall_timeout_s": (collection, "stall_timeout_s"),
+        "deadline_s": (top, "deadline_s"),
+        "runner": (top, "runner"),
+        "dask_address": (top, "dask_address"),
+        "dask_workers": (top, "dask_workers"),
+        "verifier": (verify, "verifier"),
+        "verifier_url": (verify, "url"),
+    }
+    for flag, (target, key) in flag_map.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            target[key] = value
+    if args.overrides:
+        try:
+            overrides = orjson.loads(args.overrides)
+        except orjson.JSONDecodeError as exc:
+            raise UsageError(
+                f"--overrides must be a JSON object, e.g. '{{\"temperature\": 0.7}}': {exc}"
+            ) from exc
+        if not isinstance(overrides, dict):
+            raise UsageError("--overrides must be a JSON object, e.g. '{\"temperature\": 0.7}'.")
+        collection["overrides"] = {**collection["overrides"], **overrides}
+    if not top.get("input"):
+        raise UsageError("No input: pass --input PATH (or set ROLLFLOW_PIPELINE__INPUT).")
+    if not top.get("output"):
+        raise UsageError("No output: pass --output DIR or s3://bucket/prefix (or ROLLFLOW_PIPELINE__OUTPUT).")
+    from pydantic import ValidationError
+
+    try:
+        return RunSpec.model_validate(
+            {**top, "backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise UsageError(f"Invalid settings: {problems}.") from exc
+
+
+def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
+    defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
+    spec = build_spec(args, extra, defaults)
+    quiet_prefect(args.verbose)
+    from rollflow.flows.cli.runner import run_and_print
+
+    return run_and_print(
+        spec, flow_name, progress=not args.no_progress, print_json=args.json, verbose=args.verbose
+    )
+
+
+def cmd_simulate(argv: list[str]) -> int:
+    from rollflow.infra.simulator import main as simulate_main
+
+    return simulate_main(argv)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    quiet_prefect(args.verbose)
+    from rollflow.flows.cli.demo import run_demo
+
+    return asyncio.run(run_demo(args.output, parallelism=args.parallelism, num_repeats=args.num_repeats))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollflow", description="Maximum-throughput, resumable LLM rollout collection on Prefect."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    from rollflow.flows.cli.tuning_cmd import add_tuning_flags
+
+    run = sub.add_parser(
+        "run", help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate"
+    )
+    _add_run_flags(run)
+    add_tuning_flags(run)
+    for name, text in (
+        ("diagnose", "diagnose-bottleneck: the same rows at a low and a high parallelism, and a verdict"),
+        ("tune", "diagnose, then tune-parallelism: the throughput curve, the knee and the chosen value"),
+    ):
+        stage = sub.add_parser(name, help=text)
+        _add_run_flags(stage)
+        add_tuning_flags(stage)
+    collect = sub.add_parser(
+        "collect",
+        help="collect at a fixed parallelism (accepts ng_collect_rollouts' +key=value arguments)",
+    )
+    _add_run_flags(collect)
+    sub.add_parser(
+        "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
+    )
+    from rollflow.flows.cli.serve_cmd import add_serve_parser
+
+    add_serve_parser(sub)
+    demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
+    demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
+    demo.add_argument("--parallelism", type=_parallelism, default="auto", help="N, auto or adaptive")
+    demo.add_argument("--num-repeats", type=int, default=4)
+    demo.add_argument("--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "simulate":
+        return cmd_simulate(argv[1:])
+    quiet_prefect("--verbose" in argv)
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if args.command in ("run", "collect"):
+            return cmd_run(args, extra, args.command)
+        if args.command in ("diagnose", "tune"):
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            from rollflow.flows.cli.tuning_cmd import cmd_diagnose, cmd_tune
+
+            return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, build_spec(args, []))
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "serve":
+            from rollflow.flows.cli.serve_cmd import cmd_serve
+
+            return cmd_serve(args)
+        return cmd_demo(args)
+    except UsageError as exc:
+        print(f"rollflow: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Running a flow from the CLI: progress bar, one-paragraph errors, a summary table, the exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from rollflow.flows.cli.errors import (
+    EXIT_ERROR,
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    known_errors_quiet,
+    user_errors,
+)
+from rollflow.flows.cli.progress import ProgressBar
+from rollflow.flows.cli.tuning_cmd import print_tuning
+from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
+from rollflow.settings import RunSpec
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    table = Table(title="rollflow run", show_header=False, title_justify="left")
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("dataset", report.get("dataset") or "not published"),
+        ("rollouts expected", f"{report['rows_expected']:,}"),
+        ("rollouts written", f"{report['rows_written']:,}"),
+        ("failed", f"{report['failed']:,}"),
+        ("duplicates", f"{report['duplicates']:,}"),
+        ("missing", f"{report['missing']:,}"),
+        ("reward mean", "-" if report["reward_mean"] is None else f"{report['reward_mean']:.4f}"),
+        ("rollouts/s", "-" if report["rollouts_per_s"] is None else f"{report['rollouts_per_s']:,.1f}"),
+        (
+            "output tokens/s",
+            "-" if report["output_tokens_per_s"] is None else f"{report['output_tokens_per_s']:,.0f}",
+        ),
+        ("parallelism", str(report["parallelism"])),
+        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("report", f"{report['output'].rstrip('/')}/report.json"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+async def _run_flow(spec: RunSpec, flow_name: str) -> dict[str, Any]:
+    flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
+    return await flow(spec)
+
+
+def run_and_print(
+    spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool, verbose: bool = False
+) -> int:
+    console = Console(stderr=True)
+    known = user_errors()
+    report: dict[str, Any] | None = None
+    status = EXIT_OK
+    try:
+        with (
+            known_errors_quiet((*known, RunIncomplete), verbose),
+            ProgressBar(console, enabled=progress and console.is_terminal),
+        ):
+            report = asyncio.run(_run_flow(spec, flow_name))
+    except RunIncomplete as exc:
+        report, status = exc.report, EXIT_INCOMPLETE
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
+    except known as exc:
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        console.print(
+            "[bold yellow]rollflow:[/] interrupted. Committed chunks are kept; run the same command again "
+            "to resume."
+        )
+        return 130
+    if report is not None:
+        if report.get("diagnosis"):
+            print_tuning(console, report, report["output"])
+        console.print(summary_table(report))
+        if print_json:
+            sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return status

@@ -1,0 +1,74 @@
+"""`rollflow diagnose` and `rollflow tune`: their flags, the run of the flow, and the tuning table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from rollflow.flows.cli.errors import EXIT_ERROR, EXIT_OK, known_errors_quiet, quiet_prefect, user_errors
+from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
+from rollflow.settings import RunSpec
+from rollflow.tasks.publish.plot import probe_fate, steps_table
+
+
+def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("diagnosis and tuning")
+    g.add_argument("--diagnose-low", type=int, help="low parallelism of the diagnosis (default 5)")
+    g.add_argument("--diagnose-high", type=int, help="high parallelism of the diagnosis (default 20)")
+    g.add_argument("--diagnose-rows", type=int, help="rollouts at each diagnosis level (default 100)")
+    g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
+
+
+def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
+    """The verdict, its next step and the tuning table, as the CLI shows them."""
+    d = found["diagnosis"]
+    console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
+    console.print(f"next step: {d['next_step']}", highlight=False)
+    if "tuning" in found:
+        t = found["tuning"]
+        table = Table(title="tune-parallelism", title_justify="left")
+        for col in ("phase", "parallelism", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
+            table.add_column(col, justify="left" if col in ("phase", "note") else "right")
+        for row in steps_table(t):
+            table.add_row(*("-" if v is None else str(v) for v in row.values()))
+        console.print(table)
+        console.print(
+            f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
+            f"({t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
+            f"plot: {output.rstrip('/')}/throughput.png",
+            highlight=False,
+        )
+
+
+def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
+    """The stage's tuning settings come from the spec, so flags, env and .env apply as for `run`."""
+    verbose = getattr(args, "verbose", False)
+    quiet_prefect(verbose)
+    console = Console(stderr=True)
+    flow_fn = rollflow_tune if tune_too else rollflow_diagnose
+    known = user_errors()
+    try:
+        with known_errors_quiet(known, verbose):
+            found = asyncio.run(flow_fn(spec))
+    except known as exc:
+        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
+        return EXIT_ERROR
+    print_tuning(console, found, spec.output)
+    if getattr(args, "json", False):
+        print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
+    return EXIT_OK
+
+
+def cmd_diagnose(args: argparse.Namespace, spec: RunSpec) -> int:
+    """`rollflow diagnose`: the verdict and its next step."""
+    return _run(args, spec, tune_too=False)
+
+
+def cmd_tune(args: argparse.Namespace, spec: RunSpec) -> int:
+    """`rollflow tune`: diagnosis, then the tuning table and the chosen parallelism."""
+    return _run(args, spec, tune_too=True)

@@ -1,0 +1,5 @@
+"""`python -m rollflow`: the same command as `rollflow`."""
+
+from rollflow.flows.cli.main import main
+
+raise SystemExit(main())

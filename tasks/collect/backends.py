@@ -1,0 +1,292 @@
+"""The three backend kinds (NeMo Gym agent, Responses API, Chat Completions) behind one rollout() call."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from rollflow.settings import BackendKind, BackendSettings
+from rollflow.tasks.collect.http import auth_headers
+from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+
+# ServerDisconnectedError is a ClientConnectionError. Any other aiohttp.ClientError (a garbled status line,
+# a bad chunked encoding) is also a transport failure: counted as "connection" and retried.
+CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError)
+CHAT_PASSTHROUGH = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty")
+
+
+class BackendError(Exception):
+    """A rollout that failed for good (after its retries, or at once for a non-retryable error)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        status: int | None = None,
+        retryable: bool = False,
+        attempts: int = 1,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.retryable = retryable
+        self.attempts = attempts
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields: the default Exception pickling would lose them (Dask ships errors across).
+        return (
+            _rebuild_error,
+            (str(self), self.kind, self.status, self.retryable, self.attempts, self.retry_after),
+        )
+
+
+def _rebuild_error(
+    message: str, kind: str, status: int | None, retryable: bool, attempts: int, retry_after: float | None
+) -> BackendError:
+    return BackendError(
+        message, kind=kind, status=status, retryable=retryable, attempts=attempts, retry_after=retry_after
+    )
+
+
+@dataclass(slots=True)
+class RolloutResult:
+    """One successful rollout: `fields` merge into the output row; the rest feeds verifiers and metrics."""
+
+    fields: dict[str, Any]
+    reward: float | None
+    text: str
+    output_tokens: int
+    latency_s: float
+    attempts: int
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def responses_text(response: Any) -> str:
+    """The assistant's final text: the output_text parts of the response's message items."""
+    if not isinstance(response, dict):
+        return ""
+    parts = []
+    for item in response.get("output") or ():
+        if isinstance(item, dict) and item.get("type") == "message":
+            parts.extend(
+                c.get("text", "")
+                for c in item.get("content") or ()
+                if isinstance(c, dict) and c.get("type") == "output_text"
+            )
+    return "".join(parts)
+
+
+def chat_request(params: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """Responses-API create params as a Chat Completions request (vLLM, SGLang, OpenAI)."""
+    messages: list[dict[str, Any]] = []
+    if params.get("instructions"):
+        messages.append({"role": "system", "content": params["instructions"]})
+    inp = params.get("input")
+    if isinstance(inp, str):
+        messages.append({"role": "user", "content": inp})
+    else:
+        for msg in inp or ():
+            role = msg.get("role", "user")
+            messages.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _content_text(msg.get("content")),
+                }
+            )
+    body: dict[str, Any] = {"model": params.get("model") or model, "messages": messages}
+    if params.get("max_output_tokens") is not None:
+        body["max_tokens"] = params["max_output_tokens"]
+    for key in CHAT_PASSTHROUGH:
+        if key in params:
+            body[key] = params[key]
+    tools = params.get("tools")
+    if tools and all(isinstance(t, dict) and "function" in t for t in tools):
+        body["tools"] = tools
+    return body
+
+
+def chat_to_response(reply: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
+    """A chat.completion as a Responses-shaped object, so every backend kind yields one row shape."""
+    choice = (reply.get("choices") or [{}])[0]
+    text = _content_text((choice.get("message") or {}).get("content"))
+    usage = reply.get("usage") or {}
+    out_tokens = int(usage.get("completion_tokens") or 0)
+    in_tokens = int(usage.get("prompt_tokens") or 0)
+    response = {
+        "id": reply.get("id"),
+        "object": "response",
+        "model": reply.get("model"),
+        "output": [
+            {
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+        "usage": {
+            "input_tokens": in_tokens,
+            "output_tokens": out_tokens,
+            "total_tokens": in_tokens + out_tokens,
+        },
+        "finish_reason": choice.get("finish_reason"),
+    }
+    return response, text, out_tokens
+
+
+class AttemptObserver(Protocol):
+    """Sees every HTTP attempt, retried ones included (diagnosis and adaptive mode count 429s here)."""
+
+    def success(self, latency_s: float) -> None: ...
+
+    def failure(self, kind: str) -> None: ...
+
+
+class BackendClient:
+    """Sends one rollout's request with bounded retries; the caller bounds concurrency.
+
+    Everything constant (URL, headers, timeout, policy) is built once here: rollout() is the hot path.
+    """
+
+    def __init__(
+        self,
+        settings: BackendSettings,
+        session: aiohttp.ClientSession,
+        observers: tuple[AttemptObserver, ...] = (),
+    ) -> None:
+        self.settings = settings
+        self.session = session
+        self.observers = observers
+        self.kind = BackendKind(settings.kind)
+        base = settings.url.rstrip("/")
+        self.url = {
+            BackendKind.agent: f"{base}/run",
+            BackendKind.responses: f"{base}/v1/responses",
+            BackendKind.chat: f"{base}/v1/chat/completions",
+        }[self.kind]
+        self.timeout = aiohttp.ClientTimeout(total=settings.timeout_s, connect=settings.connect_timeout_s)
+        self.policy = RetryPolicy.from_settings(settings)
+        self._headers = {"Content-Type": "application/json", **auth_headers(settings)}
+        self._secret = settings.api_key.get_secret_value() if settings.api_key is not None else ""
+
+    def _body(self, row: dict[str, Any]) -> bytes:
+        if self.kind is BackendKind.agent:
+            return orjson.dumps(row)
+        params = row["responses_create_params"]
+        if self.kind is BackendKind.chat:
+            return orjson.dumps(chat_request(params, self.settings.model))
+        if self.settings.model and "model" not in params:
+            params = {**params, "model": self.settings.model}
+        return orjson.dumps(params)
+
+    async def rollout(self, row: dict[str, Any], task_index: int, rollout_index: int) -> RolloutResult:
+        """The rollout's result, or BackendError once retries are exhausted (or at once if not retryable)."""
+        body = self._body(row)
+        headers = {
+            **self._headers,
+            "X-Rollflow-Task-Index": str(task_index),
+            "X-Rollflow-Rollout-Index": str(rollout_index),
+        }
+        attempt = 0
+        while True:
+            start = time.perf_counter()
+            try:
+                reply = await self._post(body, headers)
+                result = self._result(reply, time.perf_counter() - start, attempt + 1)
+            except BackendError as exc:
+                for observer in self.observers:
+                    observer.failure(exc.kind)
+                exc.attempts = attempt + 1
+                if not exc.retryable or attempt >= self.policy.max_retries:
+                    raise
+                await asyncio.sleep(self.policy.delay(attempt, exc.retry_after))
+                attempt += 1
+                continue
+            for observer in self.observers:
+                observer.success(result.latency_s)
+            return result
+
+    async def _post(self, body: bytes, headers: dict[str, str]) -> Any:
+        try:
+            async with self.session.post(self.url, data=body, headers=headers, timeout=self.timeout) as resp:
+                payload = await resp.read()
+                status = resp.status
+                retry_after = parse_retry_after(resp.headers.get("Retry-After")) if status == 429 else None
+        except TimeoutError as exc:
+            raise BackendError(
+                f"no reply within {self.settings.timeout_s:g}s from {self.url}",
+                kind="timeout",
+                retryable=True,
+            ) from exc
+        except aiohttp.InvalidURL:
+            raise BackendError(f"invalid backend URL {self.url}", kind="connection") from None
+        except CONNECTION_ERRORS as exc:
+            raise BackendError(
+                self._scrub(f"connection to {self.url} failed: {type(exc).__name__}: {exc}"),
+                kind="connection",
+                retryable=True,
+            ) from exc
+        if status >= 400:
+            snippet = payload[:300].decode("utf-8", "replace")
+            raise BackendError(
+                self._scrub(f"HTTP {status} from {self.url}: {snippet}"),
+                kind=f"http_{status}",
+                status=status,
+                retryable=status in RETRYABLE_STATUS,
+                retry_after=retry_after,
+            )
+        try:
+            return orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise BackendError(
+                f"malformed JSON body from {self.url} (HTTP {status}, {len(payload)} bytes)",
+                kind="malformed",
+                status=status,
+                retryable=True,
+            ) from None
+
+    def _scrub(self, message: str) -> str:
+        """A backend that echoes the request (headers included) must not put the key into an error."""
+        return message.replace(self._secret, "***") if self._secret else message
+
+    def _result(self, reply: Any, latency: float, attempts: int) -> RolloutResult:
+        if not isinstance(reply, dict):
+            raise BackendError(f"expected a JSON object from {self.url}", kind="malformed", retryable=True)
+        try:
+            if self.kind is BackendKind.chat:
+                response, text, tokens = chat_to_response(reply)
+                return RolloutResult({"response": response}, None, text, tokens, latency, attempts)
+            if self.kind is BackendKind.responses:
+                usage = reply.get("usage") or {}
+                tokens = int(usage.get("output_tokens") or 0)
+                return RolloutResult(
+                    {"response": reply}, None, responses_text(reply), tokens, latency, attempts
+                )
+            response = reply.get("response")
+            usage = (response.get("usage") or {}) if isinstance(response, dict) else {}
+            reward = reply.get("reward")
+            if not isinstance(reward, int | float) or isinstance(reward, bool):
+                reward = None
+            tokens = int(usage.get("output_tokens") or 0)
+            return RolloutResult(reply, reward, responses_text(response), tokens, latency, attempts)
+        except (AttributeError, TypeError, ValueError, IndexError, KeyError) as exc:
+            raise BackendError(
+                f"unexpected reply shape from {self.url}: {type(exc).__name__}: {exc}",
+                kind="malformed",
+                retryable=True,
+            ) from None

@@ -1,0 +1,114 @@
+"""Planning a run: check the output, scan the input once, and bind both to the run identity."""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import orjson
+
+from rollflow.settings import RunSpec
+from rollflow.tasks.collect.rows import BadRow, InputScan, scan_input
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
+from rollflow.tasks.storage.store import Store
+
+
+@dataclass
+class RunPlan:
+    scan: InputScan
+    identity: RunIdentity
+    committed: dict[int, ChunkManifest]
+
+    @property
+    def pending(self) -> list[Any]:
+        """Chunks that still need work: never committed, or committed with failed rollouts."""
+        return [
+            c for c in self.scan.chunks if c.index not in self.committed or self.committed[c.index].failed
+        ]
+
+
+def rollout_config(spec: RunSpec) -> dict[str, Any]:
+    """The settings that change what a rollout is; parallelism, URLs and timeouts do not."""
+    return {
+        "backend_kind": spec.backend.kind.value,
+        "model": spec.backend.model,
+        "overrides": spec.collection.overrides,
+        "agent_name": spec.collection.agent_name,
+        "verifier": spec.verify.verifier if spec.backend.kind.value != "agent" else None,
+        "limit": spec.collection.limit,
+        "skip_bad_rows": spec.collection.skip_bad_rows,
+    }
+
+
+def _rollflow_version() -> str:
+    try:
+        return version("rollflow")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def config_hash(config: dict[str, Any], num_repeats: int, chunk_size: int) -> str:
+    canonical = orjson.dumps(
+        {"config": config, "num_repeats": num_repeats, "chunk_size": chunk_size}, option=orjson.OPT_SORT_KEYS
+    )
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def plan_run(
+    spec: RunSpec, store: Store, ledger: Ledger, input_options: dict[str, Any], parallelism: int | None
+) -> RunPlan:
+    """Fail fast (bad output, bad input, changed run) before a single request is sent."""
+    store.check_writable()
+    with tempfile.SpooledTemporaryFile(max_size=4 * 1024 * 1024) as bad:
+
+        def record(row: BadRow) -> None:
+            bad.write(
+                orjson.dumps(
+                    {"line": row.line, "task_index": row.task_index, "error": row.error, "text": row.text}
+                )
+                + b"\n"
+            )
+
+        scan = scan_input(
+            spec.input,
+            chunk_size=spec.collection.chunk_size,
+            limit=spec.collection.limit,
+            skip_bad_rows=spec.collection.skip_bad_rows,
+            storage_options=input_options,
+            on_bad_row=record,
+        )
+        config = rollout_config(spec)
+        identity = RunIdentity(
+            input_url=spec.input,
+            input_fingerprint=scan.fingerprint,
+            rows=scan.rows,
+            tasks=scan.tasks,
+            num_repeats=spec.collection.num_repeats,
+            chunk_size=spec.collection.chunk_size,
+            config=config,
+            config_hash=config_hash(config, spec.collection.num_repeats, spec.collection.chunk_size),
+            chunks=[_chunk_dict(c) for c in scan.chunks],
+            parallelism=parallelism,
+            created_at=datetime.now(UTC).isoformat(),
+            rollflow_version=_rollflow_version(),
+        )
+        identity = ledger.open_run(identity, restart=spec.restart)
+        if scan.bad_rows:
+            bad.seek(0)
+            ledger.write_bad_rows(bad)
+    return RunPlan(scan=scan, identity=identity, committed=ledger.committed())
+
+
+def _chunk_dict(chunk: Any) -> dict[str, Any]:
+    return {
+        "index": chunk.index,
+        "first_task": chunk.first_task,
+        "num_tasks": chunk.num_tasks,
+        "good_rows": chunk.good_rows,
+        "byte_offset": chunk.byte_offset,
+        "first_line": chunk.first_line,
+    }

@@ -1,0 +1,51 @@
+"""Backoff policy: exponential with full jitter, honouring Retry-After.
+
+Retryable: connection errors, timeouts, HTTP 429/500/502/503/504 and a 2xx body that is not JSON.
+Any other 4xx fails the rollout at once: repeating a request the backend rejected only wastes its time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rollflow.settings import BackendParams
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+RETRY_AFTER_JITTER_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_retries: int
+    base_s: float
+    max_s: float
+
+    @classmethod
+    def from_settings(cls, settings: BackendParams) -> RetryPolicy:
+        return cls(settings.max_retries, settings.backoff_base_s, settings.backoff_max_s)
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Seconds to wait before retry number `attempt` (0-based).
+
+        Full jitter spreads a burst of failed requests so they do not come back in lockstep; a server's
+        Retry-After wins (capped by max_s) with a little jitter for the same reason.
+        """
+        if retry_after is not None:
+            return min(self.max_s, retry_after) + random.uniform(0, min(RETRY_AFTER_JITTER_S, self.base_s))
+        return random.uniform(0, min(self.max_s, self.base_s * (2 ** min(attempt, 62))))
+
+
+def retryable_status(status: int) -> bool:
+    return status in RETRYABLE_STATUS
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds; the HTTP-date form is ignored (the normal backoff applies)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return max(0.0, seconds) if seconds == seconds else None  # NaN is not a delay

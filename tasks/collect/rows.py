@@ -1,0 +1,168 @@
+"""Streaming input: NeMo Gym JSONL rows read line by line, validated once, planned into chunks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.storage.store import describe_error, open_input
+
+MAX_BAD_TEXT = 2000
+
+
+class InputError(Exception):
+    """The input cannot be used as it is; the message names the file and line and what to do."""
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Task indices first_task .. first_task+num_tasks-1 (bad rows included) starting at byte_offset."""
+
+    index: int
+    first_task: int
+    num_tasks: int
+    good_rows: int
+    byte_offset: int
+    first_line: int
+
+    @property
+    def task_range(self) -> range:
+        return range(self.first_task, self.first_task + self.num_tasks)
+
+
+@dataclass
+class BadRow:
+    line: int
+    task_index: int
+    error: str
+    text: str
+
+
+@dataclass
+class InputScan:
+    url: str
+    fingerprint: str
+    rows: int
+    bad_rows: int
+    tasks: int
+    chunks: list[ChunkSpec]
+
+
+def row_problem(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """(row, None) for a valid NeMo Gym row, else (None, what is wrong); one parse per good row."""
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as uexc:
+            return None, f"the line is not UTF-8 ({uexc.reason} at byte {uexc.start})"
+        return None, f"the line is not valid JSON ({exc})"
+    if not isinstance(row, dict):
+        return None, f"expected a JSON object, got {type(row).__name__}"
+    params = row.get("responses_create_params")
+    if params is None:
+        return None, "the row has no 'responses_create_params' (required by the NeMo Gym row format)"
+    if not isinstance(params, dict):
+        return None, f"'responses_create_params' must be an object, got {type(params).__name__}"
+    return row, None
+
+
+def _bad_input(url: str, line: int, problem: str) -> InputError:
+    return InputError(
+        f"Input {url}, line {line}: {problem}. Each line must be a JSON object with a "
+        f"'responses_create_params' object (NeMo Gym format). Fix or remove the line, or pass "
+        f"--skip-bad-rows to record bad rows in <output>/bad_rows.jsonl and go on. No request was sent."
+    )
+
+
+def _open(url: str, storage_options: dict[str, Any] | None):
+    try:
+        return open_input(url, storage_options)
+    except FileNotFoundError as exc:
+        raise InputError(
+            f"Input {url} does not exist. Check the path (or the bucket and key, and the credentials for "
+            f"s3:// URLs). No request was sent."
+        ) from exc
+    except Exception as exc:
+        raise InputError(f"Input {url} cannot be opened: {describe_error(url, exc)}.") from exc
+
+
+def scan_input(
+    url: str,
+    *,
+    chunk_size: int,
+    limit: int | None,
+    skip_bad_rows: bool,
+    storage_options: dict[str, Any] | None = None,
+    on_bad_row: Callable[[BadRow], None] | None = None,
+) -> InputScan:
+    """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset."""
+    digest = hashlib.sha256()
+    chunks: list[ChunkSpec] = []
+    tasks = good = bad = 0
+    offset = 0
+    chunk_start: tuple[int, int, int] | None = None  # (first_task, byte_offset, first_line)
+    chunk_good = 0
+    with _open(url, storage_options) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            line_offset = offset
+            offset += len(line)
+            if limit is not None and tasks >= limit:
+                break
+            digest.update(line)
+            if not line.strip():
+                continue
+            if chunk_start is None:
+                chunk_start, chunk_good = (tasks, line_offset, lineno), 0
+            _row, problem = row_problem(line.rstrip(b"\r\n"))
+            if problem is not None:
+                if not skip_bad_rows:
+                    raise _bad_input(url, lineno, problem)
+                bad += 1
+                if on_bad_row is not None:
+                    text = line[:MAX_BAD_TEXT].decode("utf-8", "replace").rstrip("\r\n")
+                    on_bad_row(BadRow(lineno, tasks, problem, text))
+            else:
+                good += 1
+                chunk_good += 1
+            tasks += 1
+            if tasks - chunk_start[0] == chunk_size:
+                chunks.append(
+                    ChunkSpec(len(chunks), chunk_start[0], chunk_size, chunk_good, *chunk_start[1:])
+                )
+                chunk_start = None
+    if chunk_start is not None:
+        chunks.append(
+            ChunkSpec(len(chunks), chunk_start[0], tasks - chunk_start[0], chunk_good, *chunk_start[1:])
+        )
+    if good == 0:
+        what = "has no rows" if bad == 0 else f"has no valid rows ({bad} bad)"
+        raise InputError(
+            f"Input {url} {what}. Expected one NeMo Gym row (a JSON object with 'responses_create_params') "
+            f"per line. No request was sent."
+        )
+    return InputScan(url, digest.hexdigest(), good, bad, tasks, chunks)
+
+
+def iter_chunk_rows(
+    url: str, chunk: ChunkSpec, storage_options: dict[str, Any] | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(task_index, row) for the chunk's valid rows, in order, reading from the chunk's byte offset."""
+    task = chunk.first_task
+    end = chunk.first_task + chunk.num_tasks
+    with _open(url, storage_options) as fh:
+        fh.seek(chunk.byte_offset)
+        for line in fh:
+            if task >= end:
+                return
+            if not line.strip():
+                continue
+            row, problem = row_problem(line.rstrip(b"\r\n"))
+            if problem is None:
+                yield task, row
+            task += 1

@@ -1,0 +1,189 @@
+"""verify: prove every expected (task, rollout) is present exactly once, valid, with a numeric reward."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+
+AUDIT_DIR = "audit"
+
+
+@dataclass
+class ChunkAudit:
+    """What one committed chunk holds, checked line by line against its plan."""
+
+    chunk: int
+    sha256: str = ""
+    expected: int = 0
+    rows: int = 0
+    unique: int = 0
+    duplicates: int = 0
+    invalid: int = 0
+    out_of_order: int = 0
+    missing_reward: int = 0
+    failed: int = 0
+    reward_sum: float = 0.0
+    output_tokens: int = 0
+    sha_matches: bool = True
+    committed: bool = True
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.expected - self.unique)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_repeats: int) -> ChunkAudit:
+    """Stream one chunk object and check it against its plan and manifest.
+
+    The cached result is reused only while the object itself is unchanged (same manifest sha256 and the
+    same size + mtime/ETag stamp as when it was audited); anything else is read and hashed again.
+    """
+    cache_rel = f"{AUDIT_DIR}/{spec.index:05d}.json"
+    store = ledger.store
+    stamp = store.stamp(ledger.chunk_path(spec.index))
+    if store.exists(cache_rel):
+        cached = orjson.loads(store.read_bytes(cache_rel))
+        if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256:
+            cached.pop("missing", None)
+            return ChunkAudit(**cached)
+    audit = ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed)
+    digest = hashlib.sha256()
+    lo, hi = spec.first_task, spec.first_task + spec.num_tasks
+    seen: set[tuple[int, int]] = set()
+    last: tuple[int, int] = (-1, -1)
+    with ledger.open_chunk(spec.index) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            digest.update(line)
+            audit.rows += 1
+            try:
+                row = orjson.loads(line)
+                key = (row["_ng_task_index"], row["_ng_rollout_index"])
+            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                audit.invalid += 1
+                audit.problems.append(f"line {lineno}: not a valid output row ({exc})")
+                continue
+            if not (lo <= key[0] < hi and 0 <= key[1] < num_repeats):
+                audit.invalid += 1
+                audit.problems.append(f"line {lineno}: (task, rollout) {key} is outside this chunk")
+                continue
+            if key in seen:
+                audit.duplicates += 1
+                continue
+            seen.add(key)
+            if key < last:
+                audit.out_of_order += 1
+            last = key
+            reward = row.get("reward")
+            if _is_number(reward):
+                audit.reward_sum += reward
+            else:
+                audit.missing_reward += 1
+            usage = (
+                (row.get("response") or {}).get("usage") if isinstance(row.get("response"), dict) else None
+            )
+            if isinstance(usage, dict) and _is_number(usage.get("output_tokens")):
+                audit.output_tokens += int(usage["output_tokens"])
+    audit.unique = len(seen)
+    audit.sha256 = digest.hexdigest()
+    audit.sha_matches = audit.sha256 == manifest.sha256
+    if not audit.sha_matches:
+        audit.problems.append(
+            "its data object does not match its manifest's sha256 (changed after commit): the commit was "
+            "withdrawn, so the next run of the same command collects this chunk again"
+        )
+    del audit.problems[20:]
+    if audit.sha_matches:
+        store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "stamp": stamp}))
+    return audit
+
+
+@dataclass
+class AuditSummary:
+    """The whole run's verdict: publishable only when nothing is missing, doubled or invalid."""
+
+    rows_expected: int = 0
+    rows_written: int = 0
+    failed: int = 0
+    duplicates: int = 0
+    missing: int = 0
+    invalid: int = 0
+    out_of_order: int = 0
+    missing_reward: int = 0
+    reward_sum: float = 0.0
+    output_tokens: int = 0
+    chunks_total: int = 0
+    chunks_committed: int = 0
+    sha_mismatches: int = 0
+    uncommitted_chunks: list[int] = field(default_factory=list)
+    changed_chunks: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        flaws = self.missing or self.duplicates or self.invalid or self.out_of_order
+        return not (flaws or self.missing_reward or self.sha_mismatches) and (
+            self.chunks_committed == self.chunks_total
+        )
+
+    @property
+    def reward_mean(self) -> float | None:
+        scored = self.rows_written - self.missing_reward - self.invalid
+        return self.reward_sum / scored if scored > 0 else None
+
+    def add(self, audit: ChunkAudit) -> None:
+        self.rows_expected += audit.expected
+        self.rows_written += audit.rows
+        self.failed += audit.failed
+        self.duplicates += audit.duplicates
+        self.missing += audit.missing
+        self.invalid += audit.invalid
+        self.out_of_order += audit.out_of_order
+        self.missing_reward += audit.missing_reward
+        self.reward_sum += audit.reward_sum
+        self.output_tokens += audit.output_tokens
+        self.chunks_committed += int(audit.committed)
+        if not audit.committed:
+            self.uncommitted_chunks.append(audit.chunk)
+        if not audit.sha_matches:
+            self.sha_mismatches += 1
+            self.changed_chunks.append(audit.chunk)
+        self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["reward_mean"] = self.reward_mean
+        return out
+
+
+def audit_run(
+    ledger: Ledger, chunks: list[ChunkSpec], num_repeats: int, manifests: dict[int, ChunkManifest]
+) -> AuditSummary:
+    """Audit every planned chunk; one that never committed counts wholly as missing.
+
+    A chunk whose object no longer matches its manifest loses its commit here, so resuming collects
+    it again instead of trusting (or forever refusing) bytes nobody vouches for.
+    """
+    summary = AuditSummary(chunks_total=len(chunks))
+    for spec in chunks:
+        manifest = manifests.get(spec.index)
+        if manifest is None:
+            summary.add(ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, committed=False))
+            continue
+        audit = audit_chunk(ledger, spec, manifest, num_repeats)
+        if not audit.sha_matches:
+            ledger.uncommit(spec.index)
+        summary.add(audit)
+    return summary

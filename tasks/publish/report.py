@@ -1,0 +1,147 @@
+"""The run report: report.json for machines, report.md for people; both written whole."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.publish.audit import AuditSummary
+from rollflow.tasks.publish.plot import diagnosis_markdown, tuning_markdown
+from rollflow.tasks.storage.store import Store
+
+
+@dataclass
+class RunMetrics:
+    """What this invocation did (resumed chunks are counted, not timed)."""
+
+    wall_s: float
+    collect_s: float
+    collected: int
+    output_tokens: int
+    retries: int
+    parallelism: int
+    peak_in_flight: int
+    chunks_run: int
+    chunks_skipped: int
+    latency_p50_s: float | None = None
+    latency_p95_s: float | None = None
+    backend_s: float = 0.0
+    verify_s: float = 0.0
+    collect_cpu_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    prefect_overhead_share: float | None = None
+
+
+def probe_accounting(tuning: dict[str, Any], adopted: int) -> dict[str, Any]:
+    """Probe rollouts requested minus those chunks adopted at commit: what tuning cost the dataset.
+
+    `adopted` is the manifests' count of saved rollouts taken over by this run's chunks; a failed probe
+    is never saved, and a part no chunk committed is not adopted, so either shows as discarded.
+    """
+    requested = tuning["total_probe_rollouts"]
+    kept = min(adopted, requested)
+    return {**tuning, "adopted": kept, "discarded": requested - kept}
+
+
+def build_report(
+    *,
+    input_url: str,
+    output_url: str,
+    dataset_url: str,
+    backend_kind: str,
+    summary: AuditSummary,
+    metrics: RunMetrics,
+    published: bool,
+    bad_rows: int,
+    extra: dict[str, Any] | None = None,
+    adopted: int = 0,
+) -> dict[str, Any]:
+    collect_s = metrics.collect_s or 0.0
+    report: dict[str, Any] = {
+        "generated_at": datetime.now(UTC).isoformat(),
+        "input": input_url,
+        "output": output_url,
+        "dataset": dataset_url if published else None,
+        "published": published,
+        "backend_kind": backend_kind,
+        "rows_expected": summary.rows_expected,
+        "rows_written": summary.rows_written,
+        "failed": summary.failed,
+        "duplicates": summary.duplicates,
+        "missing": summary.missing,
+        "missing_chunks": summary.uncommitted_chunks,
+        "invalid": summary.invalid,
+        "missing_reward": summary.missing_reward,
+        "bad_input_rows": bad_rows,
+        "reward_mean": summary.reward_mean,
+        "rollouts_per_s": round(metrics.collected / collect_s, 3) if collect_s > 0 else None,
+        "output_tokens_per_s": round(metrics.output_tokens / collect_s, 3) if collect_s > 0 else None,
+        "wall_s": round(metrics.wall_s, 3),
+        "parallelism": metrics.parallelism,
+        "audit_ok": summary.ok,
+        "audit_problems": summary.problems[:50],
+        "metrics": asdict(metrics),
+    }
+    if extra:
+        report.update(extra)
+    if report.get("tuning"):
+        report["tuning"] = probe_accounting(report["tuning"], adopted)
+    return report
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+SUMMARY_KEYS = (
+    "rows_expected",
+    "rows_written",
+    "failed",
+    "duplicates",
+    "missing",
+    "reward_mean",
+    "rollouts_per_s",
+    "output_tokens_per_s",
+    "wall_s",
+    "parallelism",
+)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    status = "published" if report["published"] else "NOT published"
+    lines = [
+        "# rollflow run report",
+        "",
+        f"Dataset {status}: `{report['dataset'] or '-'}`  ",
+        f"Input: `{report['input']}`  ",
+        f"Output: `{report['output']}`  ",
+        f"Backend: {report['backend_kind']}",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
+    lines += [f"| {key} | {_fmt(report.get(key))} |" for key in SUMMARY_KEYS]
+    if report.get("diagnosis"):
+        lines += ["", diagnosis_markdown(report["diagnosis"])]
+    if report.get("tuning"):
+        lines += ["", tuning_markdown(report["tuning"], image="throughput.png")]
+    if report.get("missing_chunks"):
+        chunks = ", ".join(map(str, report["missing_chunks"][:50]))
+        lines += ["", f"Chunks not committed ({report['missing']:,} rollouts missing): {chunks}"]
+    if report.get("audit_problems"):
+        lines += ["", "## Audit problems", ""] + [f"- {p}" for p in report["audit_problems"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(store: Store, report: dict[str, Any]) -> None:
+    store.write_bytes("report.json", orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    store.write_bytes("report.md", render_markdown(report).encode())

@@ -1,0 +1,199 @@
+"""Adaptive parallelism (`--parallelism adaptive`): keep the shared limit at the knee while the run goes.
+
+Output lengths and backend load change during a long run, so a value tuned at the start can go stale.
+A controller samples the attempts of the last interval (successes, failures by kind, latency) and moves
+`ConcurrencyLimit.set_limit`:
+- errors or 429s: back off x `backoff` at once, then hold a while;
+- growing: after raising the limit, keep raising while the rate grows by at least `min_gain`: x2 while
+  the rate grows nearly in proportion (`linear`) or before the first plateau, else x`grow`;
+- plateau: settle just above the last level that still paid (x`settle`), hold, then probe upward again,
+  so added capacity is found;
+- latency drop: latency fell by `latency_drop` at the same limit (the queue drains: capacity was
+  added), so the hold ends and the probe starts at once;
+- latency knee: while holding, if latency rose by `latency_knee` at a rate that did not rise, the
+  backend lost capacity: step down x`shrink` and re-probe.
+The first interval after every change is skipped (the queue is still settling). `decide` is pure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from rollflow.tasks.collect.chunk import CollectContext
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptLog
+
+
+@dataclass
+class AdaptiveOptions:
+    interval_s: float = 1.0
+    min_completions: int = 30
+    min_limit: int = 1
+    max_limit: int = 4096
+    min_gain: float = 0.05
+    grow: float = 1.25
+    settle: float = 1.1
+    backoff: float = 0.75
+    shrink: float = 0.8
+    latency_knee: float = 0.5
+    max_error_rate: float = 0.02
+    hold_intervals: int = 3
+    linear: float = 0.7
+    latency_drop: float = 0.2
+
+
+@dataclass
+class Sample:
+    """One interval's attempts."""
+
+    duration_s: float
+    ok: int
+    errors: dict[str, int]
+    p50_s: float | None
+
+    @property
+    def rate(self) -> float:
+        return self.ok / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def error_rate(self) -> float:
+        total = self.ok + sum(self.errors.values())
+        return sum(self.errors.values()) / total if total else 0.0
+
+
+@dataclass
+class AdaptiveState:
+    limit: int
+    slow_start: bool = True
+    prev_limit: int | None = None
+    prev_rate: float | None = None
+    ref_rate: float | None = None
+    ref_latency: float | None = None
+    hold: int = 0
+    settling: bool = False
+    probing: bool = False
+
+
+def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple[int, str]:
+    """The next limit and why; updates `state`. Pure apart from `state`."""
+    limit = state.limit
+
+    def change(new: int, why: str) -> tuple[int, str]:
+        new = max(opts.min_limit, min(opts.max_limit, new))
+        if new != state.limit:
+            state.settling = True
+        state.limit = new
+        return new, why
+
+    if state.settling:
+        state.settling = False
+        return limit, "settling"
+    if sample.ok + sum(sample.errors.values()) < opts.min_completions:
+        return limit, "too few completions"
+    if sample.errors.get("http_429", 0) or sample.error_rate > opts.max_error_rate:
+        state.slow_start = False
+        state.probing = False
+        state.prev_limit, state.prev_rate = None, None
+        state.hold = opts.hold_intervals
+        state.ref_rate, state.ref_latency = None, None
+        return change(math.floor(limit * opts.backoff), f"errors {dict(sample.errors)}")
+    if state.prev_limit is not None and state.prev_rate is not None:
+        grew = sample.rate >= state.prev_rate * (1 + opts.min_gain)
+        prev = state.prev_limit
+        if grew:
+            state.probing = False
+            linear = sample.rate >= state.prev_rate * (1 + opts.linear * (limit / prev - 1))
+            state.prev_limit, state.prev_rate = limit, sample.rate
+            factor = 2.0 if state.slow_start or linear else opts.grow
+            return change(math.ceil(limit * factor), f"rate grew to {sample.rate:.1f}/s")
+        state.slow_start = False
+        state.prev_limit, state.prev_rate = None, None
+        state.hold = opts.hold_intervals
+        state.ref_rate, state.ref_latency = None, None
+        settled = prev if state.probing else max(prev + 1, math.ceil(prev * opts.settle))
+        state.probing = False
+        return change(settled, f"plateau at {sample.rate:.1f}/s")
+    if state.ref_rate is None:
+        state.ref_rate, state.ref_latency = sample.rate, sample.p50_s
+    elif (
+        sample.p50_s is not None
+        and state.ref_latency is not None
+        and sample.p50_s > state.ref_latency * (1 + opts.latency_knee)
+        and sample.rate < state.ref_rate * (1 + opts.min_gain)
+    ):
+        state.ref_rate, state.ref_latency = None, None
+        state.hold = opts.hold_intervals
+        return change(math.floor(limit * opts.shrink), f"latency knee: p50 {sample.p50_s * 1000:.0f} ms")
+    if (
+        sample.p50_s is not None
+        and state.ref_latency is not None
+        and sample.p50_s < state.ref_latency * (1 - opts.latency_drop)
+    ):
+        state.hold = 0  # the queue is draining at the same limit: capacity was added, look for it now
+    if state.hold > 0:
+        state.hold -= 1
+        return limit, "holding"
+    state.prev_limit, state.prev_rate = limit, sample.rate
+    state.ref_rate, state.ref_latency = None, None
+    state.probing = not state.slow_start
+    factor = 2.0 if state.slow_start else opts.grow
+    return change(math.ceil(limit * factor), "probing upward")
+
+
+@dataclass
+class AdaptiveController:
+    """Samples an AttemptLog every interval and resizes a ConcurrencyLimit; keeps a history."""
+
+    limit: ConcurrencyLimit
+    log: AttemptLog
+    options: AdaptiveOptions = field(default_factory=AdaptiveOptions)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        opts = self.options
+        state = AdaptiveState(limit=self.limit.limit)
+        seen_ok, seen_err = self.log.ok, dict(self.log.errors)
+        t_last = t_start = time.perf_counter()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), opts.interval_s)
+            now = time.perf_counter()
+            errors = {k: v - seen_err.get(k, 0) for k, v in self.log.errors.items() if v > seen_err.get(k, 0)}
+            latencies = self.log.drain_latencies()
+            sample = Sample(
+                now - t_last, self.log.ok - seen_ok, errors, median(latencies) if latencies else None
+            )
+            seen_ok, seen_err, t_last = self.log.ok, dict(self.log.errors), now
+            state.limit = self.limit.limit
+            new, why = decide(state, sample, opts)
+            if new != self.limit.limit:
+                self.limit.set_limit(new)
+            self.history.append(
+                {"t_s": round(now - t_start, 3), "rate": round(sample.rate, 3), "limit": new, "why": why}
+            )
+
+
+@contextlib.asynccontextmanager
+async def adaptive_control(
+    ctx: CollectContext, options: AdaptiveOptions | None = None
+) -> AsyncIterator[AdaptiveController]:
+    """Within the block, every client built from `ctx` reports to a controller that resizes ctx.limit."""
+    log = AttemptLog()
+    previous = ctx.observers
+    ctx.observers = (*previous, log)
+    controller = AdaptiveController(ctx.limit, log, options or AdaptiveOptions())
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    try:
+        yield controller
+    finally:
+        stop.set()
+        await task
+        ctx.observers = previous

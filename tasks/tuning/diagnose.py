@@ -1,0 +1,202 @@
+"""diagnose-bottleneck: the same number of rows at a low and a high parallelism, and what limits the run.
+
+The NeMo Gym recipe by hand: if throughput doubled from 5 to 20 in flight, parallelism was the limit;
+if it grew under 20%, the model server or the verifier is; errors mean too much. `verdict()` is that
+rule with the figures attached (pure, unit-tested); `diagnose()` runs the two steps as real rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollflow.tasks.collect.chunk import CollectContext
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
+
+PARALLELISM_BOUND = 2.0
+NO_GAIN = 1.2
+ERROR_RATE = 0.02
+RATE_LIMIT_RATE = 0.01
+TIMEOUT_KINDS = ("timeout",)
+
+
+class TuningError(RuntimeError):
+    """Diagnosis or tuning cannot go on with this input or backend; the message says what to change."""
+
+
+@dataclass
+class Diagnosis:
+    """The verdict, the next step in plain words, and the figures behind it."""
+
+    verdict: str
+    next_step: str
+    reason: str
+    low: StepResult
+    high: StepResult
+    speedup: float
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def probe_rollouts(self) -> int:
+        return self.low.rollouts + self.high.rollouts
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "next_step": self.next_step,
+            "reason": self.reason,
+            "speedup": round(self.speedup, 3),
+            "low": self.low.as_dict(),
+            "high": self.high.as_dict(),
+            "throughput": {
+                str(self.low.parallelism): round(self.low.rollouts_per_s, 3),
+                str(self.high.parallelism): round(self.high.rollouts_per_s, 3),
+            },
+            "errors": {
+                str(self.low.parallelism): self.low.errors,
+                str(self.high.parallelism): self.high.errors,
+            },
+            "time_split": self.figures.get("time_split", {}),
+            "probe_rollouts": self.probe_rollouts,
+        }
+
+
+def _attempts(step: StepResult) -> int:
+    return step.measure.ok + sum(step.attempt_errors.values())
+
+
+def time_split(low: StepResult, high: StepResult) -> dict[str, Any]:
+    """Seconds per successful rollout spent in backend calls and in verification, at each level."""
+    return {
+        "backend_s_per_rollout": {
+            str(low.parallelism): round(low.per_rollout(low.backend_s), 6),
+            str(high.parallelism): round(high.per_rollout(high.backend_s), 6),
+        },
+        "verify_s_per_rollout": {
+            str(low.parallelism): round(low.per_rollout(low.verify_s), 6),
+            str(high.parallelism): round(high.per_rollout(high.verify_s), 6),
+        },
+        "backend_s": round(high.backend_s + low.backend_s, 6),
+        "verify_s": round(high.verify_s + low.verify_s, 6),
+    }
+
+
+def attempt_error_rate(step: StepResult) -> float:
+    return sum(step.attempt_errors.values()) / max(1, _attempts(step))
+
+
+def overloaded(low: StepResult, high: StepResult) -> bool:
+    """Errors that come with load: clearly more at the high level than at the low one.
+
+    A backend that fails a steady few percent at any load is flaky, not over capacity: retries cover it.
+    """
+    hi_err, lo_err = high.measure.error_rate, low.measure.error_rate
+    if hi_err > ERROR_RATE and hi_err > 2 * lo_err:
+        return True
+    hi_att, lo_att = attempt_error_rate(high), attempt_error_rate(low)
+    return hi_att > 2 * ERROR_RATE and hi_att > 2 * lo_att + ERROR_RATE
+
+
+def verdict(low: StepResult, high: StepResult) -> Diagnosis:
+    """What limits throughput, judged from a low and a high step (see the module docstring)."""
+    lo_p, hi_p = low.parallelism, high.parallelism
+    lo_r, hi_r = low.rollouts_per_s, high.rollouts_per_s
+    speedup = hi_r / lo_r if lo_r > 0 else (float("inf") if hi_r > 0 else 0.0)
+    figures: dict[str, Any] = {"time_split": time_split(low, high)}
+    rates = f"{lo_r:,.1f} rollouts/s at {lo_p} in flight, {hi_r:,.1f} at {hi_p} (x{speedup:.2f})"
+
+    def done(name: str, next_step: str, reason: str) -> Diagnosis:
+        return Diagnosis(name, next_step, reason, low, high, speedup, figures)
+
+    limited = high.rate_limited
+    if limited and limited >= max(1, RATE_LIMIT_RATE * _attempts(high)):
+        return done(
+            "rate-limited",
+            f"The backend is refusing requests with 429 Too Many Requests: you are at its rate limit or "
+            f"quota, not its capacity. Run at or below {lo_p if low.rate_limited else hi_p} in flight, or "
+            f"raise the quota; more parallelism only buys more refusals.",
+            f"{limited} of {_attempts(high)} attempts at {hi_p} in flight were answered 429 "
+            f"({low.rate_limited} at {lo_p}); {rates}.",
+        )
+    hi_kinds = {**high.measure.errors}
+    for kind, n in high.attempt_errors.items():
+        hi_kinds[kind] = max(hi_kinds.get(kind, 0), n)
+    if overloaded(low, high):
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(hi_kinds.items(), key=lambda kv: -kv[1]))
+        timeouts = any(k in hi_kinds for k in TIMEOUT_KINDS)
+        return done(
+            "over-capacity",
+            f"The backend is overloaded at {hi_p} in flight ({'timeouts' if timeouts else 'errors'} "
+            f"appear). Stay at or below {lo_p} in flight, or give the backend more capacity; tuning will "
+            f"stop below the level where errors start.",
+            f"{high.errors} of {high.rollouts} rollouts failed at {hi_p} in flight ({kinds}) against "
+            f"{low.errors} of {low.rollouts} at {lo_p}; {rates}.",
+        )
+    if speedup >= PARALLELISM_BOUND:
+        return done(
+            "parallelism-bound",
+            f"More requests in flight pay off: throughput grew x{speedup:.2f} when parallelism went x"
+            f"{hi_p / lo_p:.1f}. Tune upward from {hi_p} (`rollflow tune`, or `--parallelism auto`).",
+            f"{rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
+        )
+    if speedup < NO_GAIN:
+        b_lo, b_hi = low.per_rollout(low.backend_s), high.per_rollout(high.backend_s)
+        v_lo, v_hi = low.per_rollout(low.verify_s), high.per_rollout(high.verify_s)
+        verify_grew, backend_grew = v_hi - v_lo, b_hi - b_lo
+        verifier = verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else v_hi > b_hi
+        split = f"per rollout: backend {_ms(b_lo)} -> {_ms(b_hi)}, verification {_ms(v_lo)} -> {_ms(v_hi)}"
+        if verifier:
+            return done(
+                "verifier-bound",
+                f"Verification is the bottleneck: the time to score a rollout grows with load while the "
+                f"backend keeps up. Give the verifier more capacity (more /verify workers, a cheaper "
+                f"verifier); more parallelism will not help. Keep parallelism near {lo_p}.",
+                f"{rates}; {split}.",
+            )
+        return done(
+            "backend-bound",
+            f"The model server is saturated already at {lo_p} in flight: more parallelism only makes "
+            f"requests wait in its queue. Add replicas/GPUs or a faster model; keep parallelism near "
+            f"{lo_p} (tuning will find the exact knee).",
+            f"{rates}; {split}.",
+        )
+    return done(
+        "partly-parallelism-bound",
+        f"Some gain (x{speedup:.2f}): the backend starts to saturate between {lo_p} and {hi_p} in flight. "
+        f"Tuning will search between them and a little above to find the knee.",
+        f"{rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.0f} ms"
+
+
+async def diagnose(
+    ctx: CollectContext,
+    plan: RunPlan,
+    low: int = 5,
+    high: int = 20,
+    rows: int = 100,
+    feed: ProbeFeed | None = None,
+) -> Diagnosis:
+    """`rows` rollouts at `low` then as many fresh ones at `high` in flight; both kept as parts.
+
+    The two steps use different rows of the input (each rollout is real and kept), of the same number,
+    so the comparison is like for like without spending any rollout twice.
+    """
+    own = feed is None
+    feed = feed or ProbeFeed(ctx, plan)
+    try:
+        lo = await probe_next(ctx, plan, feed, low, rows, f"diagnose-p{low}")
+        hi = await probe_next(ctx, plan, feed, high, rows, f"diagnose-p{high}")
+    finally:
+        if own:
+            feed.close()
+    if lo is None or hi is None:
+        raise TuningError(
+            f"The input has too few rows left to diagnose ({feed.handed_out} rollouts available, "
+            f"{2 * rows} needed); lower --diagnose-rows or skip diagnosis with a fixed --parallelism."
+        )
+    return verdict(lo, hi)

@@ -1,0 +1,232 @@
+"""Probe steps: real rollouts of the input at one parallelism, measured, and kept as parts.
+
+Diagnosis, tuning and the stability check all run through `probe_step`. Its rollouts are rollouts of
+the dataset (same backend, same sampling parameters), so each successful one is saved as a part of the
+chunk that owns its task; the chunk adopts it instead of asking again. Failures are not saved: the chunk
+retries them. `ProbeFeed` hands out fresh work items in task order so no step repeats another's rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.collect.chunk import (
+    CollectContext,
+    RequestRecord,
+    RolloutBatch,
+    RolloutKey,
+    WorkItem,
+    prepare_row,
+    run_rollouts,
+)
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptLog, rate_limited
+from rollflow.tasks.collect.parts import chunk_parts, write_part
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
+from rollflow.tasks.storage.store import Store
+from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
+
+
+@dataclass
+class StepResult:
+    """One probe step: its steady measurement plus where the time went and what was kept."""
+
+    label: str
+    parallelism: int
+    measure: StepMeasure
+    backend_s: float = 0.0
+    verify_s: float = 0.0
+    retries: int = 0
+    attempt_errors: dict[str, int] = field(default_factory=dict)
+    saved: int = 0
+    records: list[RequestRecord] = field(default_factory=list, repr=False)
+
+    @property
+    def rollouts_per_s(self) -> float:
+        return self.measure.rollouts_per_s
+
+    @property
+    def rollouts(self) -> int:
+        return self.measure.rollouts
+
+    @property
+    def errors(self) -> int:
+        return self.measure.error_count
+
+    @property
+    def rate_limited(self) -> int:
+        """429 answers, counting those a retry later got past."""
+        return rate_limited(self.attempt_errors)
+
+    def per_rollout(self, seconds: float) -> float:
+        return seconds / self.measure.ok if self.measure.ok else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        m = self.measure
+        return {
+            "label": self.label,
+            "parallelism": self.parallelism,
+            "rollouts": m.rollouts,
+            "ok": m.ok,
+            "rollouts_per_s": round(m.rollouts_per_s, 3),
+            "latency_p50_s": None if m.p50_s is None else round(m.p50_s, 6),
+            "latency_p95_s": None if m.p95_s is None else round(m.p95_s, 6),
+            "errors": m.error_count,
+            "errors_by_kind": dict(m.errors),
+            "attempt_errors": dict(self.attempt_errors),
+            "retries": self.retries,
+            "backend_s": round(self.backend_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "wall_s": round(m.wall_s, 6),
+            "window_s": round(m.window_s, 6),
+            "method": m.method,
+            "rollouts_per_s_err": round(m.rate_err, 3),
+            "saved": self.saved,
+        }
+
+
+def merge_steps(steps: Sequence[StepResult]) -> StepResult:
+    """Steps at one parallelism (a step and its extensions) as one measurement."""
+    if len(steps) == 1:
+        return steps[0]
+    attempt_errors: dict[str, int] = {}
+    for st in steps:
+        for kind, n in st.attempt_errors.items():
+            attempt_errors[kind] = attempt_errors.get(kind, 0) + n
+    records = [r for st in steps for r in st.records]
+    return StepResult(
+        label="+".join(st.label for st in steps),
+        parallelism=steps[0].parallelism,
+        measure=combine_measures([st.measure for st in steps], records),
+        backend_s=sum(st.backend_s for st in steps),
+        verify_s=sum(st.verify_s for st in steps),
+        retries=sum(st.retries for st in steps),
+        attempt_errors=attempt_errors,
+        saved=sum(st.saved for st in steps),
+        records=records,
+    )
+
+
+def chunk_of(chunks: Sequence[ChunkSpec], task_index: int) -> ChunkSpec:
+    """The chunk whose task range holds `task_index` (chunks sorted by first_task)."""
+    starts = [c.first_task for c in chunks]
+    i = bisect.bisect_right(starts, task_index) - 1
+    if i < 0 or task_index >= chunks[i].first_task + chunks[i].num_tasks:
+        raise KeyError(f"task {task_index} is in no chunk of the plan")
+    return chunks[i]
+
+
+def save_parts(
+    store: Store, run_id: str, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str
+) -> int:
+    """Write the rollouts as one part per owning chunk; returns how many were saved."""
+    by_chunk: dict[int, list[tuple[RolloutKey, bytes]]] = {}
+    for key, line in results.items():
+        by_chunk.setdefault(chunk_of(chunks, key[0]).index, []).append((key, line))
+    name = f"{label}-{uuid.uuid4().hex[:8]}"
+    for index, entries in by_chunk.items():
+        write_part(store, run_id, index, name, [line for _, line in sorted(entries)])
+    return len(results)
+
+
+async def probe_step(
+    ctx: CollectContext,
+    items: list[WorkItem],
+    parallelism: int,
+    *,
+    chunks: Sequence[ChunkSpec],
+    label: str = "probe",
+) -> StepResult:
+    """Run `items` at exactly `parallelism` in flight (own limit), measure, and save the successes as parts.
+
+    Parts are saved even if the step is interrupted, so nothing that finished is lost.
+    """
+    log = AttemptLog()
+    step_ctx = dataclasses.replace(ctx, observers=(*ctx.observers, log))
+    batch = RolloutBatch()
+    saved = 0
+    try:
+        await run_rollouts(step_ctx, items, batch, ConcurrencyLimit(parallelism))
+    finally:
+        results = dict(batch.results)
+        ledger = ctx.ledger
+        saved = await asyncio.to_thread(save_parts, ledger.store, ledger.run_id, chunks, results, label)
+    return StepResult(
+        label=label,
+        parallelism=parallelism,
+        measure=measure_step(batch.records, parallelism),
+        backend_s=batch.stats.backend_s,
+        verify_s=batch.stats.verify_s,
+        retries=batch.stats.retries,
+        attempt_errors=dict(log.errors),
+        saved=saved,
+        records=batch.records,
+    )
+
+
+def _committed_keys(ctx: CollectContext, chunk: int) -> set[RolloutKey]:
+    keys: set[RolloutKey] = set()
+    with ctx.ledger.open_chunk(chunk) as fh:
+        for line in fh:
+            if line.strip():
+                row = orjson.loads(line)
+                keys.add((row["_ng_task_index"], row["_ng_rollout_index"]))
+    return keys
+
+
+class ProbeFeed:
+    """The next N work items of the input in task order across pending chunks, never handed out twice.
+
+    Keys already held by a committed chunk or a saved part are skipped, so a resumed run probes fresh
+    rows. Rows are read one chunk at a time (constant memory).
+    """
+
+    def __init__(self, ctx: CollectContext, plan: RunPlan) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self.handed_out = 0
+        self._items = self._generate()
+
+    def _generate(self) -> Iterator[WorkItem]:
+        k = self.ctx.collection.num_repeats
+        for chunk in self.plan.pending:
+            done: set[RolloutKey] = set(chunk_parts(self.ctx.ledger, chunk, k)[0])
+            if chunk.index in self.plan.committed:
+                done |= _committed_keys(self.ctx, chunk.index)
+            for task_index, row in iter_chunk_rows(self.ctx.input_url, chunk, self.ctx.input_options):
+                prepared = prepare_row(row, self.ctx.collection)
+                for r in range(k):
+                    if (task_index, r) not in done:
+                        yield task_index, prepared, r
+
+    def take(self, n: int) -> list[WorkItem]:
+        items = list(islice(self._items, max(0, n)))
+        self.handed_out += len(items)
+        return items
+
+    async def next(self, n: int) -> list[WorkItem]:
+        """Up to `n` fresh items (fewer when the input runs out), read off the event loop."""
+        return await asyncio.to_thread(self.take, n)
+
+    def close(self) -> None:
+        self._items.close()
+
+
+async def probe_next(
+    ctx: CollectContext, plan: RunPlan, feed: ProbeFeed, parallelism: int, rollouts: int, label: str
+) -> StepResult | None:
+    """A step on the next `rollouts` fresh items; None when the input has none left."""
+    items = await feed.next(rollouts)
+    if not items:
+        return None
+    return await probe_step(ctx, items, parallelism, chunks=plan.scan.chunks, label=label)

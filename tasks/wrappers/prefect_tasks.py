@@ -1,0 +1,85 @@
+"""Thin Prefect @task wrappers over the plain functions of tasks/: resolve, call, record."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefect import task
+from prefect.cache_policies import NONE
+from prefect.runtime import task_run
+
+from rollflow.settings import RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome, CollectContext, collect_chunk
+from rollflow.tasks.collect.plan import RunPlan, plan_run
+from rollflow.tasks.collect.preflight import check_reachable
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.publish.audit import AuditSummary, audit_run
+from rollflow.tasks.publish.concat import concatenate
+from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope, collect_chunk_on_worker
+from rollflow.tasks.wrappers.runtime import RunHandles
+
+
+@task(name="plan", cache_policy=NONE)
+async def plan_task(handles: RunHandles, parallelism: int | None) -> RunPlan:
+    return await asyncio.to_thread(
+        plan_run, handles.spec, handles.store, handles.ledger, handles.input_options, parallelism
+    )
+
+
+@task(name="lease", cache_policy=NONE)
+async def lease_task(handles: RunHandles, lease: Lease) -> None:
+    await asyncio.to_thread(handles.store.check_writable)
+    await asyncio.to_thread(lease.acquire)
+
+
+@task(name="preflight", cache_policy=NONE)
+async def preflight_task(url: str, timeout_s: float) -> None:
+    await check_reachable(url, timeout_s)
+
+
+CHUNK_TASK = {
+    "name": "collect-chunk",
+    "task_run_name": "chunk-{chunk.index:05d}",
+    "cache_policy": NONE,
+    "retries": 3,
+    "retry_delay_seconds": [1, 5, 15],
+}
+
+
+@task(**CHUNK_TASK)
+async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome:
+    return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+
+
+@task(**CHUNK_TASK)
+async def collect_chunk_remote_task(
+    spec: RunSpec,
+    chunk: ChunkSpec,
+    share: int,
+    scope: WorkerScope | None = None,
+    resolve: SettingsResolver | None = None,
+) -> ChunkOutcome:
+    attempt = task_run.run_count or 1
+    return await collect_chunk_on_worker(spec, chunk, share, attempt, scope, resolve)
+
+
+@task(name="verify", cache_policy=NONE)
+async def verify_task(handles: RunHandles, plan: RunPlan) -> AuditSummary:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    return await asyncio.to_thread(
+        audit_run, handles.ledger, plan.scan.chunks, handles.spec.collection.num_repeats, manifests
+    )
+
+
+@task(name="concatenate", cache_policy=NONE)
+async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    return await asyncio.to_thread(
+        concatenate,
+        handles.ledger,
+        plan.scan.chunks,
+        manifests,
+        handles.spec.dataset_url(),
+        handles.dataset_options,
+    )

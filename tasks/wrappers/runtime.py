@@ -1,0 +1,58 @@
+"""The per-process objects of one run, built from its spec and the environment's secrets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import CollectContext
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.verifiers import make_verifier
+from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.store import Store
+
+
+@dataclass
+class RunHandles:
+    spec: RunSpec
+    store: Store
+    ledger: Ledger
+    input_options: dict[str, Any]
+    output_options: dict[str, Any]
+    dataset_options: dict[str, Any]
+    lease_owner: str | None = None  # set while the run holds the output's lease; remote workers check it
+
+
+def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
+    storage = settings.storage
+    output_options = storage.storage_options(spec.output)
+    store = Store(spec.output, output_options)
+    return RunHandles(
+        spec=spec,
+        store=store,
+        ledger=Ledger(store),
+        input_options=storage.storage_options(spec.input),
+        output_options=output_options,
+        dataset_options=storage.storage_options(spec.dataset_url()),
+    )
+
+
+def collect_context(handles: RunHandles, settings: RollflowSettings, parallelism: int) -> CollectContext:
+    spec = handles.spec
+    verifier = make_verifier(spec.verify) if spec.backend.kind.value != "agent" else None
+    return CollectContext(
+        ledger=handles.ledger,
+        input_url=spec.input,
+        input_options=handles.input_options,
+        backend=spec.backend_settings(settings.backend.api_key),
+        collection=spec.collection,
+        verifier=verifier,
+        limit=ConcurrencyLimit(parallelism),
+    )
+
+
+def default_chunks_in_flight(parallelism: int, chunk_size: int, num_repeats: int) -> int:
+    """Enough chunks at once that a chunk's tail never leaves the limit idle, and never fewer than 2."""
+    per_chunk = max(1, chunk_size * num_repeats)
+    return max(2, min(64, -(-2 * parallelism // per_chunk) + 1))
