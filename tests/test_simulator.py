@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 
 import aiohttp
 import orjson
 import pytest
-from fixtures_sim import start_simulator_process, stop_process
 
+from rollflow.infra.local import Service, spawn_simulator
 from rollflow.infra.simulator import SimConfig, start_simulator
 
 MESSAGES = [{"role": "user", "content": "What is 6 * 7?"}]
@@ -35,16 +34,15 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
 @pytest.fixture
 def sim_factory() -> Iterator[Callable[..., str]]:
     """Start simulators with custom flags for one test; all stopped at its end."""
-    started: list[subprocess.Popen[str]] = []
+    started: list[Service] = []
 
     def start(*args: str) -> str:
-        proc, url = start_simulator_process(*args)
-        started.append(proc)
-        return url
+        started.append(spawn_simulator(*args))
+        return started[-1].url
 
     yield start
-    for proc in started:
-        stop_process(proc)
+    for sim in started:
+        sim.stop()
 
 
 async def test_reply_shapes(simulator: str) -> None:
@@ -246,7 +244,8 @@ async def test_in_process_starter() -> None:
 
 
 def test_sigterm_exits_cleanly_and_bad_flags_refused() -> None:
-    proc, _ = start_simulator_process("--latency-ms", "0")
-    assert stop_process(proc) == 0
-    with pytest.raises(RuntimeError, match="exit code 2"):
-        start_simulator_process("--slots", "0")
+    sim = spawn_simulator("--latency-ms", "0")
+    sim.stop()
+    assert sim.proc.returncode == 0
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        spawn_simulator("--slots", "0")

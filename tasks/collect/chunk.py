@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from statistics import quantiles
 from typing import Any
 
 import orjson
@@ -20,6 +19,7 @@ from rollflow.tasks.collect.backends import AttemptObserver, BackendClient, Back
 from rollflow.tasks.collect.http import session_for_loop
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.parts import chunk_parts, delete_parts, write_part
+from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.collect.verifiers import Verifier
@@ -79,12 +79,8 @@ class RolloutStats:
 
 
 def latency_percentiles(latencies: list[float]) -> tuple[float | None, float | None]:
-    if len(latencies) >= 2:
-        cuts = quantiles(latencies, n=20)
-        return round(cuts[9], 6), round(cuts[18], 6)
-    if latencies:
-        return latencies[0], latencies[0]
-    return None, None
+    p50, p95 = percentiles(latencies)
+    return (None if p50 is None else round(p50, 6)), (None if p95 is None else round(p95, 6))
 
 
 @dataclass
@@ -229,7 +225,7 @@ class _Flusher:
             raise
 
 
-def _committed_rows(ledger: Ledger, manifest: ChunkManifest) -> tuple[dict[RolloutKey, bytes], list[str]]:
+def committed_rows(ledger: Ledger, manifest: ChunkManifest) -> tuple[dict[RolloutKey, bytes], list[str]]:
     """The rows a partly failed chunk already holds, so a re-run redoes only its failures.
 
     Only bytes that still match the manifest are adopted; a changed object is redone whole.
@@ -252,7 +248,7 @@ def _adoptable(
     """Rollouts already done for this chunk (this run's parts, a partly failed commit) and ignored parts."""
     kept, problems = chunk_parts(ctx.ledger, chunk, ctx.collection.num_repeats)
     if previous is not None:
-        rows, notes = _committed_rows(ctx.ledger, previous)
+        rows, notes = committed_rows(ctx.ledger, previous)
         kept.update(rows)
         problems += notes
     return kept, problems

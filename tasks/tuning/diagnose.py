@@ -62,10 +62,6 @@ class Diagnosis:
         }
 
 
-def _attempts(step: StepResult) -> int:
-    return step.measure.ok + sum(step.attempt_errors.values())
-
-
 def time_split(low: StepResult, high: StepResult) -> dict[str, Any]:
     """Seconds per successful rollout spent in backend calls and in verification, at each level."""
     return {
@@ -82,10 +78,6 @@ def time_split(low: StepResult, high: StepResult) -> dict[str, Any]:
     }
 
 
-def attempt_error_rate(step: StepResult) -> float:
-    return sum(step.attempt_errors.values()) / max(1, _attempts(step))
-
-
 def overloaded(low: StepResult, high: StepResult) -> bool:
     """Errors that come with load: clearly more at the high level than at the low one.
 
@@ -94,7 +86,7 @@ def overloaded(low: StepResult, high: StepResult) -> bool:
     hi_err, lo_err = high.measure.error_rate, low.measure.error_rate
     if hi_err > ERROR_RATE and hi_err > 2 * lo_err:
         return True
-    hi_att, lo_att = attempt_error_rate(high), attempt_error_rate(low)
+    hi_att, lo_att = high.attempt_error_rate, low.attempt_error_rate
     return hi_att > 2 * ERROR_RATE and hi_att > 2 * lo_att + ERROR_RATE
 
 
@@ -110,13 +102,13 @@ def verdict(low: StepResult, high: StepResult) -> Diagnosis:
         return Diagnosis(name, next_step, reason, low, high, speedup, figures)
 
     limited = high.rate_limited
-    if limited and limited >= max(1, RATE_LIMIT_RATE * _attempts(high)):
+    if limited and limited >= max(1, RATE_LIMIT_RATE * high.attempts):
         return done(
             "rate-limited",
             f"The backend is refusing requests with 429 Too Many Requests: you are at its rate limit or "
             f"quota, not its capacity. Run at or below {lo_p if low.rate_limited else hi_p} in flight, or "
             f"raise the quota; more parallelism only buys more refusals.",
-            f"{limited} of {_attempts(high)} attempts at {hi_p} in flight were answered 429 "
+            f"{limited} of {high.attempts} attempts at {hi_p} in flight were answered 429 "
             f"({low.rate_limited} at {lo_p}); {rates}.",
         )
     hi_kinds = {**high.measure.errors}

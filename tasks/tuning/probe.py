@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-import orjson
-
 from rollflow.tasks.collect.chunk import (
     CollectContext,
     RequestRecord,
     RolloutBatch,
     RolloutKey,
     WorkItem,
+    committed_rows,
     prepare_row,
     run_rollouts,
 )
@@ -62,6 +61,15 @@ class StepResult:
     @property
     def errors(self) -> int:
         return self.measure.error_count
+
+    @property
+    def attempts(self) -> int:
+        """Every request sent, retries included: the successes plus each failed attempt."""
+        return self.measure.ok + sum(self.attempt_errors.values())
+
+    @property
+    def attempt_error_rate(self) -> float:
+        return sum(self.attempt_errors.values()) / self.attempts if self.attempts else 0.0
 
     @property
     def rate_limited(self) -> int:
@@ -174,16 +182,6 @@ async def probe_step(
     )
 
 
-def _committed_keys(ctx: CollectContext, chunk: int) -> set[RolloutKey]:
-    keys: set[RolloutKey] = set()
-    with ctx.ledger.open_chunk(chunk) as fh:
-        for line in fh:
-            if line.strip():
-                row = orjson.loads(line)
-                keys.add((row["_ng_task_index"], row["_ng_rollout_index"]))
-    return keys
-
-
 class ProbeFeed:
     """The next N work items of the input in task order across pending chunks, never handed out twice.
 
@@ -202,7 +200,7 @@ class ProbeFeed:
         for chunk in self.plan.pending:
             done: set[RolloutKey] = set(chunk_parts(self.ctx.ledger, chunk, k)[0])
             if chunk.index in self.plan.committed:
-                done |= _committed_keys(self.ctx, chunk.index)
+                done |= set(committed_rows(self.ctx.ledger, self.plan.committed[chunk.index])[0])
             for task_index, row in iter_chunk_rows(self.ctx.input_url, chunk, self.ctx.input_options):
                 prepared = prepare_row(row, self.ctx.collection)
                 for r in range(k):

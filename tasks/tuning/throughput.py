@@ -30,8 +30,10 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import quantiles, stdev
+from statistics import stdev
 from typing import Protocol
+
+from rollflow.tasks.collect.percentiles import percentiles
 
 BINS = 6
 MIN_STEADY = 5
@@ -79,16 +81,6 @@ class StepMeasure:
         if self.p50_s and self.p95_s:
             return self.p95_s / self.p50_s
         return None
-
-
-def percentiles(values: Sequence[float]) -> tuple[float | None, float | None]:
-    """p50 and p95 (inclusive method, so small samples do not extrapolate past the largest value)."""
-    if not values:
-        return None, None
-    if len(values) == 1:
-        return values[0], values[0]
-    cuts = quantiles(values, n=20, method="inclusive")
-    return cuts[9], cuts[18]
 
 
 def progress(records: Sequence[Record], t0: float, t1: float) -> float:

@@ -53,11 +53,6 @@ def step_rollouts(parallelism: int, opts: TuneOptions, stability: bool = False) 
     return max(opts.min_rollouts, math.ceil(opts.cycles * parallelism))
 
 
-def attempt_error_rate(step: StepResult) -> float:
-    attempts = step.measure.ok + sum(step.attempt_errors.values())
-    return sum(step.attempt_errors.values()) / attempts if attempts else 0.0
-
-
 def too_many_errors(step: StepResult, baseline: StepResult | None, opts: TuneOptions) -> bool:
     """Failed rollouts above the threshold, or failed attempts that grew with load: clearly more than at
     the lowest level (a backend that fails a steady few percent at any load is flaky, not overloaded;
@@ -68,8 +63,7 @@ def too_many_errors(step: StepResult, baseline: StepResult | None, opts: TuneOpt
         return True
     if baseline is None or baseline is step or baseline.parallelism >= step.parallelism:
         return False
-    rate = attempt_error_rate(step)
-    return rate > 2 * attempt_error_rate(baseline) + 2 * opts.max_error_rate
+    return step.attempt_error_rate > 2 * baseline.attempt_error_rate + 2 * opts.max_error_rate
 
 
 def base_latency(steps: Sequence[StepResult]) -> float | None:
