@@ -309,6 +309,14 @@ async def _stability(history, chosen, measured, opts, valid, measure, notes, out
                 return False, chosen
             history.append(("stability", step, ""))
         why = unstable(step, valid(), opts)
+        if why is not None and why.startswith("latency spread") and not out_of_budget():
+            # A latency spike without errors may be the client's own (a loaded machine): confirm it
+            # with a second stretch before backing off; both are real rollouts, both are kept.
+            again = await measure(chosen, "stability", stability=True)
+            if again is not None:
+                history.append(("stability", again, ""))
+                if unstable(again, valid(), opts) is None:
+                    return True, chosen
         if why is None:
             return True, chosen
         lower = max(1, math.floor(chosen * opts.backoff))
