@@ -1,3 +1,10 @@
 """Shared fixtures: real servers on 127.0.0.1 (simulated backend, moto S3), one per test session."""
 
-pytest_plugins = ["fixtures_net", "fixtures_prefect", "fixtures_runs", "fixtures_s3", "fixtures_sim"]
+pytest_plugins = [
+    "fixtures_net",
+    "fixtures_prefect",
+    "fixtures_runs",
+    "fixtures_s3",
+    "fixtures_sim",
+    "local_http",
+]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
+
+from rollflow.tasks.collect.http import close_loop_session
 
 RESPONSE = {
     "id": "resp_1",
@@ -113,3 +116,12 @@ async def serve_garbage(reply: bytes) -> tuple[asyncio.Server, str]:
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ScriptedServer]:
+    """A scripted backend for one test; the loop's session is closed before it stops."""
+    srv = ScriptedServer()
+    yield srv
+    await close_loop_session()
+    await srv.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -21,14 +20,6 @@ ROW = {
     "agent_ref": {"type": "responses_api_agents", "name": "math"},
     "expected_answer": "42",
 }
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[ScriptedServer]:
-    srv = ScriptedServer()
-    yield srv
-    await close_loop_session()
-    await srv.stop()
 
 
 def client(url: str, kind: str, **kw: object) -> BackendClient:

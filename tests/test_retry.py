@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -17,14 +16,6 @@ from rollflow.tasks.collect.observe import AttemptLog
 from rollflow.tasks.collect.retry import RetryPolicy, parse_retry_after
 
 ROW = {"responses_create_params": {"input": "hi"}}
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[ScriptedServer]:
-    srv = ScriptedServer()
-    yield srv
-    await close_loop_session()
-    await srv.stop()
 
 
 def client(url: str, observers: tuple[AttemptLog, ...] = (), **kw: object) -> BackendClient:

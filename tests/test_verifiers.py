@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ from local_http import RESPONSE, ScriptedServer
 
 from rollflow.settings import VerifySettings
 from rollflow.tasks.collect.backends import BackendError, RolloutResult
-from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.retry import RetryPolicy
 from rollflow.tasks.collect.verifiers import (
     CachedVerifier,
@@ -29,14 +27,6 @@ FAST = RetryPolicy(max_retries=2, base_s=0.01, max_s=0.05)
 
 def result(text: str) -> RolloutResult:
     return RolloutResult({"response": RESPONSE}, None, text, 1, 0.0, 1)
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[ScriptedServer]:
-    srv = ScriptedServer()
-    yield srv
-    await close_loop_session()
-    await srv.stop()
 
 
 @pytest.mark.parametrize(
