@@ -120,7 +120,7 @@ def test_row_level_resume_redoes_little(run_cli, cli_env, rows_input, reference,
         saved = {
             (row["_ng_task_index"], row["_ng_rollout_index"])
             for part in parts()
-            for row in map(orjson.loads, part.read_bytes().splitlines())
+            for row in map(orjson.loads, part.read_bytes().splitlines()[1:])  # after the run header
         }
         assert not (out / "chunks").exists() or not list((out / "chunks").glob("*.json"))
         redone_bound = 16 + 0.5 * 800 + 100  # in flight + one flush interval at 800/s + scheduling slack
