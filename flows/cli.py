@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import os
 import sys
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -23,6 +25,17 @@ NEMO_GYM_KEYS = {
     "num_repeats": "num_repeats",
     "agent_name": "agent_name",
 }
+
+
+def process_start() -> float:
+    """When this process started (epoch seconds), read from /proc so interpreter start-up counts too."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 class UsageError(Exception):
@@ -218,7 +231,12 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     from flows.runner import run_and_print
 
     return run_and_print(
-        spec, flow_name, progress=not args.no_progress, print_json=args.json, verbose=args.verbose
+        spec,
+        flow_name,
+        progress=not args.no_progress,
+        print_json=args.json,
+        verbose=args.verbose,
+        started_at=args.started_at,
     )
 
 
@@ -232,7 +250,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _quiet_prefect(args.verbose)
     from flows.demo import run_demo
 
-    return asyncio.run(run_demo(args.output, parallelism=args.parallelism, num_repeats=args.num_repeats))
+    return asyncio.run(
+        run_demo(
+            args.output,
+            parallelism=args.parallelism,
+            num_repeats=args.num_repeats,
+            started_at=args.started_at,
+        )
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -274,12 +299,15 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Called in-process with `argv` (tests), the command starts now; as the console script, at exec."""
+    started_at = process_start() if argv is None else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
     _quiet_prefect("--verbose" in argv)
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
+    args.started_at = started_at
     try:
         if args.command in ("run", "collect"):
             return cmd_run(args, extra, args.command)

@@ -13,7 +13,9 @@ from settings import BackendParams, CollectionSettings, RunSpec
 SAMPLE = Path(__file__).resolve().parent.parent / "infra" / "data" / "sample.jsonl"
 
 
-async def run_demo(output: str, *, parallelism: int | str, num_repeats: int) -> int:
+async def run_demo(
+    output: str, *, parallelism: int | str, num_repeats: int, started_at: float | None = None
+) -> int:
     from infra.simulator import SimConfig, start_simulator
 
     console = Console(stderr=True)
@@ -26,7 +28,9 @@ async def run_demo(output: str, *, parallelism: int | str, num_repeats: int) -> 
             backend=BackendParams(kind="agent", url=sim.url),
             collection=CollectionSettings(parallelism=parallelism, num_repeats=num_repeats, chunk_size=100),
         )
-        status = await asyncio.to_thread(run_and_print, spec, "run", progress=True, print_json=False)
+        status = await asyncio.to_thread(
+            run_and_print, spec, "run", progress=True, print_json=False, started_at=started_at
+        )
     finally:
         await sim.close()
     if status == EXIT_OK:

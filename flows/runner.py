@@ -106,16 +106,23 @@ def summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
-async def _run_flow(spec: RunSpec, flow_name: str) -> dict[str, Any]:
+async def _run_flow(spec: RunSpec, flow_name: str, started_at: float | None) -> dict[str, Any]:
     from flows.pipeline import rollflow_collect, rollflow_run
 
     flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
-    return await flow(spec)
+    return await flow(spec, started_at=started_at)
 
 
 def run_and_print(
-    spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool, verbose: bool = False
+    spec: RunSpec,
+    flow_name: str,
+    *,
+    progress: bool,
+    print_json: bool,
+    verbose: bool = False,
+    started_at: float | None = None,
 ) -> int:
+    """Run the flow and print its summary; `started_at` is the command's start, for the report's wall time."""
     from flows.pipeline import RunIncomplete
 
     console = Console(stderr=True)
@@ -127,7 +134,7 @@ def run_and_print(
             known_errors_quiet((*user_errors, RunIncomplete), verbose),
             ProgressBar(console, enabled=progress and console.is_terminal),
         ):
-            report = asyncio.run(_run_flow(spec, flow_name))
+            report = asyncio.run(_run_flow(spec, flow_name, started_at))
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)

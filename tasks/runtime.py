@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from settings import RollflowSettings, RunSpec
+from tasks.clock import StageClock
 from tasks.collect import CollectContext
 from tasks.ledger import Ledger
 from tasks.limiter import ConcurrencyLimit
@@ -22,6 +23,7 @@ class RunHandles:
     output_options: dict[str, Any]
     dataset_options: dict[str, Any]
     lease_owner: str | None = None  # set while the run holds the output's lease; remote workers check it
+    clock: StageClock = field(default_factory=StageClock)
 
 
 def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
