@@ -80,10 +80,15 @@ def known_errors_quiet(known: tuple[type[BaseException], ...], verbose: bool) ->
             handler.removeFilter(hide)
 
 
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
 def summary_table(report: dict[str, Any]) -> Table:
+    """Two columns that fit 80; a long URL folds onto the next lines instead of being cut."""
     table = Table(title="rollflow run", show_header=False, title_justify="left")
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
+    table.add_column("metric", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
     rows = [
         ("dataset", report.get("dataset") or "not published"),
         ("rollouts expected", f"{report['rows_expected']:,}"),
@@ -91,14 +96,13 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("failed", f"{report['failed']:,}"),
         ("duplicates", f"{report['duplicates']:,}"),
         ("missing", f"{report['missing']:,}"),
-        ("reward mean", "-" if report["reward_mean"] is None else f"{report['reward_mean']:.4f}"),
-        ("rollouts/s", "-" if report["rollouts_per_s"] is None else f"{report['rollouts_per_s']:,.1f}"),
-        (
-            "output tokens/s",
-            "-" if report["output_tokens_per_s"] is None else f"{report['output_tokens_per_s']:,.0f}",
-        ),
+        ("reward mean", _num(report["reward_mean"], ".4f")),
+        ("rollouts/s", _num(report["rollouts_per_s"], ",.1f")),
+        ("output tokens/s", _num(report["output_tokens_per_s"], ",.0f")),
+        ("collect rollouts/s", _num(report.get("collect_rollouts_per_s"), ",.1f")),
         ("parallelism", str(report["parallelism"])),
-        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("wall time", _num(report["wall_s"], ",.1f", " s")),
+        *((f"  {name}", _num(s, ",.1f", " s")) for name, s in (report.get("stages") or {}).items()),
         ("report", f"{report['output'].rstrip('/')}/report.json"),
     ]
     for key, value in rows:
