@@ -293,7 +293,7 @@ def make_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
     demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
     demo.add_argument("--parallelism", type=_parallelism, default="auto", help="N, auto or adaptive")
-    demo.add_argument("--num-repeats", type=int, default=4)
+    demo.add_argument("--num-repeats", type=int, default=16, help="rollouts per row (default 16)")
     demo.add_argument("--verbose", action="store_true")
     return parser
 
