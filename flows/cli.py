@@ -7,7 +7,6 @@ import asyncio
 import os
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -25,17 +24,6 @@ NEMO_GYM_KEYS = {
     "num_repeats": "num_repeats",
     "agent_name": "agent_name",
 }
-
-
-def process_start() -> float:
-    """When this process started (epoch seconds), read from /proc so interpreter start-up counts too."""
-    try:
-        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        age = uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")
-        return time.time() - max(0.0, age)
-    except (OSError, ValueError, IndexError):
-        return time.time()
 
 
 class UsageError(Exception):
@@ -300,6 +288,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Called in-process with `argv` (tests), the command starts now; as the console script, at exec."""
+    from flows.runner import process_start
+
     started_at = process_start() if argv is None else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
