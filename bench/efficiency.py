@@ -44,7 +44,7 @@ def main() -> None:
                         prefect.env,
                         work / f"out-{jitter}-{parallelism}",
                     )
-                    rate = res.report["rollouts_per_s"]
+                    rate = res.report["collect_rollouts_per_s"]
                     collected = res.report["metrics"]["collected"]
                     print(
                         f"  {jitter:>6.0%}  {parallelism:>11}  {collected:>8,}  {rate:>10,.1f}  "

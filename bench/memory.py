@@ -34,7 +34,7 @@ def main() -> None:
             peak = res.report["metrics"]["peak_rss_mb"]
             peaks.append(peak)
             print(
-                f"  {rows:>9,}  {peak:>11,.1f}  {res.report['rollouts_per_s']:>10,.0f}  "
+                f"  {rows:>9,}  {peak:>11,.1f}  {res.report['collect_rollouts_per_s']:>10,.0f}  "
                 f"{res.wall_s:>7.1f}  {res.returncode}"
             )
     finally:

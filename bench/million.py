@@ -45,7 +45,7 @@ def main() -> None:
             m = res.report["metrics"]
             share = m["prefect_overhead_share"]
             print(
-                f"  {size:>9,}  {res.report['rollouts_per_s']:>10,.0f}  {m['peak_rss_mb']:>11,.1f}  "
+                f"  {size:>9,}  {res.report['collect_rollouts_per_s']:>10,.0f}  {m['peak_rss_mb']:>11,.1f}  "
                 f"{share:>13.2%}  {res.wall_s:>7.1f}  {res.returncode}",
                 flush=True,
             )

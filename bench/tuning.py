@@ -6,6 +6,7 @@ For each simulator profile (N slots x latency L, capacity N/L rollouts/s):
 - rollflow: diagnose (100 at 5 and 20) + tune (steady-rate steps, BDP knee, refinement, stability).
 Both choices are then measured on a 1500-rollout run (not counted as tuning) as a fraction of capacity.
 Goal: rollflow >= 0.90 of capacity with at most half the recipe's probe rollouts, none discarded.
+Then diagnose+tune runs REPEATS times in all on fresh rows: the spread (min/median/max) of its choice.
 
 Adaptive: a simulator whose slots change mid-run (POST /admin/config); adaptive mode's steady rate in each
 phase against the best of several fixed settings in that phase. Goal: within 15%.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -35,6 +37,7 @@ from rollflow.tasks.tuning.tune import TuneOptions, tune
 from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 PROFILES = [(8, 50.0), (32, 50.0), (48, 100.0), (128, 400.0)]
+REPEATS = 10
 
 
 def _context(url: str, work: Path, rows: int):  # type: ignore[no-untyped-def]
@@ -83,19 +86,26 @@ async def measure(ctx, plan, feed, p: int, n: int = 1500) -> float:  # type: ign
     return step.rollouts_per_s
 
 
+async def diagnose_and_tune(ctx, plan, feed):  # type: ignore[no-untyped-def]
+    d = await diagnose(ctx, plan, feed=feed)
+    return d, await tune(ctx, plan, TuneOptions(), feed=feed, seeds=[d.low, d.high])
+
+
 async def compare(slots: int, latency_ms: float) -> None:
     capacity = slots * 1000 / latency_ms
     sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms))
     try:
         work = Path(tempfile.mkdtemp(prefix="rollflow-bench-tune-"))
-        ctx, plan = _context(sim.url, work, 20_000)
+        ctx, plan = _context(sim.url, work, 60_000)
         feed = ProbeFeed(ctx, plan)
         r_spent, r_chosen = await recipe(ctx, plan, feed)
-        d = await diagnose(ctx, plan, feed=feed)
-        t = await tune(ctx, plan, TuneOptions(), feed=feed, seeds=[d.low, d.high])
+        d, t = await diagnose_and_tune(ctx, plan, feed)
         f_spent = d.probe_rollouts + t.probe_rollouts
         r_rate = await measure(ctx, plan, feed, r_chosen)
         f_rate = await measure(ctx, plan, feed, t.chosen_parallelism)
+        choices = [t.chosen_parallelism]
+        for _ in range(REPEATS - 1):
+            choices.append((await diagnose_and_tune(ctx, plan, feed))[1].chosen_parallelism)
         feed.close()
         await close_loop_session()
     finally:
@@ -106,6 +116,11 @@ async def compare(slots: int, latency_ms: float) -> None:
         f"({f_spent / r_spent:.2f} of recipe), knee {t.knee:>4}, chose {t.chosen_parallelism:>4}, "
         f"{f_rate / capacity:>5.2f} of capacity, {d.verdict}, "
         f"discarded {sum(s.errors for s in t.steps)} (failed probes: never saved as parts)"
+    )
+    print(
+        f"  {'':>19}choice over {len(choices)} runs: min {min(choices)}, median "
+        f"{statistics.median(choices):g}, max {max(choices)} ({min(choices) / slots:.2f}x to "
+        f"{max(choices) / slots:.2f}x the slots)"
     )
 
 

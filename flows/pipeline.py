@@ -19,6 +19,7 @@ from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.publish.audit import AuditSummary
+from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.publish.report import RunMetrics, build_report, render_markdown, write_report
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.adaptive import adaptive_control
@@ -166,6 +167,8 @@ async def _collect_verify_publish(
     t_start = time.perf_counter()
     mode = spec.collection.parallelism
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
+    clock = handles.clock
+    clock.mark("startup")
     pending = plan.pending
     extra: dict[str, Any] = {}
     remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
@@ -214,12 +217,16 @@ async def _collect_verify_publish(
             await close_loop_session()
     collect_s = time.perf_counter() - t_collect
     collect_cpu_s = time.process_time() - cpu_collect
+    clock.mark("collect")
     summary = await verify_task(handles, plan)
+    clock.mark("verify")
     publish = (summary.ok or spec.allow_incomplete) and not collected.stopped
     if publish:
         await concatenate_task(handles, plan)
         await dataset_link(spec.dataset_url())
-    metrics = run_metrics(collected.outcomes, ctx, time.perf_counter() - t_start, collect_s, skipped)
+    clock.mark("publish")
+    metrics = run_metrics(collected.outcomes, ctx, clock.elapsed(), collect_s, skipped)
+    metrics.stages = clock.rounded()
     metrics.collect_cpu_s = round(collect_cpu_s, 6)
     metrics.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     report = build_report(
@@ -252,17 +259,22 @@ async def _collect_verify_publish(
     return report
 
 
-@flow(name="rollflow-run", log_prints=False)
-async def rollflow_run(spec: RunSpec) -> dict[str, Any]:
-    """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked)."""
+async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, Any]:
+    """`started_at` (epoch seconds) is when the command began; without it, the flow's start is the start."""
+    clock = StageClock() if started_at is None else StageClock(start=started_at)
     settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
+    handles.clock = clock
     return await run_collection(spec, settings, handles)
+
+
+@flow(name="rollflow-run", log_prints=False)
+async def rollflow_run(spec: RunSpec, started_at: float | None = None) -> dict[str, Any]:
+    """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked)."""
+    return await _open_and_run(spec, started_at)
 
 
 @flow(name="rollflow-collect", log_prints=False)
-async def rollflow_collect(spec: RunSpec) -> dict[str, Any]:
+async def rollflow_collect(spec: RunSpec, started_at: float | None = None) -> dict[str, Any]:
     """Collection at a fixed parallelism, then verify and concatenate."""
-    settings = await resolve_secret_blocks(RollflowSettings())
-    handles = open_run(spec, settings)
-    return await run_collection(spec, settings, handles)
+    return await _open_and_run(spec, started_at)

@@ -95,6 +95,7 @@ async def choose_parallelism(
             ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
         )
         found["diagnosis"] = diagnosis.as_dict()
+        handles.clock.mark("diagnose")
         chosen = params.diagnose_high
         if tune_too:
             tuning = await tune_task(ctx, plan, tune_options(params), feed, [diagnosis.low, diagnosis.high])
@@ -106,6 +107,7 @@ async def choose_parallelism(
         await close_loop_session()
     await asyncio.to_thread(handles.ledger.update_parallelism, chosen)
     await _publish(handles, found)
+    handles.clock.mark("tune" if tune_too else "diagnose")
     return chosen, found
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -205,7 +206,12 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     from rollflow.flows.cli.runner import run_and_print
 
     return run_and_print(
-        spec, flow_name, progress=not args.no_progress, print_json=args.json, verbose=args.verbose
+        spec,
+        flow_name,
+        progress=not args.no_progress,
+        print_json=args.json,
+        verbose=args.verbose,
+        started_at=args.started_at,
     )
 
 
@@ -219,7 +225,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.demo import run_demo
 
-    return asyncio.run(run_demo(args.output, parallelism=args.parallelism, num_repeats=args.num_repeats))
+    return asyncio.run(
+        run_demo(
+            args.output,
+            parallelism=args.parallelism,
+            num_repeats=args.num_repeats,
+            started_at=args.started_at,
+        )
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -255,18 +268,23 @@ def make_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
     demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
     demo.add_argument("--parallelism", type=_parallelism, default="auto", help="N, auto or adaptive")
-    demo.add_argument("--num-repeats", type=int, default=4)
+    demo.add_argument("--num-repeats", type=int, default=16, help="rollouts per row (default 16)")
     demo.add_argument("--verbose", action="store_true")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Called in-process with `argv` (tests), the command starts now; as the console script, at exec."""
+    from rollflow.flows.cli.start import process_start
+
+    started_at = process_start() if argv is None else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
     quiet_prefect("--verbose" in argv)
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
+    args.started_at = started_at
     try:
         if args.command in ("run", "collect"):
             return cmd_run(args, extra, args.command)

@@ -23,10 +23,15 @@ from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_ru
 from rollflow.settings import RunSpec
 
 
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
 def summary_table(report: dict[str, Any]) -> Table:
+    """Two columns that fit 80; a long URL folds onto the next lines instead of being cut."""
     table = Table(title="rollflow run", show_header=False, title_justify="left")
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
+    table.add_column("metric", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
     rows = [
         ("dataset", report.get("dataset") or "not published"),
         ("rollouts expected", f"{report['rows_expected']:,}"),
@@ -34,14 +39,13 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("failed", f"{report['failed']:,}"),
         ("duplicates", f"{report['duplicates']:,}"),
         ("missing", f"{report['missing']:,}"),
-        ("reward mean", "-" if report["reward_mean"] is None else f"{report['reward_mean']:.4f}"),
-        ("rollouts/s", "-" if report["rollouts_per_s"] is None else f"{report['rollouts_per_s']:,.1f}"),
-        (
-            "output tokens/s",
-            "-" if report["output_tokens_per_s"] is None else f"{report['output_tokens_per_s']:,.0f}",
-        ),
+        ("reward mean", _num(report["reward_mean"], ".4f")),
+        ("rollouts/s", _num(report["rollouts_per_s"], ",.1f")),
+        ("output tokens/s", _num(report["output_tokens_per_s"], ",.0f")),
+        ("collect rollouts/s", _num(report.get("collect_rollouts_per_s"), ",.1f")),
         ("parallelism", str(report["parallelism"])),
-        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("wall time", _num(report["wall_s"], ",.1f", " s")),
+        *((f"  {name}", _num(s, ",.1f", " s")) for name, s in (report.get("stages") or {}).items()),
         ("report", f"{report['output'].rstrip('/')}/report.json"),
     ]
     for key, value in rows:
@@ -49,14 +53,21 @@ def summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
-async def _run_flow(spec: RunSpec, flow_name: str) -> dict[str, Any]:
+async def _run_flow(spec: RunSpec, flow_name: str, started_at: float | None) -> dict[str, Any]:
     flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
-    return await flow(spec)
+    return await flow(spec, started_at=started_at)
 
 
 def run_and_print(
-    spec: RunSpec, flow_name: str, *, progress: bool, print_json: bool, verbose: bool = False
+    spec: RunSpec,
+    flow_name: str,
+    *,
+    progress: bool,
+    print_json: bool,
+    verbose: bool = False,
+    started_at: float | None = None,
 ) -> int:
+    """Run the flow and print its summary; `started_at` is the command's start, for the report's wall time."""
     console = Console(stderr=True)
     known = user_errors()
     report: dict[str, Any] | None = None
@@ -66,7 +77,7 @@ def run_and_print(
             known_errors_quiet((*known, RunIncomplete), verbose),
             ProgressBar(console, enabled=progress and console.is_terminal),
         ):
-            report = asyncio.run(_run_flow(spec, flow_name))
+            report = asyncio.run(_run_flow(spec, flow_name, started_at))
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import orjson
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -24,6 +25,15 @@ def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
 
 
+def _cell(value: Any) -> str:
+    """Thousands separators; a decimal only below 100, where it still carries information."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
 def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     """The verdict, its next step and the tuning table, as the CLI shows them."""
     d = found["diagnosis"]
@@ -31,11 +41,14 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     console.print(f"next step: {d['next_step']}", highlight=False)
     if "tuning" in found:
         t = found["tuning"]
-        table = Table(title="tune-parallelism", title_justify="left")
-        for col in ("phase", "parallelism", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
-            table.add_column(col, justify="left" if col in ("phase", "note") else "right")
+        table = Table(
+            title="tune-parallelism", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+            padding=(0, 1, 0, 0), pad_edge=False,
+        )  # fmt: skip
+        for col in ("phase", "in flight", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
+            table.add_column(col, justify="left" if col in ("phase", "note") else "right", overflow="fold")
         for row in steps_table(t):
-            table.add_row(*("-" if v is None else str(v) for v in row.values()))
+            table.add_row(*(_cell(v) for v in row.values()))
         console.print(table)
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +33,7 @@ class RunMetrics:
     collect_cpu_s: float = 0.0
     peak_rss_mb: float = 0.0
     prefect_overhead_share: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def probe_accounting(tuning: dict[str, Any], adopted: int) -> dict[str, Any]:
@@ -60,6 +61,8 @@ def build_report(
     adopted: int = 0,
 ) -> dict[str, Any]:
     collect_s = metrics.collect_s or 0.0
+    tuning = probe_accounting(extra["tuning"], adopted) if extra and extra.get("tuning") else None
+    produced = metrics.collected + (tuning["adopted"] if tuning else 0)
     report: dict[str, Any] = {
         "generated_at": datetime.now(UTC).isoformat(),
         "input": input_url,
@@ -77,9 +80,10 @@ def build_report(
         "missing_reward": summary.missing_reward,
         "bad_input_rows": bad_rows,
         "reward_mean": summary.reward_mean,
-        "rollouts_per_s": round(metrics.collected / collect_s, 3) if collect_s > 0 else None,
-        "output_tokens_per_s": round(metrics.output_tokens / collect_s, 3) if collect_s > 0 else None,
+        **whole_run_rates(metrics, produced, summary),
+        "collect_rollouts_per_s": round(metrics.collected / collect_s, 3) if collect_s > 0 else None,
         "wall_s": round(metrics.wall_s, 3),
+        "stages": metrics.stages,
         "parallelism": metrics.parallelism,
         "audit_ok": summary.ok,
         "audit_problems": summary.problems[:50],
@@ -87,9 +91,25 @@ def build_report(
     }
     if extra:
         report.update(extra)
-    if report.get("tuning"):
-        report["tuning"] = probe_accounting(report["tuning"], adopted)
+    if tuning:
+        report["tuning"] = tuning
     return report
+
+
+def whole_run_rates(metrics: RunMetrics, produced: int, summary: AuditSummary) -> dict[str, float | None]:
+    """Rollouts this command added to the dataset (collected or adopted probes) over its whole wall time.
+
+    Output tokens are the dataset's tokens per rollout times those rollouts: exact when this command
+    produced the whole dataset, the dataset's average when it resumed earlier chunks.
+    """
+    wall = metrics.wall_s
+    if wall <= 0:
+        return {"rollouts_per_s": None, "output_tokens_per_s": None}
+    per_row = summary.output_tokens / summary.rows_written if summary.rows_written else 0.0
+    return {
+        "rollouts_per_s": round(produced / wall, 3),
+        "output_tokens_per_s": round(produced * per_row / wall, 3),
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -111,6 +131,7 @@ SUMMARY_KEYS = (
     "reward_mean",
     "rollouts_per_s",
     "output_tokens_per_s",
+    "collect_rollouts_per_s",
     "wall_s",
     "parallelism",
 )
@@ -130,6 +151,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "|---|---|",
     ]
     lines += [f"| {key} | {_fmt(report.get(key))} |" for key in SUMMARY_KEYS]
+    if report.get("stages"):
+        lines += ["", "| stage | seconds |", "|---|---|"]
+        lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
     if report.get("diagnosis"):
         lines += ["", diagnosis_markdown(report["diagnosis"])]
     if report.get("tuning"):

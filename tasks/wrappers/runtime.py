@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.collect.chunk import CollectContext
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.verifiers import make_verifier
+from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store
 
@@ -22,6 +23,7 @@ class RunHandles:
     output_options: dict[str, Any]
     dataset_options: dict[str, Any]
     lease_owner: str | None = None  # set while the run holds the output's lease; remote workers check it
+    clock: StageClock = field(default_factory=StageClock)
 
 
 def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
