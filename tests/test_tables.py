@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from rollflow.flows.cli.runner import summary_table
-from rollflow.flows.tuning import print_tuning
+from rollflow.flows.cli.tuning_cmd import print_tuning
 
 S3_OUT = (
     "s3://research-datasets-eu-west-1/rollouts/qwen3-8b-math/2026-11-23T12-00-00Z/run-0042-with-a-long-name"
