@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import flow
@@ -160,75 +161,137 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
         await asyncio.to_thread(lease.release)
 
 
+TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW = 4  # below 4x the diagnosis size, tuning would eat most of the run
+FALLBACK_PARALLELISM = CollectionSettings().parallelism
+
+
+@dataclass
+class Collected:
+    """What the collect step did: the chunks' outcomes, its context and its own time and CPU."""
+
+    result: CollectResult
+    ctx: CollectContext
+    seconds: float = 0.0
+    cpu_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 async def _collect_verify_publish(
     spec: RunSpec, settings: RollflowSettings, handles: RunHandles
 ) -> dict[str, Any]:
-    """collect -> verify -> concatenate -> report, for a spec whose parallelism is already decided."""
-    t_start = time.perf_counter()
+    """The pipeline: plan -> choose parallelism -> collect -> verify -> publish -> report."""
+    t_start, clock = time.perf_counter(), handles.clock
     mode = spec.collection.parallelism
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
-    clock = handles.clock
     clock.mark("startup")
-    pending = plan.pending
-    extra: dict[str, Any] = {}
-    remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
-    if isinstance(mode, int):
-        parallelism = mode
-    elif pending and remaining < 4 * spec.tuning.diagnose_rows:
-        parallelism = CollectionSettings().parallelism
-        extra["tuning_skipped"] = (
-            f"only {remaining} rollouts left: too few to diagnose and tune "
-            f"(needs {4 * spec.tuning.diagnose_rows}); collected at parallelism {parallelism}"
-        )
-    elif pending:
-        from rollflow.flows.tuning import choose_parallelism
-
-        parallelism, extra = await choose_parallelism(spec, settings, handles, plan)
-    else:
-        parallelism = plan.identity.parallelism or CollectionSettings().parallelism
-    skipped = len(plan.scan.chunks) - len(pending)
-    hub.emit(ProgressEvent("plan", total=remaining))
-    ctx = collect_context(handles, settings, parallelism)
-    t_collect, cpu_collect = time.perf_counter(), time.process_time()
-    collected = CollectResult()
-    if pending:
-        await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
-        chunks_in_flight = spec.collection.chunks_in_flight or default_chunks_in_flight(
-            parallelism, spec.collection.chunk_size, spec.collection.num_repeats
-        )
-        try:
-            left = (
-                None
-                if spec.deadline_s is None
-                else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
-            )
-            if spec.runner == "dask":
-                collected = await collect_on_dask(
-                    spec, pending, parallelism, spec.collection.chunk_retries, left, handles.lease_owner
-                )
-            elif mode == "adaptive":
-                async with adaptive_control(ctx) as controller:
-                    collected = await collect_stage(ctx, plan, chunks_in_flight, left)
-                extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}
-            else:
-                async with chunk_progress(len(plan.scan.chunks), skipped):
-                    collected = await collect_stage(ctx, plan, chunks_in_flight, left)
-        finally:
-            await close_loop_session()
-    collect_s = time.perf_counter() - t_collect
-    collect_cpu_s = time.process_time() - cpu_collect
+    parallelism, extra = await choose_step(spec, settings, handles, plan)
+    left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
+    collected = await collect_step(spec, settings, handles, plan, parallelism, left)
+    collected.extra = {**extra, **collected.extra}
     clock.mark("collect")
     summary = await verify_task(handles, plan)
     clock.mark("verify")
-    publish = (summary.ok or spec.allow_incomplete) and not collected.stopped
-    if publish:
-        await concatenate_task(handles, plan)
-        await dataset_link(spec.dataset_url())
+    published = await publish_step(spec, handles, plan, summary, collected.result)
     clock.mark("publish")
-    metrics = run_metrics(collected.outcomes, ctx, clock.elapsed(), collect_s, skipped)
-    metrics.stages = clock.rounded()
-    metrics.collect_cpu_s = round(collect_cpu_s, 6)
+    report = await report_step(spec, handles, plan, summary, collected, published)
+    if collected.result.stopped:
+        raise RunIncomplete(deadline_message(summary, spec), report)
+    if not published:
+        raise RunIncomplete(incomplete_message(summary, spec, collected.result.errors), report)
+    return report
+
+
+async def choose_step(
+    spec: RunSpec, settings: RollflowSettings, handles: RunHandles, plan: RunPlan
+) -> tuple[int, dict[str, Any]]:
+    """A fixed parallelism as given; `auto`/`adaptive` diagnose and tune first, unless too little is left."""
+    mode, pending = spec.collection.parallelism, plan.pending
+    if isinstance(mode, int):
+        return mode, {}
+    if not pending:
+        return plan.identity.parallelism or FALLBACK_PARALLELISM, {}
+    remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
+    needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows
+    if remaining < needed:
+        return FALLBACK_PARALLELISM, {
+            "tuning_skipped": f"only {remaining} rollouts left: too few to diagnose and tune (needs "
+            f"{needed}); collected at parallelism {FALLBACK_PARALLELISM}"
+        }
+    from rollflow.flows.tuning import choose_parallelism
+
+    return await choose_parallelism(spec, settings, handles, plan)
+
+
+async def collect_step(
+    spec: RunSpec,
+    settings: RollflowSettings,
+    handles: RunHandles,
+    plan: RunPlan,
+    parallelism: int,
+    left_s: float | None,
+) -> Collected:
+    """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation."""
+    pending = plan.pending
+    hub.emit(ProgressEvent("plan", total=sum(c.good_rows for c in pending) * spec.collection.num_repeats))
+    collected = Collected(CollectResult(), collect_context(handles, settings, parallelism))
+    if not pending:
+        return collected
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
+    try:
+        collected.result = await _dispatch(spec, handles, plan, collected, left_s)
+    finally:
+        await close_loop_session()
+    collected.seconds, collected.cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+    return collected
+
+
+async def _dispatch(
+    spec: RunSpec, handles: RunHandles, plan: RunPlan, collected: Collected, left_s: float | None
+) -> CollectResult:
+    ctx, col = collected.ctx, spec.collection
+    if spec.runner == "dask":
+        return await collect_on_dask(
+            spec, plan.pending, ctx.limit.limit, col.chunk_retries, left_s, handles.lease_owner
+        )
+    in_flight = col.chunks_in_flight or default_chunks_in_flight(
+        ctx.limit.limit, col.chunk_size, col.num_repeats
+    )
+    if col.parallelism == "adaptive":
+        async with adaptive_control(ctx) as controller:
+            result = await collect_stage(ctx, plan, in_flight, left_s)
+        collected.extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}
+        return result
+    async with chunk_progress(len(plan.scan.chunks), len(plan.scan.chunks) - len(plan.pending)):
+        return await collect_stage(ctx, plan, in_flight, left_s)
+
+
+async def publish_step(
+    spec: RunSpec, handles: RunHandles, plan: RunPlan, summary: AuditSummary, result: CollectResult
+) -> bool:
+    """Concatenate only what the audit passed (or what --allow-incomplete accepts), never after a deadline."""
+    if not (summary.ok or spec.allow_incomplete) or result.stopped:
+        return False
+    await concatenate_task(handles, plan)
+    await dataset_link(spec.dataset_url())
+    return True
+
+
+async def report_step(
+    spec: RunSpec,
+    handles: RunHandles,
+    plan: RunPlan,
+    summary: AuditSummary,
+    collected: Collected,
+    published: bool,
+) -> dict[str, Any]:
+    """report.json and report.md in the output, and the report as a Prefect markdown artifact."""
+    result, skipped = collected.result, len(plan.scan.chunks) - len(plan.pending)
+    metrics = run_metrics(result.outcomes, collected.ctx, handles.clock.elapsed(), collected.seconds, skipped)
+    metrics.stages = handles.clock.rounded()
+    metrics.collect_cpu_s = round(collected.cpu_s, 6)
     metrics.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    ignored = [note for o in result.outcomes for note in o.manifest.stats.get("ignored_parts", [])]
     report = build_report(
         input_url=spec.input,
         output_url=spec.output,
@@ -236,26 +299,20 @@ async def _collect_verify_publish(
         backend_kind=spec.backend.kind.value,
         summary=summary,
         metrics=metrics,
-        published=publish,
+        published=published,
         bad_rows=plan.scan.bad_rows,
-        adopted=sum(o.adopted for o in collected.outcomes),
+        adopted=sum(o.adopted for o in result.outcomes),
         extra={
-            **extra,
-            "chunk_errors": collected.errors[:20],
-            "stopped_at_deadline": collected.stopped,
-            "ignored_parts": [
-                note for o in collected.outcomes for note in o.manifest.stats.get("ignored_parts", [])
-            ][:20],
+            **collected.extra,
+            "chunk_errors": result.errors[:20],
+            "stopped_at_deadline": result.stopped,
+            "ignored_parts": ignored[:20],
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )
-    if collected.stopped:
-        raise RunIncomplete(deadline_message(summary, spec), report)
-    if not publish:
-        raise RunIncomplete(incomplete_message(summary, spec, collected.errors), report)
     return report
 
 
@@ -274,7 +331,5 @@ async def rollflow_run(spec: RunSpec, started_at: float | None = None) -> dict[s
     return await _open_and_run(spec, started_at)
 
 
-@flow(name="rollflow-collect", log_prints=False)
-async def rollflow_collect(spec: RunSpec, started_at: float | None = None) -> dict[str, Any]:
-    """Collection at a fixed parallelism, then verify and concatenate."""
-    return await _open_and_run(spec, started_at)
+# `rollflow collect` (ng_collect_rollouts' arguments) runs the same flow: the two differ only in defaults.
+rollflow_collect = rollflow_run
