@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from rollflow.flows.cli.errors import UsageError
-from rollflow.flows.serve import DEPLOYMENT, default_parameters, deployments
-from rollflow.settings import RollflowSettings
+
+DEPLOYMENT = "rollflow"  # the deployments' default name (flows.serve, loaded with Prefect only to serve)
 
 
 def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +38,9 @@ def add_serve_parser(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; schedules stay as set (not paused) when serving stops."""
     from prefect import serve
+
+    from rollflow.flows.serve import default_parameters, deployments
+    from rollflow.settings import RollflowSettings
 
     params = default_parameters(RollflowSettings())
     schedule = schedule_of(args, params)

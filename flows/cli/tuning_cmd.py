@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich import box
@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rollflow.flows.cli.errors import EXIT_ERROR, EXIT_OK, known_errors_quiet, quiet_prefect, user_errors
-from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
-from rollflow.settings import RunSpec
-from rollflow.tasks.publish.plot import probe_fate, steps_table
+
+if TYPE_CHECKING:
+    from rollflow.settings import RunSpec
 
 
 def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +36,8 @@ def _cell(value: Any) -> str:
 
 def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     """The verdict, its next step and the tuning table, as the CLI shows them."""
+    from rollflow.tasks.publish.plot import probe_fate, steps_table
+
     d = found["diagnosis"]
     console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
     console.print(f"next step: {d['next_step']}", highlight=False)
@@ -60,6 +62,8 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
 
 def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
     """The stage's tuning settings come from the spec, so flags, env and .env apply as for `run`."""
+    from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
+
     verbose = getattr(args, "verbose", False)
     quiet_prefect(verbose)
     console = Console(stderr=True)
