@@ -127,6 +127,24 @@ def _overhead_share(ran: list[ChunkOutcome]) -> float | None:
     return round(max(0.0, task_s - sum(o.core_s for o in ran)) / task_s, 6)
 
 
+def overhead_figures(clock: StageClock, outcomes: list[ChunkOutcome]) -> dict[str, Any]:
+    """Start-up (command start to the first backend request) and Prefect's share of the wall time so far.
+
+    Inside the flow, Prefect's time is what came before the flow body (interpreter, imports, the Prefect
+    server, the flow run's creation) plus chunk-task overhead; the CLI adds the shutdown it measures after.
+    """
+    wall = clock.elapsed()
+    before_body = max(0.0, (clock.flow_started or clock.start) - clock.start)
+    tasks_s = sum(max(0.0, o.task_s - o.core_s) for o in outcomes if not o.skipped)
+    return {
+        "startup_s": round(clock.stages["startup"], 3),
+        "before_flow_s": round(before_body, 3),
+        "chunk_task_overhead_s": round(tasks_s, 6),
+        "shutdown_s": None,
+        "prefect_overhead_share": round((before_body + tasks_s) / wall, 4) if wall > 0 else None,
+    }
+
+
 def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[str]) -> str:
     failed_chunks = (
         f" {len(chunk_errors)} chunk task(s) failed after their retries (first: {chunk_errors[0]})."
@@ -307,6 +325,7 @@ async def report_step(
             "chunk_errors": result.errors[:20],
             "stopped_at_deadline": result.stopped,
             "ignored_parts": ignored[:20],
+            **overhead_figures(handles.clock, result.outcomes),
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)
@@ -319,6 +338,7 @@ async def report_step(
 async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, Any]:
     """`started_at` (epoch seconds) is when the command began; without it, the flow's start is the start."""
     clock = StageClock() if started_at is None else StageClock(start=started_at)
+    clock.flow_started = time.time()
     settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
     handles.clock = clock

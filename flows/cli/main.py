@@ -203,6 +203,9 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
     spec = build_spec(args, extra, defaults)
     quiet_prefect(args.verbose)
+    from rollflow.flows.cli.prefect_api import choose_api
+
+    api = choose_api(args.started_at)  # an ephemeral server starts while the flows load
     from rollflow.flows.cli.runner import run_and_print
 
     return run_and_print(
@@ -212,6 +215,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
         print_json=args.json,
         verbose=args.verbose,
         started_at=args.started_at,
+        api=api,
     )
 
 

@@ -1,8 +1,10 @@
-"""A live progress bar (rollouts/s, ETA, failures) fed by rollflow.tasks.collect.progress events."""
+"""Progress fed by rollflow.tasks.collect.progress events: a live bar on a terminal, plain lines in logs."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from types import TracebackType
 
 from rich.console import Console
@@ -15,6 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rollflow.settings import RunSpec
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 
 
@@ -86,3 +89,70 @@ class ProgressBar:
             self._thread.join()
             self._update()
             self._progress.stop()
+
+
+class ProgressLines:
+    """Plain lines for logs (stderr not a terminal): the start, the plan, then every 10 s or 5% done."""
+
+    def __init__(
+        self, spec: RunSpec, enabled: bool = True, every_s: float = 10.0, step: float = 0.05
+    ) -> None:
+        self.spec, self.enabled, self.every_s, self.step = spec, enabled, every_s, step
+        self.total = self.done = self.failed = 0
+        self.next_share = step
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._unsubscribe = lambda: None
+
+    def _say(self, text: str) -> None:
+        sys.stderr.write(f"rollflow: {text}\n")
+        sys.stderr.flush()
+
+    def _on_event(self, event: ProgressEvent) -> None:
+        if event.kind == "plan":
+            self.total, self.t0 = event.total, time.monotonic()
+            self._say(f"{event.total:,} rollouts planned")
+        elif event.kind == "rollouts":
+            self.done += event.done
+            self.failed += event.failed
+            if self.total and (self.done + self.failed) / self.total >= self.next_share:
+                self._line()
+
+    def _line(self) -> None:
+        with self._lock:
+            finished, elapsed = self.done + self.failed, time.monotonic() - self.t0
+            share = finished / self.total if self.total else 0.0
+            while self.next_share <= share:
+                self.next_share += self.step
+            rate = self.done / elapsed if elapsed > 0 else 0.0
+            eta = f", ETA {(self.total - finished) / rate:,.0f} s" if rate > 0 and self.total else ""
+            self._say(
+                f"collect {finished:,}/{self.total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
+                f"failed {self.failed:,}, elapsed {elapsed:,.0f} s{eta}"
+            )
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if self.total:
+                self._line()
+
+    def __enter__(self) -> ProgressLines:
+        if self.enabled:
+            spec = self.spec
+            self._say(
+                f"run started: output {spec.output}, backend {spec.backend.kind.value} {spec.backend.url}, "
+                f"input {spec.input}"
+            )
+            self._unsubscribe = hub.subscribe(self._on_event)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._unsubscribe()
+        if self.enabled:
+            self._stop.set()
+            self._thread.join()

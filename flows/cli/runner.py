@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import sys
+import time
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -17,10 +21,13 @@ from rollflow.flows.cli.errors import (
     known_errors_quiet,
     user_errors,
 )
-from rollflow.flows.cli.progress import ProgressBar
+from rollflow.flows.cli.prefect_api import PrefectApi, using
+from rollflow.flows.cli.progress import ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
-from rollflow.settings import RunSpec
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.publish.report import write_report
+from rollflow.tasks.storage.store import Store
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -58,6 +65,24 @@ async def _run_flow(spec: RunSpec, flow_name: str, started_at: float | None) -> 
     return await flow(spec, started_at=started_at)
 
 
+def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> None:
+    """Time the command's end (flow run finished, Prefect's logs and events sent, its ephemeral server
+    stopped) from the report's creation, and rewrite report.json with it and Prefect's whole-command share.
+
+    Only the interpreter's own exit, after this, is not counted.
+    """
+    api.stop_ephemeral()
+    reported = datetime.fromisoformat(report["generated_at"]).timestamp()
+    shutdown = max(0.0, (api.stopped_at or time.time()) - reported)
+    whole = (report.get("wall_s") or 0.0) + shutdown
+    prefect_s = max(0.0, report["before_flow_s"] - api.began_s) + report["chunk_task_overhead_s"] + shutdown
+    report["shutdown_s"] = round(shutdown, 3)
+    report["prefect_overhead_share"] = round(prefect_s / whole, 4) if whole > 0 else None
+    report["prefect_api"] = api.source
+    store = Store(spec.output, RollflowSettings().storage.storage_options(spec.output))
+    write_report(store, report)
+
+
 def run_and_print(
     spec: RunSpec,
     flow_name: str,
@@ -66,20 +91,29 @@ def run_and_print(
     print_json: bool,
     verbose: bool = False,
     started_at: float | None = None,
+    api: PrefectApi | None = None,
 ) -> int:
     """Run the flow and print its summary; `started_at` is the command's start, for the report's wall time."""
     console = Console(stderr=True)
     known = user_errors()
     report: dict[str, Any] | None = None
     status = EXIT_OK
+    api = api or PrefectApi(None, "ephemeral")
+    # At exit, freezing the heap spares the interpreter a last collection of every module it loaded
+    # (Prefect's server modules included): 1.7 s of this machine's exit, measured, down to 0.05 s.
+    atexit.register(gc.freeze)
     try:
         with (
             known_errors_quiet((*known, RunIncomplete), verbose),
             ProgressBar(console, enabled=progress and console.is_terminal),
+            ProgressLines(spec, enabled=progress and not console.is_terminal),
+            using(api),
         ):
             report = asyncio.run(_run_flow(spec, flow_name, started_at))
+        finish(report, spec, api)
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
+        finish(report, spec, api)
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
     except known as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)

@@ -19,6 +19,7 @@ class StageClock:
     start: float = field(default_factory=time.time)
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     last_mark: float | None = None
+    flow_started: float | None = None  # when the flow body began: what came before is start-up outside it
 
     def mark(self, stage: str) -> None:
         now = time.time()

@@ -6,11 +6,6 @@ import base64
 import io
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 
 def throughput_png(tuning: dict[str, Any]) -> bytes:
     """Throughput and p95 latency against parallelism (two y axes), the knee and the choice marked."""
@@ -18,6 +13,11 @@ def throughput_png(tuning: dict[str, Any]) -> bytes:
     xs = [s["parallelism"] for s in steps]
     rates = [s["rollouts_per_s"] for s in steps]
     p95 = [(s["latency_p95_s"] or 0.0) * 1000 for s in steps]
+    import matplotlib  # imported here: a run without tuning never pays its ~0.7 s import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     try:
         ax.plot(xs, rates, "o-", color="tab:blue", label="rollouts/s")
