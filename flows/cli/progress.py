@@ -117,15 +117,14 @@ class ProgressLines:
         elif event.kind == "rollouts":
             self.done += event.done
             self.failed += event.failed
-            if self.total and (self.done + self.failed) / self.total >= self.next_share:
+            if self.total and (self.done + self.failed) * self.steps // self.total > self.shown:
                 self._line()
 
     def _line(self) -> None:
         with self._lock:
             finished, elapsed = self.done + self.failed, time.monotonic() - self.t0
             share = finished / self.total if self.total else 0.0
-            while self.next_share <= share:
-                self.next_share += self.step
+            self.shown = finished * self.steps // self.total if self.total else 0
             rate = self.done / elapsed if elapsed > 0 else 0.0
             eta = f", ETA {(self.total - finished) / rate:,.0f} s" if rate > 0 and self.total else ""
             self._say(

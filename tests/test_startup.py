@@ -1,0 +1,74 @@
+"""A run's fixed cost shows in its report, its progress shows in logs, and a running server is reused."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+from rollflow.infra.local import Service
+from tests.fixtures_prefect import RunCli
+from tests.rollout_data import write_rows
+
+PROGRESS = re.compile(r"^rollflow: collect (\d+)/(\d+) rollouts \(\d+%\), [\d,.]+ rollouts/s", re.M)
+
+
+def _collect(run_cli: RunCli, tmp_path: Path, sim: Service, *extra: str, env: dict[str, str] | None = None):
+    inp = write_rows(tmp_path / "in.jsonl", 20)
+    out = tmp_path / "out"
+    args = ["collect", "--input", str(inp), "--output", str(out), "--backend-kind", "agent"]
+    args += ["--backend-url", sim.url, "--num-repeats", "2", "--parallelism", "8", *extra]
+    return run_cli(*args, env=env), out
+
+
+def test_progress_lines_when_not_a_terminal(run_cli: RunCli, fast_sim: Service, tmp_path: Path) -> None:
+    done, out = _collect(run_cli, tmp_path, fast_sim)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = done.stderr.splitlines()[0]
+    assert first == (
+        f"rollflow: run started: output {out}, backend agent {fast_sim.url}, input {tmp_path / 'in.jsonl'}"
+    )
+    assert "rollflow: 40 rollouts planned" in done.stderr
+    lines = PROGRESS.findall(done.stderr)
+    assert lines and lines[-1] == ("40", "40")
+    assert [int(d) for d, _ in lines] == sorted(int(d) for d, _ in lines)
+
+
+def test_no_progress_lines_with_no_progress(run_cli: RunCli, fast_sim: Service, tmp_path: Path) -> None:
+    done, _ = _collect(run_cli, tmp_path, fast_sim, "--no-progress")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "run started" not in done.stderr and not PROGRESS.search(done.stderr)
+
+
+def test_report_times_startup_and_shutdown(run_cli: RunCli, fast_sim: Service, tmp_path: Path) -> None:
+    done, out = _collect(run_cli, tmp_path, fast_sim, "--no-progress")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["startup_s"] == report["stages"]["startup"] > 0
+    assert 0 < report["before_flow_s"] <= report["startup_s"] <= report["wall_s"]
+    assert report["shutdown_s"] is not None and 0 <= report["shutdown_s"] < report["wall_s"]
+    assert 0 < report["prefect_overhead_share"] < 1
+    assert report["prefect_api"] == "configured"
+
+
+def _flow_runs(api: str) -> int:
+    req = urllib.request.Request(f"{api}/flow_runs/count", data=b"{}", method="POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return int(resp.read())
+
+
+def test_running_local_server_is_reused(
+    run_cli: RunCli, cli_env: dict[str, str], prefect_server: Service, fast_sim: Service, tmp_path: Path
+) -> None:
+    """No PREFECT_API_URL: the server answering at the profile's server address gets the run (its UI)."""
+    api = prefect_server.env["PREFECT_API_URL"]
+    before = _flow_runs(api)
+    port = str(urlparse(api).port)
+    env = {"PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": port}
+    done, out = _collect(run_cli, tmp_path, fast_sim, "--no-progress", env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "report.json").read_text())["prefect_api"] == "local server"
+    assert _flow_runs(api) == before + 1
