@@ -94,12 +94,9 @@ class ProgressBar:
 class ProgressLines:
     """Plain lines for logs (stderr not a terminal): the start, the plan, then every 10 s or 5% done."""
 
-    def __init__(
-        self, spec: RunSpec, enabled: bool = True, every_s: float = 10.0, step: float = 0.05
-    ) -> None:
-        self.spec, self.enabled, self.every_s, self.step = spec, enabled, every_s, step
-        self.total = self.done = self.failed = 0
-        self.next_share = step
+    def __init__(self, spec: RunSpec, enabled: bool = True, every_s: float = 10.0, steps: int = 20) -> None:
+        self.spec, self.enabled, self.every_s, self.steps = spec, enabled, every_s, steps
+        self.total = self.done = self.failed = self.shown = 0
         self.t0 = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
