@@ -34,6 +34,8 @@ bench: $(STAMP)
 	$(PY) bench/tuning.py
 	$(PY) bench/fault_suite.py
 	$(PY) bench/million.py
+	$(PY) bench/startup.py
+	$(PY) bench/end_to_end.py
 
 clean:
 	rm -rf $(VENV) demo-out
