@@ -15,10 +15,11 @@ from rollflow.flows.artifacts import chunk_progress, dataset_link
 from rollflow.flows.dask_runner import CollectResult, collect_on_dask
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec
-from rollflow.tasks.collect.chunk import ChunkOutcome, CollectContext
+from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.publish.report import RunMetrics, build_report, render_markdown, write_report

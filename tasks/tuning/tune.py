@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.tasks.collect.chunk import CollectContext
 from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.diagnose import TuningError
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, merge_steps, probe_next
 from rollflow.tasks.tuning.tune_rules import (
