@@ -85,4 +85,4 @@ async def test_steps_above_the_knee_never_read_above_capacity(tmp_path) -> None:
     for st in steps:
         m = st.measure
         assert m.method == "progress" and 0 < m.rate_err < 0.1 * m.rollouts_per_s, st.as_dict()
-        assert m.rollouts_per_s - 2 * m.rate_err <= capacity, st.as_dict()
+        assert m.rollouts_per_s - 2 * m.reported_err <= capacity, st.as_dict()

@@ -98,7 +98,7 @@ class StepResult:
             "wall_s": round(m.wall_s, 6),
             "window_s": round(m.window_s, 6),
             "method": m.method,
-            "rollouts_per_s_err": round(m.rate_err, 3),
+            "rollouts_per_s_err": round(m.reported_err, 3),
             "saved": self.saved,
         }
 
