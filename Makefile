@@ -25,7 +25,7 @@ lint: $(STAMP)
 	cd $(VENV)/lint-tree && PYTHONPATH=. ../bin/lint-imports --no-cache --config $(CURDIR)/pyproject.toml
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/client_ceiling.py

@@ -27,9 +27,9 @@ import orjson
 from harness import spawn_simulator, write_input
 
 from rollflow.settings import RollflowSettings, RunSpec
-from rollflow.tasks.collect.chunk import RolloutBatch, run_rollouts
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import plan_run
+from rollflow.tasks.collect.rollouts import RolloutBatch, run_rollouts
 from rollflow.tasks.tuning.adaptive import AdaptiveOptions, adaptive_control
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, probe_step

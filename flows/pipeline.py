@@ -13,15 +13,18 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from rollflow.flows.artifacts import chunk_progress, dataset_link
 from rollflow.flows.dask_runner import CollectResult, collect_on_dask
+from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec
-from rollflow.tasks.collect.chunk import ChunkOutcome, CollectContext
+from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.clock import StageClock
-from rollflow.tasks.publish.report import RunMetrics, build_report, render_markdown, write_report
+from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
+from rollflow.tasks.publish.report import build_report, render_markdown, write_report
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.adaptive import adaptive_control
 from rollflow.tasks.wrappers.prefect_tasks import (
@@ -78,92 +81,6 @@ async def collect_stage(
         outcomes=[r for r in results if isinstance(r, ChunkOutcome)],
         errors=[f"{type(e).__name__}: {e}" for e in results if isinstance(e, Exception)],
         stopped=stopped,
-    )
-
-
-def run_metrics(
-    outcomes: list[ChunkOutcome], ctx: CollectContext, wall_s: float, collect_s: float, skipped: int
-) -> RunMetrics:
-    ran = [o for o in outcomes if not o.skipped]
-    collected = sum(o.collected for o in ran)
-    weights = [(o.manifest.stats.get("collected") or 0, o.manifest.stats) for o in ran]
-    total_w = sum(w for w, _ in weights) or 1
-
-    def weighted(key: str) -> float | None:
-        vals = [(w, s[key]) for w, s in weights if s.get(key) is not None]
-        return round(sum(w * v for w, v in vals) / total_w, 6) if vals else None
-
-    return RunMetrics(
-        wall_s=wall_s,
-        collect_s=collect_s,
-        collected=collected,
-        output_tokens=sum(s.get("output_tokens", 0) for _, s in weights),
-        retries=sum(s.get("retries", 0) for _, s in weights),
-        parallelism=ctx.limit.limit,
-        peak_in_flight=ctx.limit.peak,
-        chunks_run=len(ran),
-        chunks_skipped=skipped,
-        latency_p50_s=weighted("latency_p50_s"),
-        latency_p95_s=weighted("latency_p95_s"),
-        backend_s=sum(s.get("backend_s", 0.0) for _, s in weights),
-        prefect_overhead_share=_overhead_share(ran),
-        verify_s=sum(s.get("verify_s", 0.0) for _, s in weights),
-    )
-
-
-def deadline_message(summary: AuditSummary, spec: RunSpec) -> str:
-    return (
-        f"The run stopped at its deadline ({spec.deadline_s:g}s) with {summary.chunks_committed} of "
-        f"{summary.chunks_total} chunks committed; running chunks saved their finished rollouts. Nothing "
-        f"was published. Run the same command again to resume where it stopped."
-    )
-
-
-def _overhead_share(ran: list[ChunkOutcome]) -> float | None:
-    """Share of chunk-task time spent in Prefect's task machinery rather than in the chunk's own work."""
-    task_s = sum(o.task_s for o in ran)
-    if task_s <= 0:
-        return None
-    return round(max(0.0, task_s - sum(o.core_s for o in ran)) / task_s, 6)
-
-
-def overhead_figures(clock: StageClock, outcomes: list[ChunkOutcome]) -> dict[str, Any]:
-    """Start-up (command start to the first backend request) and Prefect's share of the wall time so far.
-
-    Inside the flow, Prefect's time is what came before the flow body (interpreter, imports, the Prefect
-    server, the flow run's creation) plus chunk-task overhead; the CLI adds the shutdown it measures after.
-    """
-    wall = clock.elapsed()
-    before_body = max(0.0, (clock.flow_started or clock.start) - clock.start)
-    tasks_s = sum(max(0.0, o.task_s - o.core_s) for o in outcomes if not o.skipped)
-    return {
-        "startup_s": round(clock.stages["startup"], 3),
-        "before_flow_s": round(before_body, 3),
-        "chunk_task_overhead_s": round(tasks_s, 6),
-        "shutdown_s": None,
-        "prefect_overhead_share": round((before_body + tasks_s) / wall, 4) if wall > 0 else None,
-    }
-
-
-def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[str]) -> str:
-    failed_chunks = (
-        f" {len(chunk_errors)} chunk task(s) failed after their retries (first: {chunk_errors[0]})."
-        if chunk_errors
-        else ""
-    )
-    if summary.changed_chunks:
-        failed_chunks += (
-            f" The data of chunk {', '.join(map(str, summary.changed_chunks[:10]))} changed after it was "
-            f"committed (it no longer matches its manifest's sha256); its commit was withdrawn, so the "
-            f"next run collects it again."
-        )
-    return (
-        f"The dataset was not published: the audit found {summary.missing:,} of "
-        f"{summary.rows_expected:,} rollouts missing ({summary.failed:,} failed after retries, listed "
-        f"under {spec.output.rstrip('/')}/failures/), {summary.duplicates:,} duplicated and "
-        f"{summary.invalid + summary.missing_reward:,} invalid or without a numeric reward. Everything "
-        f"collected is committed: run the same command again to retry only what is missing, or pass "
-        f"--allow-incomplete to publish what there is." + failed_chunks
     )
 
 

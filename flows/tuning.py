@@ -35,17 +35,6 @@ from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_ru
 TuningParams = TuningSettings
 
 
-def tune_options(params: TuningSettings) -> TuneOptions:
-    return TuneOptions(
-        start=params.tune_start,
-        min_rollouts=params.tune_step_rollouts,
-        plateau_gain=params.plateau_gain,
-        max_error_rate=params.max_error_rate,
-        headroom=params.headroom,
-        max_parallelism=params.max_parallelism,
-    )
-
-
 def _params(spec: RunSpec, params: TuningParams | None) -> TuningParams:
     """Explicit params, else the spec's own tuning settings."""
     return params if params is not None else spec.tuning
@@ -98,7 +87,9 @@ async def choose_parallelism(
         handles.clock.mark("diagnose")
         chosen = params.diagnose_high
         if tune_too:
-            tuning = await tune_task(ctx, plan, tune_options(params), feed, [diagnosis.low, diagnosis.high])
+            tuning = await tune_task(
+                ctx, plan, TuneOptions.from_settings(params), feed, [diagnosis.low, diagnosis.high]
+            )
             found["tuning"] = tuning.as_dict()
             found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
             chosen = tuning.chosen_parallelism

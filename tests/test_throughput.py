@@ -6,8 +6,8 @@ import pytest
 from tuning_support import closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
-from rollflow.tasks.collect.chunk import RequestRecord
 from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.rollouts import RequestRecord
 from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
 from rollflow.tasks.tuning.throughput import measure_step, percentiles
 from rollflow.tasks.tuning.tune import TuneOptions, step_rollouts
@@ -85,4 +85,4 @@ async def test_steps_above_the_knee_never_read_above_capacity(tmp_path) -> None:
     for st in steps:
         m = st.measure
         assert m.method == "progress" and 0 < m.rate_err < 0.1 * m.rollouts_per_s, st.as_dict()
-        assert m.rollouts_per_s - 2 * m.rate_err <= capacity, st.as_dict()
+        assert m.rollouts_per_s - 2 * m.reported_err <= capacity, st.as_dict()

@@ -89,7 +89,9 @@ PROFILES = [
 async def test_knee_on_simulators_and_nothing_wasted(tmp_path, slots, latency_ms, extra, expected) -> None:
     sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms), *extra)
     try:
-        s = setup_run(tmp_path, sim.url, rows=3000, backoff_base_s=0.01, backoff_max_s=0.05)
+        # enough input for a whole search, its confirmations and the stability check at any knee
+        n_rows = max(3000, 40 * slots)
+        s = setup_run(tmp_path, sim.url, rows=n_rows, backoff_base_s=0.01, backoff_max_s=0.05)
         feed = ProbeFeed(s.ctx, s.plan)
         d = await diagnose(s.ctx, s.plan, feed=feed)
         t = await tune(s.ctx, s.plan, TuneOptions(), feed=feed, seeds=[d.low, d.high])
@@ -111,10 +113,10 @@ async def test_knee_on_simulators_and_nothing_wasted(tmp_path, slots, latency_ms
         sim.stop()
     assert sum(o.adopted for o in outcomes) == saved
     rows = sum(o.manifest.rows for o in outcomes)
-    assert rows + sum(o.manifest.failed for o in outcomes) == 3000
+    assert rows + sum(o.manifest.failed for o in outcomes) == n_rows
     assert saved >= probes - sum(st.errors for st in (d.low, d.high)) - sum(x.errors for x in t.steps)
     if not extra:
-        assert after["requests"] - before == 3000 - saved
+        assert after["requests"] - before == n_rows - saved
     md = tuning_markdown(t.as_dict())
     assert "| refine |" in md or "| stability |" in md
     assert throughput_png(t.as_dict())[:4] == b"\x89PNG"

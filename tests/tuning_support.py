@@ -11,8 +11,8 @@ from typing import Any
 from rollout_data import write_rows
 
 from rollflow.settings import RollflowSettings, RunSpec
-from rollflow.tasks.collect.chunk import CollectContext, RequestRecord
 from rollflow.tasks.collect.plan import RunPlan, plan_run
+from rollflow.tasks.collect.rollouts import CollectContext, RequestRecord
 from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
 
 

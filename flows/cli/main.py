@@ -28,56 +28,16 @@ NEMO_GYM_KEYS = {
 }
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("input and output")
-    g.add_argument("--input", help="input JSONL of NeMo Gym rows (local path or s3://...)")
-    g.add_argument("--output", help="output directory: ledger, reports, rollouts.jsonl (local or s3://...)")
-    g.add_argument("--dataset", help="publish the dataset here instead of <output>/rollouts.jsonl")
-    g.add_argument("--limit", type=int, help="use only the first N rows")
-    g.add_argument("--num-repeats", type=int, help="rollouts per input row")
-    g.add_argument("--skip-bad-rows", action="store_true", default=None, help="record bad rows, go on")
-    g.add_argument("--restart", action="store_true", default=None, help="discard a different run's chunks")
-    g.add_argument("--allow-incomplete", action="store_true", default=None, help="publish despite gaps")
-    b = p.add_argument_group("backend")
-    b.add_argument("--backend-url", help="base URL of the backend (vLLM, SGLang, OpenAI, NeMo Gym agent)")
-    b.add_argument("--backend-kind", choices=["agent", "responses", "chat"])
-    b.add_argument("--model", help="model name for responses/chat backends")
-    b.add_argument("--timeout-s", type=float, help="per-request timeout in seconds")
-    b.add_argument("--max-retries", type=int, help="retries per rollout on transient errors")
-    b.add_argument("--agent-name", help="fills a missing agent_ref.name")
-    b.add_argument("--overrides", help="JSON object merged into responses_create_params")
-    c = p.add_argument_group("collection")
-    c.add_argument(
-        "--parallelism",
-        type=_parallelism,
-        help="requests in flight across all chunks: N, auto (diagnose + tune first; the default of "
-        "`rollflow run`) or adaptive (tune, then keep adjusting)",
-    )
-    c.add_argument("--chunk-size", type=int, help="input rows per chunk task (default 1000)")
-    c.add_argument("--chunks-in-flight", type=int, help="chunks collected at once")
-    c.add_argument("--flush-interval-s", type=float, help="save a running chunk's rollouts this often")
-    c.add_argument("--stall-timeout-s", type=float, help="retry a chunk that makes no progress this long")
-    c.add_argument("--deadline-s", type=float, help="stop cleanly after this many seconds (resumable)")
-    c.add_argument("--runner", choices=["local", "dask"], help="run chunks here or on a Dask cluster")
-    c.add_argument("--dask-address", help="scheduler of an existing Dask cluster, e.g. tcp://host:8786")
-    c.add_argument("--dask-workers", type=int, help="worker processes of a local Dask cluster (default 2)")
-    c.add_argument("--record-latency", action="store_true", default=None, help="add _rf.latency_s per row")
-    v = p.add_argument_group("verify")
-    v.add_argument("--verifier", help="exact_match | math | http | none | module:function")
-    v.add_argument("--verifier-url", help="NeMo Gym resources server for --verifier http")
+def _add_run_flags(p: argparse.ArgumentParser, tuning: bool = False) -> None:
+    from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, add_flags
+
+    add_flags(p, RUN_FLAGS)
+    if tuning:
+        add_flags(p, TUNING_FLAGS)
     o = p.add_argument_group("display")
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
     o.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
     o.add_argument("--verbose", action="store_true", help="show Prefect's logs")
-
-
-def _parallelism(text: str) -> int | str:
-    if text in ("auto", "adaptive"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, auto or adaptive, not {text!r}") from None
 
 
 def _nemo_gym_args(extra: list[str]) -> dict[str, str]:
@@ -127,9 +87,6 @@ def build_spec(
     groups = {"backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
     for group, fields in command_defaults(settings, defaults or {}).items():
         groups[group].update(fields)
-    for key in ("diagnose_low", "diagnose_high", "diagnose_rows", "headroom"):
-        if getattr(args, key, None) is not None:
-            tuning[key] = getattr(args, key)
     gym = _nemo_gym_args(extra)
     if gym:
         backend["kind"] = "agent"
@@ -142,39 +99,14 @@ def build_spec(
             collection[NEMO_GYM_KEYS[key]] = value
     if gym.get("output_jsonl_fpath") and not args.output:
         top["output"] = gym["output_jsonl_fpath"] + ".rollflow"
-    flag_map = {
-        "input": (top, "input"),
-        "output": (top, "output"),
-        "dataset": (top, "dataset"),
-        "restart": (top, "restart"),
-        "allow_incomplete": (top, "allow_incomplete"),
-        "backend_url": (backend, "url"),
-        "backend_kind": (backend, "kind"),
-        "model": (backend, "model"),
-        "timeout_s": (backend, "timeout_s"),
-        "max_retries": (backend, "max_retries"),
-        "limit": (collection, "limit"),
-        "num_repeats": (collection, "num_repeats"),
-        "skip_bad_rows": (collection, "skip_bad_rows"),
-        "agent_name": (collection, "agent_name"),
-        "parallelism": (collection, "parallelism"),
-        "chunk_size": (collection, "chunk_size"),
-        "chunks_in_flight": (collection, "chunks_in_flight"),
-        "record_latency": (collection, "record_latency"),
-        "flush_interval_s": (collection, "flush_interval_s"),
-        "stall_timeout_s": (collection, "stall_timeout_s"),
-        "deadline_s": (top, "deadline_s"),
-        "runner": (top, "runner"),
-        "dask_address": (top, "dask_address"),
-        "dask_workers": (top, "dask_workers"),
-        "verifier": (verify, "verifier"),
-        "verifier_url": (verify, "url"),
-    }
-    for flag, (target, key) in flag_map.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            target[key] = value
-    if args.overrides:
+    from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, given_flags
+
+    flags = given_flags(args, (RUN_FLAGS, TUNING_FLAGS))
+    flags.get("collection", {}).pop("overrides", None)
+    groups[""] = top
+    for group, fields in flags.items():
+        groups[group].update(fields)
+    if getattr(args, "overrides", None):
         try:
             overrides = orjson.loads(args.overrides)
         except orjson.JSONDecodeError as exc:
@@ -239,30 +171,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; the settings-derived flags are added only to `command`'s parser,
+    so `rollflow --help` and the other commands do not pay for importing the settings models."""
     parser = argparse.ArgumentParser(
         prog="rollflow", description="Maximum-throughput, resumable LLM rollout collection on Prefect."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from rollflow.flows.cli.tuning_cmd import add_tuning_flags
+    from rollflow.flows.cli.values import parallelism_value
+
+    def wanted(name: str) -> bool:
+        return command == name
 
     run = sub.add_parser(
         "run", help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate"
     )
-    _add_run_flags(run)
-    add_tuning_flags(run)
+    if wanted("run"):
+        _add_run_flags(run, tuning=True)
     for name, text in (
         ("diagnose", "diagnose-bottleneck: the same rows at a low and a high parallelism, and a verdict"),
         ("tune", "diagnose, then tune-parallelism: the throughput curve, the knee and the chosen value"),
     ):
         stage = sub.add_parser(name, help=text)
-        _add_run_flags(stage)
-        add_tuning_flags(stage)
+        if wanted(name):
+            _add_run_flags(stage, tuning=True)
     collect = sub.add_parser(
         "collect",
         help="collect at a fixed parallelism (accepts ng_collect_rollouts' +key=value arguments)",
     )
-    _add_run_flags(collect)
+    if wanted("collect"):
+        _add_run_flags(collect)
     sub.add_parser(
         "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
     )
@@ -271,7 +209,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
     demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
-    demo.add_argument("--parallelism", type=_parallelism, default="auto", help="N, auto or adaptive")
+    demo.add_argument("--parallelism", type=parallelism_value, default="auto", help="N, auto or adaptive")
     demo.add_argument("--num-repeats", type=int, default=16, help="rollouts per row (default 16)")
     demo.add_argument("--verbose", action="store_true")
     return parser
@@ -286,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
     quiet_prefect("--verbose" in argv)
-    parser = make_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = make_parser(command)
     args, extra = parser.parse_known_args(argv)
     args.started_at = started_at
     try:

@@ -17,14 +17,6 @@ if TYPE_CHECKING:
     from rollflow.settings import RunSpec
 
 
-def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("diagnosis and tuning")
-    g.add_argument("--diagnose-low", type=int, help="low parallelism of the diagnosis (default 5)")
-    g.add_argument("--diagnose-high", type=int, help="high parallelism of the diagnosis (default 20)")
-    g.add_argument("--diagnose-rows", type=int, help="rollouts at each diagnosis level (default 100)")
-    g.add_argument("--headroom", type=float, help="chosen >= headroom x knee (default 0.8)")
-
-
 def _cell(value: Any) -> str:
     """Thousands separators; a decimal only below 100, where it still carries information."""
     if value is None:

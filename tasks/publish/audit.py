@@ -58,44 +58,18 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
         if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256:
             cached.pop("missing", None)
             return ChunkAudit(**cached)
-    audit = ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed)
+    check = _LineCheck(
+        ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed),
+        range(spec.first_task, spec.first_task + spec.num_tasks),
+        num_repeats,
+    )
     digest = hashlib.sha256()
-    lo, hi = spec.first_task, spec.first_task + spec.num_tasks
-    seen: set[tuple[int, int]] = set()
-    last: tuple[int, int] = (-1, -1)
     with ledger.open_chunk(spec.index) as fh:
         for lineno, line in enumerate(fh, start=1):
             digest.update(line)
-            audit.rows += 1
-            try:
-                row = orjson.loads(line)
-                key = (row["_ng_task_index"], row["_ng_rollout_index"])
-            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-                audit.invalid += 1
-                audit.problems.append(f"line {lineno}: not a valid output row ({exc})")
-                continue
-            if not (lo <= key[0] < hi and 0 <= key[1] < num_repeats):
-                audit.invalid += 1
-                audit.problems.append(f"line {lineno}: (task, rollout) {key} is outside this chunk")
-                continue
-            if key in seen:
-                audit.duplicates += 1
-                continue
-            seen.add(key)
-            if key < last:
-                audit.out_of_order += 1
-            last = key
-            reward = row.get("reward")
-            if _is_number(reward):
-                audit.reward_sum += reward
-            else:
-                audit.missing_reward += 1
-            usage = (
-                (row.get("response") or {}).get("usage") if isinstance(row.get("response"), dict) else None
-            )
-            if isinstance(usage, dict) and _is_number(usage.get("output_tokens")):
-                audit.output_tokens += int(usage["output_tokens"])
-    audit.unique = len(seen)
+            check.line(lineno, line)
+    audit = check.audit
+    audit.unique = len(check.seen)
     audit.sha256 = digest.hexdigest()
     audit.sha_matches = audit.sha256 == manifest.sha256
     if not audit.sha_matches:
@@ -107,6 +81,47 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
     if audit.sha_matches:
         store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "stamp": stamp}))
     return audit
+
+
+@dataclass
+class _LineCheck:
+    """One output row at a time: valid, inside the chunk, once, in order, rewarded; counted in `audit`."""
+
+    audit: ChunkAudit
+    tasks: range
+    num_repeats: int
+    seen: set[tuple[int, int]] = field(default_factory=set)
+    last: tuple[int, int] = (-1, -1)
+
+    def line(self, lineno: int, line: bytes) -> None:
+        audit = self.audit
+        audit.rows += 1
+        try:
+            row = orjson.loads(line)
+            key = (row["_ng_task_index"], row["_ng_rollout_index"])
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            audit.invalid += 1
+            audit.problems.append(f"line {lineno}: not a valid output row ({exc})")
+            return
+        if key[0] not in self.tasks or not 0 <= key[1] < self.num_repeats:
+            audit.invalid += 1
+            audit.problems.append(f"line {lineno}: (task, rollout) {key} is outside this chunk")
+            return
+        if key in self.seen:
+            audit.duplicates += 1
+            return
+        self.seen.add(key)
+        audit.out_of_order += int(key < self.last)
+        self.last = key
+        reward = row.get("reward")
+        if _is_number(reward):
+            audit.reward_sum += reward
+        else:
+            audit.missing_reward += 1
+        response = row.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict) and _is_number(usage.get("output_tokens")):
+            audit.output_tokens += int(usage["output_tokens"])
 
 
 @dataclass

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from rollflow.tasks.storage.cas import ObjectCas
 from rollflow.tasks.storage.store import Store
 
 LEASE = "lease.json"
@@ -70,89 +70,11 @@ def _parse(data: bytes | None) -> LeaseInfo | None:
         return None
 
 
-class _Cas:
-    """Compare-and-swap on the lease object: read gives (bytes, token); writes succeed only if unchanged."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        protocols = store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)
-        self.s3 = "s3" in protocols
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        if not self.store.local:
-            yield
-            return
-        os.makedirs(self.store.root, exist_ok=True)
-        with open(os.path.join(self.store.root, ".lease.lock"), "a+b") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    def _bucket_key(self) -> tuple[str, str]:
-        bucket, _, key = self.store.path(LEASE).partition("/")
-        return bucket, key
-
-    def read(self) -> tuple[bytes | None, str | None]:
-        if self.s3:
-            bucket, key = self._bucket_key()
-            try:
-                obj = self.store.fs.call_s3("get_object", Bucket=bucket, Key=key)
-            except FileNotFoundError:
-                return None, None
-            return _read_body(self.store, obj["Body"]), obj["ETag"]
-        try:
-            data = self.store.read_bytes(LEASE)
-        except FileNotFoundError:
-            return None, None
-        return data, data.decode("utf-8", "replace")
-
-    def write(self, data: bytes, token: str | None) -> bool:
-        """Create (token None) or replace the object we read as `token`; False if someone beat us."""
-        if self.s3:
-            bucket, key = self._bucket_key()
-            cond = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
-            try:
-                self.store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
-            except (FileExistsError, OSError) as exc:
-                if (
-                    "pre-condition" in str(exc)
-                    or "PreconditionFailed" in str(exc)
-                    or isinstance(exc, FileExistsError)
-                ):
-                    return False
-                raise
-            return True
-        with self._locked():
-            if self.read()[1] != token:
-                return False
-            self.store.write_bytes(LEASE, data)
-        if not self.store.local:
-            return _parse(self.read()[0]) == _parse(data)
-        return True
-
-    def delete(self) -> None:
-        self.store.delete(LEASE)
-
-
-def _read_body(store: Store, body: object) -> bytes:
-    """s3fs hands back an aiobotocore stream; read it on s3fs's own loop."""
-    from fsspec.asyn import sync
-
-    async def read() -> bytes:
-        async with body:  # type: ignore[attr-defined]
-            return await body.read()  # type: ignore[attr-defined]
-
-    return sync(store.fs.loop, read)
-
-
 class Lease:
     """This run's claim on the output."""
 
     def __init__(self, store: Store, ttl_s: float) -> None:
-        self.cas = _Cas(store)
+        self.cas = ObjectCas(store, LEASE)
         self.store = store
         self.ttl_s = ttl_s
         self.host = socket.gethostname()
@@ -294,7 +216,7 @@ async def run_guarded(work: Coroutine[Any, Any, T], watcher: Coroutine[Any, Any,
 async def follow(store: Store, owner: str, interval_s: float) -> None:
     """Raise LeaseLost once the output's lease is no longer `owner`'s live lease (for remote workers,
     which write for a run without holding its lease)."""
-    cas = _Cas(store)
+    cas = ObjectCas(store, LEASE)
     while True:
         data, _ = await asyncio.to_thread(cas.read)
         info = _parse(data)

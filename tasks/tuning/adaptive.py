@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from rollflow.tasks.collect.chunk import CollectContext
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptLog
+from rollflow.tasks.collect.rollouts import CollectContext
 
 
 @dataclass

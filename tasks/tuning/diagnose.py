@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.tasks.collect.chunk import CollectContext
 from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
 
 PARALLELISM_BOUND = 2.0

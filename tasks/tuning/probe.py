@@ -17,20 +17,20 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from rollflow.tasks.collect.chunk import (
+from rollflow.tasks.collect.chunk import committed_rows
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptLog, rate_limited
+from rollflow.tasks.collect.parts import chunk_parts, write_part
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rollouts import (
     CollectContext,
     RequestRecord,
     RolloutBatch,
     RolloutKey,
     WorkItem,
-    committed_rows,
     prepare_row,
     run_rollouts,
 )
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
-from rollflow.tasks.collect.observe import AttemptLog, rate_limited
-from rollflow.tasks.collect.parts import chunk_parts, write_part
-from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.storage.store import Store
 from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
@@ -98,7 +98,7 @@ class StepResult:
             "wall_s": round(m.wall_s, 6),
             "window_s": round(m.window_s, 6),
             "method": m.method,
-            "rollouts_per_s_err": round(m.rate_err, 3),
+            "rollouts_per_s_err": round(m.reported_err, 3),
             "saved": self.saved,
         }
 

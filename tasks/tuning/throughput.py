@@ -18,8 +18,9 @@ whole requests complete there. It has no wave edges (progress is continuous) and
 2. Tail: the window closes at the last start; after it the in-flight count drains.
 3. Failures: the rate is multiplied by the share of counted progress that succeeded.
 Uncertainty: the window is cut into `BINS` equal intervals; `rate_err` is the standard error of their
-rates (a short or uneven step gets a wide one), and at least the edge term `EDGE_SHARE` x rate x one
-latency / window: a window of one latency carries the edges' misplaced progress, a long one little.
+rates (a short or uneven step gets a wide one); the tuner's decisions use it. `edge_err` bounds the
+edges' misplaced progress, `EDGE_SHARE` x rate x one latency / window (a window of one latency reads a
+few percent either way on a loaded machine, one of four latencies a quarter of that); reports state both.
 A step with no window falls back to the whole-span rate
 (successes / first start to last end, an underestimate) with an error as large as the rate itself.
 
@@ -63,6 +64,12 @@ class StepMeasure:
     window_completions: int = 0
     method: str = "progress"
     rate_err: float = 0.0
+    edge_err: float = 0.0  # the window edges' share (a bias bound, not noise: extending does not shrink it)
+
+    @property
+    def reported_err(self) -> float:
+        """The uncertainty a report states: the statistical error and the edge term together."""
+        return math.hypot(self.rate_err, self.edge_err)
 
     @property
     def rel_err(self) -> float:
@@ -140,7 +147,7 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
         return StepMeasure(parallelism, n, ok, rate, p50, p95, dict(errors), wall, wall, n, "span", rate)
     t0, t1 = window
     rate, err = rate_and_error(records, t0, t1)
-    err = max(err, EDGE_SHARE * rate * min(1.0, (p50 or 0.0) / (t1 - t0)))
+    edge = EDGE_SHARE * rate * min(1.0, (p50 or 0.0) / (t1 - t0))
     if t0 < sorted(r.end for r in records)[min(max(parallelism, 1), n) - 1]:
         err = max(err, EARLY_BIAS * rate)
     return StepMeasure(
@@ -156,6 +163,7 @@ def measure_step(records: Sequence[Record], parallelism: int) -> StepMeasure:
         window_completions=sum(1 for r in records if t0 < r.end <= t1),
         method="progress",
         rate_err=err,
+        edge_err=edge,
     )
 
 
@@ -189,4 +197,5 @@ def combine_measures(measures: Sequence[StepMeasure], records: Sequence[Record])
         window_completions=sum(m.window_completions for m in measures),
         method="progress" if any(m.method == "progress" for m in measures) else "span",
         rate_err=1.0 / math.sqrt(sum(weights)),
+        edge_err=sum(m.edge_err for m in agree) / len(agree),
     )

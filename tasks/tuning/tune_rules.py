@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from rollflow.settings import TuningSettings
 from rollflow.tasks.tuning.probe import StepResult
 
 
@@ -44,6 +45,18 @@ class TuneOptions:
     max_parallelism: int = 4096
     max_steps: int = 12
     time_budget_s: float = 900.0
+
+    @classmethod
+    def from_settings(cls, params: TuningSettings) -> TuneOptions:
+        """The user-facing knobs come from the settings; the rest are the search's own constants."""
+        return cls(
+            start=params.tune_start,
+            min_rollouts=params.tune_step_rollouts,
+            plateau_gain=params.plateau_gain,
+            max_error_rate=params.max_error_rate,
+            headroom=params.headroom,
+            max_parallelism=params.max_parallelism,
+        )
 
 
 def step_rollouts(parallelism: int, opts: TuneOptions, stability: bool = False) -> int:

@@ -9,9 +9,10 @@ from prefect.cache_policies import NONE
 from prefect.runtime import task_run
 
 from rollflow.settings import RunSpec
-from rollflow.tasks.collect.chunk import ChunkOutcome, CollectContext, collect_chunk
+from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
 from rollflow.tasks.collect.plan import RunPlan, plan_run
 from rollflow.tasks.collect.preflight import check_reachable
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate

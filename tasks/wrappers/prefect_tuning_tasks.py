@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollflow.tasks.collect.chunk import CollectContext
 from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.diagnose import Diagnosis, diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
 from rollflow.tasks.tuning.tune import TuneOptions, Tuning, tune

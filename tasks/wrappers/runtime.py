@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.settings import RollflowSettings, RunSpec
-from rollflow.tasks.collect.chunk import CollectContext
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.verifiers import make_verifier
 from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.storage.ledger import Ledger

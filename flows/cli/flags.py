@@ -1,0 +1,132 @@
+"""CLI flags derived from the settings models: one table says which field a flag sets; its help, type,
+choices and default come from the field itself, so a flag can never drift from its setting."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from rollflow.flows.cli.values import parallelism_value
+from rollflow.settings import (
+    BackendParams,
+    CollectionSettings,
+    RunSpec,
+    TuningSettings,
+    VerifySettings,
+)
+
+GROUPS: dict[str, type[BaseModel]] = {
+    "": RunSpec,
+    "backend": BackendParams,
+    "collection": CollectionSettings,
+    "verify": VerifySettings,
+    "tuning": TuningSettings,
+}
+
+# section title -> (flag, settings group ("" = RunSpec itself), field)
+RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "input and output": (
+        ("input", "", "input"),
+        ("output", "", "output"),
+        ("dataset", "", "dataset"),
+        ("limit", "collection", "limit"),
+        ("num-repeats", "collection", "num_repeats"),
+        ("skip-bad-rows", "collection", "skip_bad_rows"),
+        ("restart", "", "restart"),
+        ("allow-incomplete", "", "allow_incomplete"),
+    ),
+    "backend": (
+        ("backend-url", "backend", "url"),
+        ("backend-kind", "backend", "kind"),
+        ("model", "backend", "model"),
+        ("timeout-s", "backend", "timeout_s"),
+        ("max-retries", "backend", "max_retries"),
+        ("agent-name", "collection", "agent_name"),
+        ("overrides", "collection", "overrides"),
+    ),
+    "collection": (
+        ("parallelism", "collection", "parallelism"),
+        ("chunk-size", "collection", "chunk_size"),
+        ("chunks-in-flight", "collection", "chunks_in_flight"),
+        ("flush-interval-s", "collection", "flush_interval_s"),
+        ("stall-timeout-s", "collection", "stall_timeout_s"),
+        ("deadline-s", "", "deadline_s"),
+        ("runner", "", "runner"),
+        ("dask-address", "", "dask_address"),
+        ("dask-workers", "", "dask_workers"),
+        ("record-latency", "collection", "record_latency"),
+    ),
+    "verify": (
+        ("verifier", "verify", "verifier"),
+        ("verifier-url", "verify", "url"),
+    ),
+}
+TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "diagnosis and tuning": (
+        ("diagnose-low", "tuning", "diagnose_low"),
+        ("diagnose-high", "tuning", "diagnose_high"),
+        ("diagnose-rows", "tuning", "diagnose_rows"),
+        ("headroom", "tuning", "headroom"),
+    ),
+}
+
+
+# Fields whose CLI form is not their Python type: JSON text, or a number-or-word.
+SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {"overrides": str, "parallelism": parallelism_value}
+
+
+def _plain(annotation: Any) -> Any:
+    """The annotation without None (Optional) and without Annotated metadata."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _plain(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _plain(args[0]) if len(args) == 1 else annotation
+    return annotation
+
+
+def _argument(field: str, info: FieldInfo) -> dict[str, Any]:
+    """argparse keywords for one settings field: help from its description, type or choices from its type."""
+    default = None if info.is_required() else info.get_default(call_default_factory=True)
+    shown = "" if default in (None, {}, "") or isinstance(default, bool) else f" (default {default})"
+    kwargs: dict[str, Any] = {"help": f"{info.description or ''}{shown}", "default": None}
+    kind = _plain(info.annotation)
+    if field in SPECIAL_TYPES:
+        kwargs["type"] = SPECIAL_TYPES[field]
+    elif kind is bool:
+        kwargs["action"] = "store_true"
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        kwargs["choices"] = [m.value for m in kind]
+    elif typing.get_origin(kind) is Literal:
+        kwargs["choices"] = list(typing.get_args(kind))
+    elif kind in (int, float):
+        kwargs["type"] = kind
+    return kwargs
+
+
+def add_flags(parser: argparse.ArgumentParser, table: dict[str, tuple[tuple[str, str, str], ...]]) -> None:
+    for title, flags in table.items():
+        section = parser.add_argument_group(title)
+        for flag, group, field in flags:
+            section.add_argument(f"--{flag}", **_argument(field, GROUPS[group].model_fields[field]))
+
+
+def given_flags(
+    args: argparse.Namespace, tables: tuple[dict[str, tuple[tuple[str, str, str], ...]], ...]
+) -> dict[str, dict[str, Any]]:
+    """{group: {field: value}} for every flag the user gave (flags left out are None and set nothing)."""
+    found: dict[str, dict[str, Any]] = {}
+    for table in tables:
+        for flags in table.values():
+            for flag, group, field in flags:
+                value = getattr(args, flag.replace("-", "_"), None)
+                if value is not None:
+                    found.setdefault(group, {})[field] = value
+    return found

@@ -1,0 +1,195 @@
+"""The tuner's search as one object: the steps measured so far and the moves over them (double,
+confirm, refine, extend, check stability). The rules each move applies live in tune_rules."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, merge_steps, probe_next
+from rollflow.tasks.tuning.tune_rules import (
+    TuneOptions,
+    knee_estimate,
+    refine_target,
+    search_stop,
+    step_rollouts,
+    stop_uncertain,
+    to_extend,
+    too_many_errors,
+    unstable,
+)
+
+Entry = tuple[str, StepResult, str]  # (phase, step, note)
+
+
+@dataclass
+class Search:
+    """Steps in the order they ran (`history`), and the probe rollouts they cost (`spent`)."""
+
+    ctx: CollectContext
+    plan: RunPlan
+    feed: ProbeFeed
+    opts: TuneOptions
+    seeds: Sequence[StepResult] = ()
+    history: list[Entry] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    spent: int = 0
+    t0: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.history = [("seed", s, "") for s in self.seeds]
+
+    def valid(self) -> list[StepResult]:
+        """Good steps, a step and its extensions merged into one measurement per parallelism."""
+        base = self.baseline()
+        good = [
+            s for _, s, _ in self.history if s.measure.rollouts and not too_many_errors(s, base, self.opts)
+        ]
+        good = [s for s in good if s.measure.method != "span"] or good
+        by_level: dict[int, list[StepResult]] = {}
+        for s in good:
+            by_level.setdefault(s.parallelism, []).append(s)
+        return [merge_steps(steps) for steps in by_level.values()]
+
+    def baseline(self) -> StepResult | None:
+        steps = [s for _, s, _ in self.history if s.measure.rollouts]
+        return min(steps, key=lambda s: s.parallelism) if steps else None
+
+    def out_of_budget(self) -> bool:
+        ran = len(self.history) - len(self.seeds)
+        return ran >= self.opts.max_steps or time.monotonic() - self.t0 > self.opts.time_budget_s
+
+    async def measure(self, parallelism: int, phase: str, stability: bool = False) -> StepResult | None:
+        n = step_rollouts(parallelism, self.opts, stability)
+        step = await probe_next(
+            self.ctx, self.plan, self.feed, parallelism, n, f"tune-{phase}-p{parallelism}"
+        )
+        if step is not None:
+            self.spent += step.rollouts
+        return step
+
+    async def search(self) -> str:
+        """The doubling search; appends to `history` and returns why it stopped."""
+        good, opts = self.valid(), self.opts
+        stop: str | None = None
+        if len(good) >= 2:
+            top = max(good, key=lambda s: s.parallelism)
+            earlier = [s for s in good if s is not top]
+            stop = await self.confirm(earlier, top, search_stop(earlier, top, self.baseline(), opts))
+            parallelism = top.parallelism * 2
+        else:
+            parallelism = max(good[0].parallelism * 2, opts.start) if good else opts.start
+        while stop is None:
+            if self.out_of_budget():
+                return "step or time budget"
+            if parallelism > opts.max_parallelism:
+                return "max-parallelism"
+            step = await self.measure(parallelism, "search")
+            if step is None:
+                return "input exhausted"
+            earlier = self.valid()
+            reason = search_stop(earlier, step, self.baseline(), opts)
+            self.history.append(("search", step, reason or ""))
+            reason = await self.confirm(earlier, step, reason)
+            if reason == "errors" and not earlier:
+                if parallelism == 1:
+                    return "errors"
+                parallelism = max(1, parallelism // 2)
+                continue
+            stop = reason
+            parallelism *= 2
+        return stop
+
+    async def confirm(self, earlier: list[StepResult], step: StepResult, reason: str | None) -> str | None:
+        """Extend the latest step while its stop (or go-on) hangs on its rate's uncertainty; the decision
+        is then made on the step and its extensions together."""
+        merged = step
+        for _ in range(self.opts.max_extensions):
+            uncertain = stop_uncertain(earlier, merged, self.baseline(), self.opts)
+            if reason == "errors" or not uncertain or self.out_of_budget():
+                break
+            extra = await self.measure(step.parallelism, "extend")
+            if extra is None:
+                break
+            self.history.append(("extend", extra, f"confirming {reason or 'the gain'}"))
+            merged = merge_steps([merged, extra])
+            reason = search_stop(earlier, merged, self.baseline(), self.opts)
+        return reason
+
+    async def refine(self) -> tuple[int, StepResult | None]:
+        """Measure around the knee estimate; returns the knee and the last refinement step."""
+        good = self.valid()
+        knee, last = knee_estimate(good), None
+        for _ in range(self.opts.refine_steps):
+            target = refine_target(good, knee, self.opts)
+            if target is None or self.out_of_budget():
+                break
+            step = await self.measure(target, "refine", stability=True)
+            if step is None:
+                self.notes.append("the input ran out during refinement")
+                break
+            self.history.append(("refine", step, ""))
+            last, good = step, self.valid()
+            knee = knee_estimate(good)
+        return knee, last
+
+    async def extend_ambiguous(self, knee: int) -> int:
+        """Extend the steps the choice would hang on while their rates are too uncertain; the new knee."""
+        for _ in range(self.opts.max_extensions):
+            good = self.valid()
+            ambiguous = to_extend(good, self.opts)
+            if ambiguous is None or self.out_of_budget():
+                break
+            step = await self.measure(ambiguous.parallelism, "extend")
+            if step is None:
+                break
+            self.history.append(("extend", step, f"rate {ambiguous.rollouts_per_s:,.0f} uncertain"))
+            knee = knee_estimate(self.valid())
+        return knee
+
+    async def stability(self, chosen: int, measured: StepResult | None) -> tuple[bool, int]:
+        """Run the chosen value for a longer stretch; back off x opts.backoff while it is unstable."""
+        step = measured if measured is not None and measured.parallelism == chosen else None
+        for attempt in range(self.opts.max_backoffs + 1):
+            if step is None:
+                step = await self._stretch(chosen)
+                if step is None:
+                    return False, chosen
+            why = await self._unstable(chosen, step)
+            if why is None:
+                return True, chosen
+            lower = max(1, math.floor(chosen * self.opts.backoff))
+            self.history[-1] = (self.history[-1][0], self.history[-1][1], f"unstable: {why}")
+            if lower == chosen or attempt == self.opts.max_backoffs:
+                self.notes.append(f"still unstable at {chosen}: {why}")
+                return False, lower
+            self.notes.append(f"backed off {chosen} -> {lower}: {why}")
+            chosen, step = lower, None
+        return False, chosen
+
+    async def _stretch(self, chosen: int) -> StepResult | None:
+        if self.out_of_budget():
+            self.notes.append("no stability check: step or time budget reached")
+            return None
+        step = await self.measure(chosen, "stability", stability=True)
+        if step is None:
+            self.notes.append("no stability check: the input ran out")
+            return None
+        self.history.append(("stability", step, ""))
+        return step
+
+    async def _unstable(self, chosen: int, step: StepResult) -> str | None:
+        """Why `step` is unstable, else None. A latency spike without errors may be the client's own (a
+        loaded machine): a second stretch confirms it before backing off; both are real, both kept."""
+        why = unstable(step, self.valid(), self.opts)
+        if why is None or not why.startswith("latency spread") or self.out_of_budget():
+            return why
+        again = await self.measure(chosen, "stability", stability=True)
+        if again is None:
+            return why
+        self.history.append(("stability", again, ""))
+        return None if unstable(again, self.valid(), self.opts) is None else why
