@@ -79,17 +79,39 @@ def build_spec(
     args: argparse.Namespace, extra: list[str], defaults: dict[str, dict[str, Any]] | None = None
 ) -> Any:
     """Defaults, then .env, then env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
-    from rollflow.settings import RollflowSettings, RunSpec
+    from rollflow.settings import RollflowSettings
 
     settings = RollflowSettings()
-    top = RunSpec.fields_from(settings)
-    backend, collection, verify, tuning = (top.pop(k) for k in ("backend", "collection", "verify", "tuning"))
-    groups = {"backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
+    groups = _setting_groups(settings)
     for group, fields in command_defaults(settings, defaults or {}).items():
         groups[group].update(fields)
-    gym = _nemo_gym_args(extra)
+    _apply_nemo_gym(_nemo_gym_args(extra), groups, args)
+    from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, given_flags
+
+    flags = given_flags(args, (RUN_FLAGS, TUNING_FLAGS))
+    flags.get("collection", {}).pop("overrides", None)
+    for group, fields in flags.items():
+        groups[group].update(fields)
+    if getattr(args, "overrides", None):
+        collection = groups["collection"]
+        collection["overrides"] = {**collection["overrides"], **_json_overrides(args.overrides)}
+    return _validated_spec(groups)
+
+
+def _setting_groups(settings: Any) -> dict[str, dict[str, Any]]:
+    """The run's fields by group ("" for the top-level ones), from settings, for the sources to update."""
+    from rollflow.settings import RunSpec
+
+    top = RunSpec.fields_from(settings)
+    groups = {group: top.pop(group) for group in ("backend", "collection", "verify", "tuning")}
+    return {"": top, **groups}
+
+
+def _apply_nemo_gym(gym: dict[str, str], groups: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """NeMo Gym's `+key=value` arguments mean an agent backend; they map onto rollflow's fields."""
+    top, collection = groups[""], groups["collection"]
     if gym:
-        backend["kind"] = "agent"
+        groups["backend"]["kind"] = "agent"
     for key, value in gym.items():
         if key.startswith("responses_create_params."):
             collection["overrides"] = {**collection["overrides"], key.split(".", 1)[1]: _json_value(value)}
@@ -99,33 +121,31 @@ def build_spec(
             collection[NEMO_GYM_KEYS[key]] = value
     if gym.get("output_jsonl_fpath") and not args.output:
         top["output"] = gym["output_jsonl_fpath"] + ".rollflow"
-    from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, given_flags
 
-    flags = given_flags(args, (RUN_FLAGS, TUNING_FLAGS))
-    flags.get("collection", {}).pop("overrides", None)
-    groups[""] = top
-    for group, fields in flags.items():
-        groups[group].update(fields)
-    if getattr(args, "overrides", None):
-        try:
-            overrides = orjson.loads(args.overrides)
-        except orjson.JSONDecodeError as exc:
-            raise UsageError(
-                f"--overrides must be a JSON object, e.g. '{{\"temperature\": 0.7}}': {exc}"
-            ) from exc
-        if not isinstance(overrides, dict):
-            raise UsageError("--overrides must be a JSON object, e.g. '{\"temperature\": 0.7}'.")
-        collection["overrides"] = {**collection["overrides"], **overrides}
+
+def _json_overrides(raw: str) -> dict[str, Any]:
+    example = "e.g. '{\"temperature\": 0.7}'"
+    try:
+        overrides = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise UsageError(f"--overrides must be a JSON object, {example}: {exc}") from exc
+    if not isinstance(overrides, dict):
+        raise UsageError(f"--overrides must be a JSON object, {example}.")
+    return overrides
+
+
+def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
+    from pydantic import ValidationError
+
+    from rollflow.settings import RunSpec
+
+    top = groups[""]
     if not top.get("input"):
         raise UsageError("No input: pass --input PATH (or set ROLLFLOW_PIPELINE__INPUT).")
     if not top.get("output"):
         raise UsageError("No output: pass --output DIR or s3://bucket/prefix (or ROLLFLOW_PIPELINE__OUTPUT).")
-    from pydantic import ValidationError
-
     try:
-        return RunSpec.model_validate(
-            {**top, "backend": backend, "collection": collection, "verify": verify, "tuning": tuning}
-        )
+        return RunSpec.model_validate({**top, **{k: v for k, v in groups.items() if k}})
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise UsageError(f"Invalid settings: {problems}.") from exc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -92,6 +92,27 @@ def _open(url: str, storage_options: dict[str, Any] | None):
         raise InputError(f"Input {url} cannot be opened: {describe_error(url, exc)}.") from exc
 
 
+@dataclass
+class _ChunkCutter:
+    """Cuts the scanned lines into chunks of `size` tasks, noting each chunk's first task, offset and line."""
+
+    size: int
+    chunks: list[ChunkSpec] = field(default_factory=list)
+    start: tuple[int, int, int] | None = None  # (first_task, byte_offset, first_line)
+    good: int = 0
+
+    def open(self, task: int, offset: int, lineno: int) -> None:
+        if self.start is None:
+            self.start, self.good = (task, offset, lineno), 0
+
+    def close(self, tasks: int, *, full_only: bool) -> None:
+        if self.start is None or (full_only and tasks - self.start[0] < self.size):
+            return
+        first, offset, line = self.start
+        self.chunks.append(ChunkSpec(len(self.chunks), first, tasks - first, self.good, offset, line))
+        self.start = None
+
+
 def scan_input(
     url: str,
     *,
@@ -103,50 +124,38 @@ def scan_input(
 ) -> InputScan:
     """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset."""
     digest = hashlib.sha256()
-    chunks: list[ChunkSpec] = []
-    tasks = good = bad = 0
-    offset = 0
-    chunk_start: tuple[int, int, int] | None = None  # (first_task, byte_offset, first_line)
-    chunk_good = 0
+    cutter = _ChunkCutter(chunk_size)
+    tasks = good = bad = offset = 0
     with _open(url, storage_options) as fh:
         for lineno, line in enumerate(fh, start=1):
-            line_offset = offset
-            offset += len(line)
+            line_offset, offset = offset, offset + len(line)
             if limit is not None and tasks >= limit:
                 break
             digest.update(line)
             if not line.strip():
                 continue
-            if chunk_start is None:
-                chunk_start, chunk_good = (tasks, line_offset, lineno), 0
+            cutter.open(tasks, line_offset, lineno)
             _row, problem = row_problem(line.rstrip(b"\r\n"))
-            if problem is not None:
-                if not skip_bad_rows:
-                    raise _bad_input(url, lineno, problem)
+            if problem is None:
+                good += 1
+                cutter.good += 1
+            elif not skip_bad_rows:
+                raise _bad_input(url, lineno, problem)
+            else:
                 bad += 1
                 if on_bad_row is not None:
                     text = line[:MAX_BAD_TEXT].decode("utf-8", "replace").rstrip("\r\n")
                     on_bad_row(BadRow(lineno, tasks, problem, text))
-            else:
-                good += 1
-                chunk_good += 1
             tasks += 1
-            if tasks - chunk_start[0] == chunk_size:
-                chunks.append(
-                    ChunkSpec(len(chunks), chunk_start[0], chunk_size, chunk_good, *chunk_start[1:])
-                )
-                chunk_start = None
-    if chunk_start is not None:
-        chunks.append(
-            ChunkSpec(len(chunks), chunk_start[0], tasks - chunk_start[0], chunk_good, *chunk_start[1:])
-        )
+            cutter.close(tasks, full_only=True)
+    cutter.close(tasks, full_only=False)
     if good == 0:
         what = "has no rows" if bad == 0 else f"has no valid rows ({bad} bad)"
         raise InputError(
             f"Input {url} {what}. Expected one NeMo Gym row (a JSON object with 'responses_create_params') "
             f"per line. No request was sent."
         )
-    return InputScan(url, digest.hexdigest(), good, bad, tasks, chunks)
+    return InputScan(url, digest.hexdigest(), good, bad, tasks, cutter.chunks)
 
 
 def iter_chunk_rows(

@@ -24,6 +24,8 @@ Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000
 DEFAULT_POLICY = RetryPolicy(5, 0.5, 30.0)  # BackendParams' defaults
 
+_JSON = {"Content-Type": "application/json"}
+
 
 class VerifierError(Exception):
     """The --verifier setting cannot be used; the message says what to pass instead."""
@@ -158,55 +160,60 @@ def _callable(spec: str) -> Verifier:
     return verify
 
 
+async def _post_verify(url: str, body: bytes, timeout: aiohttp.ClientTimeout) -> float:
+    """One POST to the resources server; a transport error, 4xx/5xx or reply without a reward raises."""
+    try:
+        async with session_for_loop().post(url, data=body, headers=_JSON, timeout=timeout) as resp:
+            payload = await resp.read()
+            status = resp.status
+            retry_after = parse_retry_after(resp.headers.get("Retry-After")) if status == 429 else None
+    except TimeoutError as exc:
+        raise BackendError(
+            f"verifier at {url}: no reply within {timeout.total:g}s", kind="verifier", retryable=True
+        ) from exc
+    except aiohttp.ClientError as exc:
+        raise BackendError(
+            f"verifier at {url}: {type(exc).__name__}: {exc}", kind="verifier", retryable=True
+        ) from exc
+    if status >= 400:
+        raise BackendError(
+            f"verifier HTTP {status} from {url}: {payload[:300].decode('utf-8', 'replace')}",
+            kind="verifier",
+            status=status,
+            retryable=status in RETRYABLE_STATUS,
+            retry_after=retry_after,
+        )
+    return _reward_of(payload, url, status)
+
+
+def _reward_of(payload: bytes, url: str, status: int) -> float:
+    try:
+        reward = orjson.loads(payload)["reward"]
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise TypeError(f"reward is {type(reward).__name__}, not a number")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BackendError(
+            f"verifier at {url} gave no numeric reward ({type(exc).__name__}: {exc})",
+            kind="verifier",
+            status=status,
+            retryable=True,
+        ) from None
+    return float(reward)
+
+
 def _http(settings: VerifySettings, policy: RetryPolicy) -> Verifier:
     """NeMo Gym resources server: POST {url}/verify with the row and its response, read `reward`."""
     if not settings.url:
         raise VerifierError("--verifier http needs --verifier-url (the resources server's base URL).")
     url = settings.url.rstrip("/") + "/verify"
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
-    headers = {"Content-Type": "application/json"}
-
-    async def attempt(body: bytes) -> float:
-        try:
-            async with session_for_loop().post(url, data=body, headers=headers, timeout=timeout) as resp:
-                payload = await resp.read()
-                status = resp.status
-                retry_after = parse_retry_after(resp.headers.get("Retry-After")) if status == 429 else None
-        except TimeoutError as exc:
-            raise BackendError(
-                f"verifier at {url}: no reply within {settings.timeout_s:g}s", kind="verifier", retryable=True
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise BackendError(
-                f"verifier at {url}: {type(exc).__name__}: {exc}", kind="verifier", retryable=True
-            ) from exc
-        if status >= 400:
-            raise BackendError(
-                f"verifier HTTP {status} from {url}: {payload[:300].decode('utf-8', 'replace')}",
-                kind="verifier",
-                status=status,
-                retryable=status in RETRYABLE_STATUS,
-                retry_after=retry_after,
-            )
-        try:
-            reward = orjson.loads(payload)["reward"]
-            if isinstance(reward, bool) or not isinstance(reward, int | float):
-                raise TypeError(f"reward is {type(reward).__name__}, not a number")
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BackendError(
-                f"verifier at {url} gave no numeric reward ({type(exc).__name__}: {exc})",
-                kind="verifier",
-                status=status,
-                retryable=True,
-            ) from None
-        return float(reward)
 
     async def verify(row: dict[str, Any], result: RolloutResult) -> float:
         body = orjson.dumps({**row, "response": result.fields.get("response")})
         tries = 0
         while True:
             try:
-                return await attempt(body)
+                return await _post_verify(url, body, timeout)
             except BackendError as exc:
                 tries += 1
                 exc.attempts = tries
