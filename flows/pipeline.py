@@ -242,6 +242,7 @@ async def report_step(
             "chunk_errors": result.errors[:20],
             "stopped_at_deadline": result.stopped,
             "ignored_parts": ignored[:20],
+            "run_id": handles.ledger.run_id,
             **overhead_figures(handles.clock, result.outcomes),
         },
     )

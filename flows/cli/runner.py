@@ -26,7 +26,7 @@ from rollflow.flows.cli.progress import ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RollflowSettings, RunSpec
-from rollflow.tasks.publish.report import write_report
+from rollflow.tasks.publish.amend import amend_report
 from rollflow.tasks.storage.store import Store
 
 
@@ -65,10 +65,11 @@ async def _run_flow(spec: RunSpec, flow_name: str, started_at: float | None) -> 
     return await flow(spec, started_at=started_at)
 
 
-def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> None:
+def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> str | None:
     """Time the command's end (flow run finished, Prefect's logs and events sent, its ephemeral server
-    stopped) from the report's creation, and rewrite report.json with it and Prefect's whole-command share.
+    stopped) from the report's creation, and add it and Prefect's whole-command share to the report.
 
+    report.json gets them only if the output is still this run's; otherwise a note says so (returned).
     Only the interpreter's own exit, after this, is not counted.
     """
     api.stop_ephemeral()
@@ -76,11 +77,16 @@ def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> None:
     shutdown = max(0.0, (api.stopped_at or time.time()) - reported)
     whole = (report.get("wall_s") or 0.0) + shutdown
     prefect_s = max(0.0, report["before_flow_s"] - api.began_s) + report["chunk_task_overhead_s"] + shutdown
-    report["shutdown_s"] = round(shutdown, 3)
-    report["prefect_overhead_share"] = round(prefect_s / whole, 4) if whole > 0 else None
-    report["prefect_api"] = api.source
-    store = Store(spec.output, RollflowSettings().storage.storage_options(spec.output))
-    write_report(store, report)
+    updates = {
+        "shutdown_s": round(shutdown, 3),
+        "prefect_overhead_share": round(prefect_s / whole, 4) if whole > 0 else None,
+        "prefect_api": api.source,
+    }
+    settings = RollflowSettings()
+    store = Store(spec.output, settings.storage.storage_options(spec.output))
+    note = amend_report(store, report, updates, settings.pipeline.lease_ttl_s)
+    report.update(updates)
+    return note
 
 
 def run_and_print(
@@ -98,6 +104,7 @@ def run_and_print(
     known = user_errors()
     report: dict[str, Any] | None = None
     status = EXIT_OK
+    note: str | None = None
     api = api or PrefectApi(None, "ephemeral")
     # At exit, freezing the heap spares the interpreter a last collection of every module it loaded
     # (Prefect's server modules included): 1.7 s of this machine's exit, measured, down to 0.05 s.
@@ -110,10 +117,10 @@ def run_and_print(
             using(api),
         ):
             report = asyncio.run(_run_flow(spec, flow_name, started_at))
-        finish(report, spec, api)
+        note = finish(report, spec, api)
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
-        finish(report, spec, api)
+        note = finish(report, spec, api)
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
     except known as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
@@ -124,6 +131,8 @@ def run_and_print(
             "to resume."
         )
         return 130
+    if note:
+        console.print(f"[yellow]rollflow:[/] {note}", highlight=False, soft_wrap=True)
     if report is not None:
         if report.get("diagnosis"):
             print_tuning(console, report, report["output"])
