@@ -159,6 +159,22 @@ class PipelineSettings(BaseModel):
     )
 
 
+class PrefectSettings(BaseModel):
+    """Which Prefect server a CLI run uses when no PREFECT_API_URL is configured."""
+
+    local_server: Literal["keep", "ephemeral"] = Field(
+        "keep",
+        description="keep: reuse the server at the Prefect profile's address, or start one there that "
+        "stays (`prefect server start --background`; `prefect server stop` stops it); ephemeral: "
+        "Prefect's temporary in-process server, gone with the command",
+    )
+    start_timeout_s: float = Field(
+        180.0,
+        gt=0,
+        description="How long a run waits for the Prefect server it started (kept or ephemeral) to answer",
+    )
+
+
 class RollflowSettings(BaseSettings):
     """Everything rollflow reads from the environment: ROLLFLOW_<GROUP>__<FIELD>, or a .env file."""
 
@@ -176,3 +192,4 @@ class RollflowSettings(BaseSettings):
     verify: VerifySettings = Field(default_factory=VerifySettings)
     tuning: TuningSettings = Field(default_factory=TuningSettings)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
+    prefect: PrefectSettings = Field(default_factory=PrefectSettings)

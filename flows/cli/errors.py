@@ -19,6 +19,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     Imported when called, so the CLI's start (and `rollflow simulate`) does not load the tasks.
     """
+    from rollflow.flows.cli.local_server import LocalServerError
     from rollflow.flows.secrets import SecretBlockError
     from rollflow.tasks.collect.preflight import BackendUnreachable
     from rollflow.tasks.collect.rows import InputError
@@ -38,6 +39,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         LeaseHeld,
         LeaseLost,
         TuningError,
+        LocalServerError,
     )
 
 

@@ -156,9 +156,15 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     spec = build_spec(args, extra, defaults)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import choose_api
+    from rollflow.flows.cli.start import settle
+    from rollflow.settings import RollflowSettings
 
-    api = choose_api(args.started_at)  # an ephemeral server starts while the flows load
+    prefect = RollflowSettings().prefect
+    # A server being started comes up while the flows load.
+    api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
     from rollflow.flows.cli.runner import run_and_print
+
+    settle()
 
     return run_and_print(
         spec,
@@ -237,14 +243,17 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Called in-process with `argv` (tests), the command starts now; as the console script, at exec."""
-    from rollflow.flows.cli.start import process_start
+    from rollflow.flows.cli.start import collect_rarely, process_start
 
-    started_at = process_start() if argv is None else time.time()
+    fresh = argv is None
+    started_at = process_start() if fresh else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
     quiet_prefect("--verbose" in argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if fresh and command in ("run", "collect"):
+        collect_rarely()  # until cmd_run has imported its flows
     parser = make_parser(command)
     args, extra = parser.parse_known_args(argv)
     args.started_at = started_at

@@ -1,37 +1,45 @@
-"""Which Prefect API a command's runs go to, found and started before the flows are imported.
+"""Which Prefect API a command's runs go to, found (or started) before the flows are imported.
 
-Prefect's own order stands: a configured `PREFECT_API_URL` (env, .env or profile) wins. Without one,
-a `prefect server` already answering at the profile's server address (`PREFECT_SERVER_API_HOST`/`PORT`,
-where `prefect server start [--background]` listens) is used, so its UI shows the run; otherwise
-Prefect's ephemeral server is started in a thread while the rest of the command loads.
+Prefect's own order stands: a configured `PREFECT_API_URL` (env, .env or profile) wins. Without one, a
+server answering at the profile's server address (`PREFECT_SERVER_API_HOST`/`PORT`, where `prefect server
+start` listens) is used, so its UI shows the run. Otherwise, by `ROLLFLOW_PREFECT__LOCAL_SERVER`: `keep`
+starts a lasting server there (flows/cli/local_server.py) for this run and the next ones; `ephemeral`
+starts Prefect's temporary server in a thread. Either way the command loads its flows meanwhile.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
-HEALTH_TIMEOUT_S = 0.3
+from rollflow.flows.cli.local_server import LocalServer, answers
+
+Source = Literal["configured", "local server", "local server, started", "ephemeral"]
 
 
 @dataclass
 class PrefectApi:
-    """Where this command's runs go: `url` (None until the ephemeral server is up) and how it was chosen."""
+    """Where this command's runs go: `url` (None until an ephemeral server is up) and how it was chosen."""
 
     url: str | None
-    source: str  # "configured", "local server", "ephemeral"
+    source: Source
     _starting: threading.Thread | None = None
     _error: list[BaseException] = field(default_factory=list)
+    _local: LocalServer | None = None
+    start_timeout_s: float = 180.0
     stopped_at: float | None = None
     began_s: float = 0.0  # seconds from the command's start to its first Prefect import
 
     def wait(self) -> None:
-        """Block until the ephemeral server answers (it was started in a thread); re-raise its failure."""
+        """Block until the server being started answers; re-raise its failure."""
+        if self._local is not None:
+            self._local.wait(self.start_timeout_s)
+            self._local = None
         if self._starting is not None:
             self._starting.join()
             self._starting = None
@@ -47,24 +55,15 @@ class PrefectApi:
         self.stopped_at = time.time()
 
 
-def answers(api_url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-    """True when a Prefect API answers its health check at `api_url` (loopback, so quickly either way)."""
-    try:
-        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-
-
-def choose_api(started_at: float) -> PrefectApi:
-    """Configured URL, else a running local server at the profile's server address, else ephemeral."""
+def choose_api(started_at: float, local_server: str = "keep", start_timeout_s: float = 180.0) -> PrefectApi:
+    """Configured URL, else a server at the profile's address, else one started per `local_server`."""
     began_s = max(0.0, time.time() - started_at)
-    api = _choose()
-    api.began_s = began_s
+    api = _choose(local_server, start_timeout_s)
+    api.began_s, api.start_timeout_s = began_s, start_timeout_s
     return api
 
 
-def _choose() -> PrefectApi:
+def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
@@ -75,20 +74,39 @@ def _choose() -> PrefectApi:
     local = f"http://{host}:{settings.server.api.port}/api"
     if answers(local):
         return PrefectApi(local, "local server")
+    if local_server == "keep":
+        return _start_local(LocalServer(settings.home, settings.server.api.port))
     api = PrefectApi(None, "ephemeral")
     if settings.server.ephemeral.enabled:
-        api._starting = threading.Thread(target=_start_ephemeral, args=(api,), daemon=True)
+        api._starting = threading.Thread(target=_start_ephemeral, args=(api, start_timeout_s), daemon=True)
         api._starting.start()
     return api
 
 
-def _start_ephemeral(api: PrefectApi) -> None:
+def _start_local(server: LocalServer) -> PrefectApi:
+    if server.start():
+        _say(
+            f"no Prefect API configured: started a Prefect server that stays for later runs, UI "
+            f"{server.ui_url} (stop it with `prefect server stop`; ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral "
+            f"to not keep one)"
+        )
+        return PrefectApi(server.api_url, "local server, started", _local=server)
+    _say(f"waiting for the Prefect server starting at {server.ui_url}")
+    return PrefectApi(server.api_url, "local server", _local=server)
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"rollflow: {text}\n")
+    sys.stderr.flush()
+
+
+def _start_ephemeral(api: PrefectApi, timeout_s: float) -> None:
     """The same server Prefect's client would start on first use; started earlier, it is simply reused."""
     try:
         from prefect.server.api.server import SubprocessASGIServer
 
         server = SubprocessASGIServer()
-        server.start()
+        server.start(timeout=max(1, round(timeout_s)))
         api.url = server.api_url
     except BaseException as exc:  # re-raised by wait() in the main thread
         api._error.append(exc)
@@ -98,7 +116,7 @@ def _start_ephemeral(api: PrefectApi) -> None:
 def using(api: PrefectApi) -> Iterator[None]:
     """Run the enclosed flows against `api` (Prefect's own temporary_settings, nothing patched)."""
     api.wait()
-    if api.source != "local server":
+    if api.source in ("configured", "ephemeral"):
         yield
         return
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -1,0 +1,125 @@
+"""A lasting local Prefect server, started through Prefect's own `prefect server start --background`.
+
+It listens on 127.0.0.1 at the profile's port with its PID file in PREFECT_HOME, so `prefect server stop`
+stops it and every later run finds it there: those runs cost what a running server costs, and all of them
+stay in its UI. The command starts in its own session, so Ctrl-C on a run never stops the server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HEALTH_TIMEOUT_S = 0.3
+POLL_S = 0.1
+PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME, where `prefect server stop` looks
+
+
+class LocalServerError(Exception):
+    """The local Prefect server this command started (or found starting) did not come up."""
+
+
+def answers(api_url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """True when a Prefect API answers its health check at `api_url` (loopback, so quickly either way)."""
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+STARTING_GRACE_S = 30.0  # Prefect creates the PID file empty, then writes the PID once the server is spawned
+
+
+def _pid_alive(pid_file: Path) -> bool:
+    """Whether the server the PID file names lives (an empty file just created counts as starting)."""
+    try:
+        text = pid_file.read_text().strip()
+        if not text:
+            return time.time() - pid_file.stat().st_mtime < STARTING_GRACE_S
+        os.kill(int(text), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+class LocalServer:
+    """`prefect server start --background` on 127.0.0.1:`port`, started now and waited for later."""
+
+    def __init__(self, home: Path, port: int) -> None:
+        self.home, self.port = home, port
+        self.api_url = f"http://127.0.0.1:{port}/api"
+        self.ui_url = f"http://127.0.0.1:{port}"
+        self.pid_file = home / PID_FILE
+        self._cli: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> bool:
+        """Start the server unless one of ours is already starting (its PID file names a live process).
+
+        A PID file left by a server that died is removed first, as `prefect server stop` would.
+        Returns whether this command started it.
+        """
+        if self.pid_file.exists():
+            if _pid_alive(self.pid_file):
+                return False
+            self.pid_file.unlink(missing_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        prefect = Path(sys.executable).with_name("prefect")
+        self._cli = subprocess.Popen(
+            [
+                str(prefect),
+                "server",
+                "start",
+                "--background",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env={**os.environ, "PREFECT_HOME": str(self.home)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the API answers; raise LocalServerError (with Prefect's words) once it cannot or did not."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if answers(self.api_url):
+                self._reap()
+                return
+            cli_done = self._cli is None or self._cli.poll() is not None
+            if cli_done and not self.pid_file.exists() and not answers(self.api_url):
+                raise LocalServerError(self._failure("exited without starting it"))
+            if cli_done and self.pid_file.exists() and not _pid_alive(self.pid_file):
+                raise LocalServerError(self._failure("started it, and it stopped"))
+            time.sleep(POLL_S)
+        raise LocalServerError(self._failure(f"did not make it answer within {timeout_s:g} s"))
+
+    def _reap(self) -> str:
+        if self._cli is None:
+            return ""
+        try:
+            out, _ = self._cli.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            return ""
+        paragraphs = [p for p in out.decode(errors="replace").split("\n\n") if p.strip()]
+        return " ".join(paragraphs[-1].split()) if paragraphs else ""
+
+    def _failure(self, what: str) -> str:
+        said = self._reap()
+        return (
+            f"No Prefect API is configured, so rollflow started a local Prefect server with `prefect server "
+            f"start --background --host 127.0.0.1 --port {self.port}` (PREFECT_HOME {self.home}), which "
+            f"{what}{f': {said}' if said else ''}. Start one yourself (`prefect server start`) and set "
+            f"PREFECT_API_URL={self.api_url}, or set ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral to use "
+            f"Prefect's temporary server. Nothing was written to the output."
+        )

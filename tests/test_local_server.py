@@ -1,0 +1,127 @@
+"""No PREFECT_API_URL: a lasting local Prefect server is started once (Prefect's `server start --background`)
+and reused by later runs, whose flow runs all show in its UI; `ephemeral` keeps Prefect's temporary server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollflow.infra.local import Service, free_port
+from tests.fixtures_prefect import RunCli
+from tests.rollout_data import write_rows
+
+STARTED = "started a Prefect server that stays for later runs"
+
+
+def answers(api: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _stop(env: dict[str, str], home: Path) -> None:
+    """`prefect server stop`, then make sure the process it named is gone (bounded, then killed)."""
+    pid_file = home / "server.pid"
+    text = pid_file.read_text().strip() if pid_file.exists() else ""
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    subprocess.run([prefect, "server", "stop"], env=env, capture_output=True, timeout=120)
+    if not text:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(text), 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(int(text), signal.SIGKILL)
+
+
+@pytest.fixture
+def no_api(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """No API URL; a fresh PREFECT_HOME and a free port as the profile's server address. Any server
+    started there is stopped at teardown."""
+    home = tmp_path / "prefect-home"
+    port = free_port()
+    env = {
+        "PREFECT_API_URL": "",
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+    }
+    yield env
+    _stop({**cli_env, **env}, home)
+
+
+def _collect(run_cli: RunCli, where: Path, sim: Service, env: dict[str, str]):
+    where.mkdir()
+    inp = write_rows(where / "in.jsonl", 5)
+    out = where / "out"
+    args = ["collect", "--input", str(inp), "--output", str(out), "--backend-kind", "agent"]
+    args += ["--backend-url", sim.url, "--parallelism", "4", "--no-progress"]
+    done = run_cli(*args, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads((out / "report.json").read_text())
+
+
+def _flow_runs(api: str) -> int:
+    req = urllib.request.Request(f"{api}/flow_runs/count", data=b"{}", method="POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return int(resp.read())
+
+
+def test_local_server_is_started_once_and_kept(
+    run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
+) -> None:
+    api = f"http://127.0.0.1:{no_api['PREFECT_SERVER_API_PORT']}/api"
+    first, report = _collect(run_cli, tmp_path / "first", fast_sim, no_api)
+    assert STARTED in first.stderr and api.removesuffix("/api") in first.stderr
+    assert report["prefect_api"] == "local server, started"
+    assert answers(api, timeout_s=5), "the server should outlive the command that started it"
+    assert (Path(no_api["PREFECT_HOME"]) / "server.pid").read_text().strip().isdigit()
+    second, report = _collect(run_cli, tmp_path / "second", fast_sim, no_api)
+    assert STARTED not in second.stderr
+    assert report["prefect_api"] == "local server"
+    assert _flow_runs(api) == 2
+
+
+def test_ephemeral_setting_keeps_no_server(
+    run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
+) -> None:
+    env = {**no_api, "ROLLFLOW_PREFECT__LOCAL_SERVER": "ephemeral"}
+    done, report = _collect(run_cli, tmp_path / "run", fast_sim, env)
+    assert report["prefect_api"] == "ephemeral" and STARTED not in done.stderr
+    assert not answers(f"http://127.0.0.1:{no_api['PREFECT_SERVER_API_PORT']}/api")
+    assert not (Path(no_api["PREFECT_HOME"]) / "server.pid").exists()
+
+
+def test_port_taken_by_something_else_is_one_paragraph(
+    run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
+) -> None:
+    with socket.socket() as squatter:  # listens, never answers HTTP: not a Prefect server
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        env = {**no_api, "PREFECT_SERVER_API_PORT": str(squatter.getsockname()[1])}
+        (tmp_path / "run").mkdir()
+        inp = write_rows(tmp_path / "run" / "in.jsonl", 5)
+        out = tmp_path / "run" / "out"
+        done = run_cli(
+            "collect", "--input", str(inp), "--output", str(out), "--backend-kind", "agent",
+            "--backend-url", fast_sim.url, "--no-progress", env=env,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "prefect server start --background" in done.stderr and "already in use" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
