@@ -125,3 +125,16 @@ def test_port_taken_by_something_else_is_one_paragraph(
     assert done.returncode == 2, done.stderr[-3000:]
     assert "prefect server start --background" in done.stderr and "already in use" in done.stderr
     assert "Traceback" not in done.stderr and not out.exists()
+
+
+def test_bad_local_server_setting_is_one_paragraph(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from rollflow.flows.cli.main import main
+
+    monkeypatch.setenv("ROLLFLOW_PREFECT__LOCAL_SERVER", "forever")
+    inp = write_rows(tmp_path / "in.jsonl", 2)
+    status = main(["collect", "--input", str(inp), "--output", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 2 and "ROLLFLOW_PREFECT__LOCAL_SERVER" in err and "'keep' or 'ephemeral'" in err
+    assert not (tmp_path / "out").exists()

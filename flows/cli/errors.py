@@ -6,6 +6,10 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollflow.settings import RollflowSettings
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 
@@ -90,3 +94,18 @@ def quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
         # A run that ends unpublished is reported below in one paragraph, not as a flow traceback.
         os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")
+
+
+def load_settings() -> RollflowSettings:
+    """The ROLLFLOW_* settings; a bad value in the environment or .env is a UsageError naming the variable."""
+    from pydantic import ValidationError
+
+    from rollflow.settings import RollflowSettings
+
+    try:
+        return RollflowSettings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"ROLLFLOW_{'__'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise UsageError(f"Invalid setting in the environment or .env: {problems}. Fix or unset it.") from exc

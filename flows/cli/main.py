@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rollflow.flows.cli.errors import EXIT_ERROR, UsageError, quiet_prefect
+from rollflow.flows.cli.errors import EXIT_ERROR, UsageError, load_settings, quiet_prefect
 
 if TYPE_CHECKING:
     from rollflow.settings import RollflowSettings
@@ -79,9 +79,8 @@ def build_spec(
     args: argparse.Namespace, extra: list[str], defaults: dict[str, dict[str, Any]] | None = None
 ) -> Any:
     """Defaults, then .env, then env, then NeMo Gym `+key=value`, then flags: the last one given wins."""
-    from rollflow.settings import RollflowSettings
 
-    settings = RollflowSettings()
+    settings = load_settings()
     groups = _setting_groups(settings)
     for group, fields in command_defaults(settings, defaults or {}).items():
         groups[group].update(fields)
@@ -157,9 +156,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import choose_api
     from rollflow.flows.cli.start import settle
-    from rollflow.settings import RollflowSettings
 
-    prefect = RollflowSettings().prefect
+    prefect = load_settings().prefect
     # A server being started comes up while the flows load.
     api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
     from rollflow.flows.cli.runner import run_and_print
