@@ -11,7 +11,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from rollflow.flows.cli.errors import EXIT_ERROR, EXIT_OK, known_errors_quiet, quiet_prefect, user_errors
+from rollflow.flows.cli.errors import (
+    EXIT_ERROR,
+    EXIT_OK,
+    known_errors_quiet,
+    load_settings,
+    quiet_prefect,
+    user_errors,
+)
 
 if TYPE_CHECKING:
     from rollflow.settings import RunSpec
@@ -54,15 +61,19 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
 
 def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
     """The stage's tuning settings come from the spec, so flags, env and .env apply as for `run`."""
-    from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
-
     verbose = getattr(args, "verbose", False)
     quiet_prefect(verbose)
+    from rollflow.flows.cli.prefect_api import choose_api, using
+
+    prefect = load_settings().prefect
+    api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
+    from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
+
     console = Console(stderr=True)
     flow_fn = rollflow_tune if tune_too else rollflow_diagnose
     known = user_errors()
     try:
-        with known_errors_quiet(known, verbose):
+        with known_errors_quiet(known, verbose), using(api):
             found = asyncio.run(flow_fn(spec))
     except known as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
