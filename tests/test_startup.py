@@ -72,3 +72,32 @@ def test_running_local_server_is_reused(
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["prefect_api"] == "local server"
     assert _flow_runs(api) == before + 1
+
+
+def _flow_run_names(api: str) -> list[str]:
+    req = urllib.request.Request(f"{api}/flows/filter", data=b"{}", method="POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        flows = {f["id"]: f["name"] for f in json.loads(resp.read())}
+    req = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}", method="POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return [flows[r["flow_id"]] for r in json.loads(resp.read())]
+
+
+def test_diagnose_uses_the_running_local_server(
+    run_cli: RunCli, prefect_server: Service, fast_sim: Service, tmp_path: Path
+) -> None:
+    """`rollflow diagnose` finds the server at the profile's address like `collect` (its run in that UI)."""
+    api = prefect_server.env["PREFECT_API_URL"]
+    before = _flow_run_names(api).count("rollflow-diagnose")
+    port = str(urlparse(api).port)
+    env = {"PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": port}
+    env["ROLLFLOW_PREFECT__LOCAL_SERVER"] = "ephemeral"  # if it were not found, nothing would be kept
+    inp = write_rows(tmp_path / "in.jsonl", 40)
+    done = run_cli(
+        "diagnose", "--input", str(inp), "--output", str(tmp_path / "out"), "--backend-kind", "agent",
+        "--backend-url", fast_sim.url, "--diagnose-rows", "20", env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _flow_run_names(api).count("rollflow-diagnose") == before + 1
