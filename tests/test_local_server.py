@@ -138,3 +138,14 @@ def test_bad_local_server_setting_is_one_paragraph(
     err = capsys.readouterr().err
     assert status == 2 and "ROLLFLOW_PREFECT__LOCAL_SERVER" in err and "'keep' or 'ephemeral'" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_pid_file_of_a_server_that_never_answers(tmp_path: Path) -> None:
+    """A PID file naming a live process that does not answer: no second server, and a clear way out."""
+    from rollflow.flows.cli.local_server import LocalServer, LocalServerError
+
+    (tmp_path / "server.pid").write_text(str(os.getpid()))
+    server = LocalServer(tmp_path, free_port())
+    assert server.start() is False
+    with pytest.raises(LocalServerError, match="prefect server stop"):
+        server.wait(timeout_s=0.5)

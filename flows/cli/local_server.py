@@ -102,6 +102,14 @@ class LocalServer:
             if cli_done and self.pid_file.exists() and not _pid_alive(self.pid_file):
                 raise LocalServerError(self._failure("started it, and it stopped"))
             time.sleep(POLL_S)
+        if self._cli is None:
+            raise LocalServerError(
+                f"No Prefect API is configured, and the Prefect server named in {self.pid_file} (started by "
+                f"an earlier command) did not answer at {self.api_url} within {timeout_s:g} s. Run `prefect "
+                f"server stop` with the same PREFECT_HOME to clear it, then run again; or set "
+                f"PREFECT_API_URL, or ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral. Nothing was written to the "
+                f"output."
+            )
         raise LocalServerError(self._failure(f"did not make it answer within {timeout_s:g} s"))
 
     def _reap(self) -> str:
