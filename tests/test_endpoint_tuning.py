@@ -1,0 +1,112 @@
+"""Per-endpoint tuning: replicas of unequal capacity, each tuned to its own knee, all at once, over HTTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rollout_data import write_rows
+
+from rollflow.infra.local import Service, spawn_simulator
+from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
+
+# slots of each replica (50 ms each) and the band the one-endpoint tests accept for that many slots
+REPLICAS = {8: (7, 15), 32: (29, 60)}
+
+
+def _replicas() -> dict[int, Service]:
+    sims: dict[int, Service] = {}
+    try:
+        for slots in REPLICAS:
+            sims[slots] = spawn_simulator("--slots", str(slots), "--latency-ms", "50")
+    except BaseException:
+        for sim in sims.values():
+            sim.stop()
+        raise
+    return sims
+
+
+def _tune_args(inp: Path, out: Path, urls: str, *extra: str) -> list[str]:
+    return [
+        "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url", urls,
+        "--chunk-size", "500", *extra,
+    ]  # fmt: skip
+
+
+def _assert_each_at_its_knee(tuning: dict[str, Any], sims: dict[int, Service]) -> None:
+    by_url = {ep["url"]: ep for ep in tuning["endpoints"]}
+    assert set(by_url) == {sim.url for sim in sims.values()}
+    for slots, sim in sims.items():
+        lo, hi = REPLICAS[slots]
+        assert lo <= by_url[sim.url]["chosen_parallelism"] <= hi, (slots, by_url[sim.url])
+        assert by_url[sim.url]["stable"]
+    assert tuning["limits"] == {url: ep["chosen_parallelism"] for url, ep in by_url.items()}
+    assert tuning["chosen_parallelism"] == sum(tuning["limits"].values())
+
+
+def _assert_concurrent(tuning: dict[str, Any]) -> None:
+    """Every endpoint's tuning started before any other ended: they ran at the same time."""
+    spans = [(ep["started_s"], ep["ended_s"]) for ep in tuning["endpoints"]]
+    assert max(s for s, _ in spans) < min(e for _, e in spans), spans
+    assert tuning["wall_s"] < sum(e - s for s, e in spans), spans
+
+
+def test_tune_two_replicas_each_at_its_own_knee_concurrently(run_cli, tmp_path: Path) -> None:
+    sims = _replicas()
+    try:
+        inp, out = write_rows(tmp_path / "rows.jsonl", 6000), tmp_path / "out"
+        urls = ",".join(sim.url for sim in sims.values())
+        res = run_cli("tune", *_tune_args(inp, out, urls))
+    finally:
+        for sim in sims.values():
+            sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = orjson.loads((out / "tuning.json").read_bytes())
+    tuning = found["tuning"]
+    _assert_each_at_its_knee(tuning, sims)
+    _assert_concurrent(tuning)
+    assert found["chosen_parallelism"] == tuning["chosen_parallelism"]
+    assert [d["url"] for d in found["diagnosis"]["endpoints"]] == [ep["url"] for ep in tuning["endpoints"]]
+    per_endpoint = sum(ep["total_probe_rollouts"] for ep in tuning["endpoints"])
+    assert tuning["total_probe_rollouts"] == per_endpoint > 0
+    png = (out / "throughput.png").read_bytes()
+    assert png[:4] == b"\x89PNG"
+    for sim in sims.values():
+        assert f"tune-parallelism {sim.url}" in res.stderr
+
+
+def _tuning(url: str, chosen: int, start: float, end: float) -> dict[str, Any]:
+    steps = [
+        {"phase": "search", "parallelism": p, "rollouts_per_s": r, "rollouts_per_s_err": 1.0,
+         "latency_p50_s": 0.05, "latency_p95_s": 0.06, "errors": 0, "rollouts": 100, "utilisation": 1.0,
+         "note": ""}
+        for p, r in ((5, 100.0), (20, 150.0), (40, 151.0))
+    ]  # fmt: skip
+    return {
+        "url": url, "steps": steps, "knee": chosen, "chosen_parallelism": chosen, "probe_rollouts": 300,
+        "seed_rollouts": 200, "total_probe_rollouts": 500, "stop_reason": "plateau",
+        "peak_rollouts_per_s": 151.0, "base_latency_s": 0.05, "stable": True, "notes": [],
+        "started_s": start, "ended_s": end,
+    }  # fmt: skip
+
+
+def test_report_has_one_table_per_endpoint_and_the_sum() -> None:
+    from rollflow.tasks.tuning.per_endpoint import Timed, combine_tunings
+
+    parts = [_tuning("http://127.0.0.1:1", 9, 0.0, 4.0), _tuning("http://127.0.0.1:2", 33, 0.1, 6.0)]
+    tuning = combine_tunings(
+        [Timed(p["url"], {k: v for k, v in p.items() if k not in ("url",)}, p["started_s"], p["ended_s"])
+         for p in parts]
+    )  # fmt: skip
+    tuning.update(adopted=1000, discarded=0)
+    md = tuning_markdown(tuning)
+    assert md.count("| phase | parallelism |") == 2
+    for p in parts:
+        assert f"### {p['url']}" in md
+        assert f"| {p['url']} | {p['knee']} | {p['chosen_parallelism']} |" in md
+    assert f"| **sum** | {9 + 33} | **{9 + 33}** |" in md
+    assert tuning["wall_s"] == 6.0 and tuning["limits"] == {"http://127.0.0.1:1": 9, "http://127.0.0.1:2": 33}
+    one = throughput_png(parts[0])
+    both = throughput_png(tuning)
+    assert one[:4] == both[:4] == b"\x89PNG" and one != both
