@@ -25,7 +25,13 @@ PATHS = {
     BackendKind.responses: "/v1/responses",
     BackendKind.chat: "/v1/chat/completions",
 }
+LEAVE_GRACE_S = 0.5
 CHAT_PASSTHROUGH = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty")
+
+
+def _replica_failure(kind: str) -> bool:
+    """A failure a dying replica causes (as opposed to a rejected request or a rate limit)."""
+    return kind in ("connection", "timeout") or kind.startswith("http_5")
 
 
 class BackendError(Exception):
@@ -218,10 +224,8 @@ class BackendClient:
                 self._failed(ep, exc)
                 failed.append((ep, token))
                 exc.attempts = len(failed)
-                counted = self._counted(failed)
-                if not exc.retryable or counted > self.policy.max_retries:
+                if not exc.retryable or not await self._retry_after_backoff(failed, exc):
                     raise
-                await asyncio.sleep(self.policy.delay(counted - 1, exc.retry_after))
                 continue
             except BaseException:
                 self.pool.end(ep, abandoned=True)
@@ -237,6 +241,24 @@ class BackendClient:
         self.pool.failed(ep, exc.kind, refused=refused)
         for observer in self.observers:
             observer.failure(exc.kind)
+
+    async def _retry_after_backoff(self, failed: list[tuple[Endpoint, int]], exc: BackendError) -> bool:
+        """Back off, then whether to try again: retries left, or the failure was a replica leaving.
+
+        A replica that dies drops its requests before it refuses new ones, so with no retry left and
+        other endpoints in rotation, the verdict waits a moment for it to leave rotation.
+        """
+        counted = self._counted(failed)
+        if counted <= self.policy.max_retries:
+            await asyncio.sleep(self.policy.delay(max(0, counted - 1), exc.retry_after))
+            return True
+        ep = failed[-1][0]
+        if not _replica_failure(exc.kind) or not any(
+            o.in_rotation for o in self.pool.endpoints if o is not ep
+        ):
+            return False
+        await asyncio.sleep(LEAVE_GRACE_S)
+        return self._counted(failed) <= self.policy.max_retries
 
     def _counted(self, failed: list[tuple[Endpoint, int]]) -> int:
         """Failures that use up retries: all but those a replica leaving rotation caused (bounded)."""

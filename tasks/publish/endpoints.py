@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.endpoints import EndpointPool
+
 ENDPOINT_COLUMNS = ("endpoint", "rollouts", "rollouts/s", "errors", "limit", "out s", "engine")
 
 
@@ -62,3 +65,12 @@ def merge_rows(parts: list[list[dict[str, Any]]], limits: dict[str, int], second
         }
         for url, row in merged.items()
     ]
+
+
+def endpoint_rows(
+    pool: EndpointPool, outcomes: list[ChunkOutcome], remote: bool, seconds: float
+) -> list[dict[str, Any]]:
+    """The run's endpoint rows: this process's pool, or (Dask) the workers' pools summed."""
+    if not remote:
+        return pool.rows()
+    return merge_rows([o.endpoints for o in outcomes], pool.limits(), seconds)
