@@ -23,6 +23,7 @@ from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.clock import StageClock
+from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import run_metrics
 from rollflow.tasks.publish.report import build_report, render_markdown, write_report
 from rollflow.tasks.storage.lease import Lease
@@ -187,7 +188,7 @@ async def _dispatch(
     ctx, col = collected.ctx, spec.collection
     if spec.runner == "dask":
         return await collect_on_dask(
-            spec, plan.pending, ctx.limit.limit, col.chunk_retries, left_s, handles.lease_owner
+            spec, plan.pending, ctx.pool.limits(), col.chunk_retries, left_s, handles.lease_owner
         )
     in_flight = col.chunks_in_flight or default_chunks_in_flight(
         ctx.limit.limit, col.chunk_size, col.num_repeats
@@ -242,6 +243,9 @@ async def report_step(
             "chunk_errors": result.errors[:20],
             "stopped_at_deadline": result.stopped,
             "ignored_parts": ignored[:20],
+            "endpoints": endpoint_rows(
+                collected.ctx.pool, result.outcomes, spec.runner == "dask", collected.seconds
+            ),
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)

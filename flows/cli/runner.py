@@ -21,6 +21,7 @@ from rollflow.flows.cli.progress import ProgressBar
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RunSpec
+from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -50,6 +51,20 @@ def summary_table(report: dict[str, Any]) -> Table:
     ]
     for key, value in rows:
         table.add_row(key, value)
+    return table
+
+
+def endpoints_table(report: dict[str, Any]) -> Table | None:
+    """report.json's `endpoints` as a table that fits 80 columns (the URL folds), or None without them."""
+    rows = report.get("endpoints") or []
+    if not rows:
+        return None
+    table = Table(title="endpoints", title_justify="left")
+    table.add_column(ENDPOINT_COLUMNS[0], overflow="fold")
+    for name in ENDPOINT_COLUMNS[1:]:
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(*endpoint_cells(row))
     return table
 
 
@@ -94,6 +109,9 @@ def run_and_print(
         if report.get("diagnosis"):
             print_tuning(console, report, report["output"])
         console.print(summary_table(report))
+        endpoints = endpoints_table(report)
+        if endpoints is not None:
+            console.print(endpoints)
         if print_json:
             sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     return status
