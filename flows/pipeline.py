@@ -122,7 +122,8 @@ async def _collect_verify_publish(
     clock.mark("startup")
     parallelism, extra = await choose_step(spec, settings, handles, plan)
     left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
-    collected = await collect_step(spec, settings, handles, plan, parallelism, left)
+    limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
+    collected = await collect_step(spec, settings, handles, plan, limits, left)
     collected.extra = {**extra, **collected.extra}
     clock.mark("collect")
     summary = await verify_task(handles, plan)
@@ -147,7 +148,7 @@ async def choose_step(
     if not pending:
         return plan.identity.parallelism or FALLBACK_PARALLELISM, {}
     remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
-    needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows
+    needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows * len(spec.backend.urls)
     if remaining < needed:
         return FALLBACK_PARALLELISM, {
             "tuning_skipped": f"only {remaining} rollouts left: too few to diagnose and tune (needs "
@@ -163,7 +164,7 @@ async def collect_step(
     settings: RollflowSettings,
     handles: RunHandles,
     plan: RunPlan,
-    parallelism: int,
+    parallelism: int | dict[str, int],
     left_s: float | None,
 ) -> Collected:
     """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation."""
@@ -196,7 +197,7 @@ async def _dispatch(
     if col.parallelism == "adaptive":
         async with adaptive_control(ctx) as controller:
             result = await collect_stage(ctx, plan, in_flight, left_s)
-        collected.extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}
+        collected.extra["adaptive"] = controller.report()
         return result
     async with chunk_progress(len(plan.scan.chunks), len(plan.scan.chunks) - len(plan.pending)):
         return await collect_stage(ctx, plan, in_flight, left_s)

@@ -31,12 +31,10 @@ from rollflow.tasks.publish.plot import (
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.per_endpoint import (
     SharedFeed,
-    Timed,
-    combine_diagnoses,
-    combine_tunings,
+    combine_endpoints,
     endpoint_context,
-    endpoint_urls,
     for_each_endpoint,
+    split_reachable,
 )
 from rollflow.tasks.tuning.probe import ProbeFeed
 from rollflow.tasks.tuning.tune import TuneOptions
@@ -108,9 +106,10 @@ async def _per_endpoint(
 
     The diagnose stage ends when the last endpoint's diagnosis does.
     """
-    await asyncio.gather(*(preflight_task(url, ctx.backend.connect_timeout_s) for url in urls))
+    timeout_s = ctx.backend.connect_timeout_s
+    live, down = await split_reachable(urls, lambda url: preflight_task(url, timeout_s))
     feed = SharedFeed(ctx, plan)
-    waiting = len(urls)
+    waiting = len(live)
 
     def diagnosed() -> None:
         nonlocal waiting
@@ -120,7 +119,7 @@ async def _per_endpoint(
 
     try:
         runs = await for_each_endpoint(
-            urls,
+            live,
             lambda url: _diagnose_and_tune_one(
                 endpoint_context(ctx, url), plan, params, feed, tune_too, diagnosed
             ),
@@ -128,16 +127,10 @@ async def _per_endpoint(
     finally:
         feed.close()
         await close_loop_session()
-    if len(runs) == 1:
+    if len(urls) == 1:
         found = runs[0].value
         return found.pop("chosen"), found
-    chosen = sum(r.value.pop("chosen") for r in runs)
-    found = {"diagnosis": combine_diagnoses([Timed(r.url, r.value["diagnosis"], 0, 0) for r in runs])}
-    if tune_too:
-        found["tuning"] = combine_tunings(
-            [Timed(r.url, r.value["tuning"], r.started_s, r.ended_s) for r in runs]
-        )
-    return chosen, found
+    return combine_endpoints(runs, down)
 
 
 async def choose_parallelism(
@@ -157,7 +150,7 @@ async def choose_parallelism(
     and `tuning.limits` holds each endpoint's.
     """
     ctx = collect_context(handles, settings, 1)
-    urls = endpoint_urls(ctx.backend)
+    urls = ctx.backend.urls
     chosen, found = await _per_endpoint(ctx, plan, _params(spec, params), urls, tune_too, handles.clock)
     await asyncio.to_thread(handles.ledger.update_parallelism, chosen)
     await _publish(handles, found)

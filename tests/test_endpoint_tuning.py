@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import orjson
-from rollout_data import write_rows
+from rollout_data import assert_complete, write_rows
+from tuning_support import setup_run
 
 from rollflow.infra.local import Service, spawn_simulator
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.rollouts import RolloutBatch, run_rollouts
 from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
+from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.tuning.probe import ProbeFeed
 
 # slots of each replica (50 ms each) and the band the one-endpoint tests accept for that many slots
 REPLICAS = {8: (7, 15), 32: (29, 60)}
+ADAPT_S = 12.0  # long enough for the larger replica's controller to double from 4 past its 16 slots
 
 
 def _replicas() -> dict[int, Service]:
@@ -27,10 +34,10 @@ def _replicas() -> dict[int, Service]:
     return sims
 
 
-def _tune_args(inp: Path, out: Path, urls: str, *extra: str) -> list[str]:
+def _run_args(inp: Path, out: Path, urls: str, *extra: str) -> list[str]:
     return [
         "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url", urls,
-        "--chunk-size", "500", *extra,
+        "--chunk-size", "500", "--no-progress", *extra,
     ]  # fmt: skip
 
 
@@ -52,28 +59,63 @@ def _assert_concurrent(tuning: dict[str, Any]) -> None:
     assert tuning["wall_s"] < sum(e - s for s, e in spans), spans
 
 
-def test_tune_two_replicas_each_at_its_own_knee_concurrently(run_cli, tmp_path: Path) -> None:
+def test_auto_tunes_each_replica_at_its_own_knee_concurrently(run_cli, tmp_path: Path) -> None:
+    """`run --parallelism auto` over two replicas: each tuned at once to its own knee, collected so."""
     sims = _replicas()
+    rows = 6000
     try:
-        inp, out = write_rows(tmp_path / "rows.jsonl", 6000), tmp_path / "out"
+        inp, out = write_rows(tmp_path / "rows.jsonl", rows), tmp_path / "out"
         urls = ",".join(sim.url for sim in sims.values())
-        res = run_cli("tune", *_tune_args(inp, out, urls))
+        res = run_cli("run", *_run_args(inp, out, urls, "--parallelism", "auto"))
     finally:
         for sim in sims.values():
             sim.stop()
     assert res.returncode == 0, res.stderr[-3000:]
-    found = orjson.loads((out / "tuning.json").read_bytes())
-    tuning = found["tuning"]
+    report = orjson.loads((out / "report.json").read_bytes())
+    tuning = report["tuning"]
     _assert_each_at_its_knee(tuning, sims)
     _assert_concurrent(tuning)
-    assert found["chosen_parallelism"] == tuning["chosen_parallelism"]
-    assert [d["url"] for d in found["diagnosis"]["endpoints"]] == [ep["url"] for ep in tuning["endpoints"]]
+    assert report["parallelism"] == tuning["chosen_parallelism"]
+    assert {row["url"]: row["limit"] for row in report["endpoints"]} == tuning["limits"]
+    served = {row["url"]: row["rollouts"] for row in report["endpoints"]}
+    assert served[sims[32].url] > served[sims[8].url] > 0
+    assert [d["url"] for d in report["diagnosis"]["endpoints"]] == [ep["url"] for ep in tuning["endpoints"]]
     per_endpoint = sum(ep["total_probe_rollouts"] for ep in tuning["endpoints"])
-    assert tuning["total_probe_rollouts"] == per_endpoint > 0
-    png = (out / "throughput.png").read_bytes()
-    assert png[:4] == b"\x89PNG"
+    assert tuning["total_probe_rollouts"] == per_endpoint > 0 and tuning["discarded"] == 0
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), rows, 1)
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "report.md").read_text()
     for sim in sims.values():
-        assert f"tune-parallelism {sim.url}" in res.stderr
+        assert f"tune-parallelism {sim.url}" in res.stderr and f"### {sim.url}" in md
+
+
+async def test_adaptive_moves_each_replica_limit_by_its_own_capacity(tmp_path: Path) -> None:
+    """From equal limits, each replica's controller finds its own level: the larger replica ends higher."""
+    small, large = spawn_simulator("--slots", "4", "--latency-ms", "100"), None
+    try:
+        large = spawn_simulator("--slots", "16", "--latency-ms", "100")
+        s = setup_run(tmp_path, f"{small.url},{large.url}", rows=4000, chunk_size=1000)
+        for url in (small.url, large.url):
+            s.ctx.pool.set_limit(url, 4)
+        feed, batch = ProbeFeed(s.ctx, s.plan), RolloutBatch()
+        items = feed.take(4000)
+        feed.close()
+        async with adaptive_control(s.ctx) as group:
+            runner = asyncio.create_task(run_rollouts(s.ctx, items, batch))
+            await asyncio.wait({runner}, timeout=ADAPT_S)
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        await close_loop_session()
+    finally:
+        small.stop()
+        if large is not None:
+            large.stop()
+    report = group.report()
+    final = {ep["url"]: ep["final_limit"] for ep in report["endpoints"]}
+    assert final == s.ctx.pool.limits() and report["final_parallelism"] == sum(final.values())
+    assert final[large.url] > final[small.url], report["endpoints"]
+    assert final[large.url] > 4, "the larger replica's limit grew from the start"
+    assert {h["endpoint"] for h in report["history"]} == {small.url, large.url}
 
 
 def _tuning(url: str, chosen: int, start: float, end: float) -> dict[str, Any]:
