@@ -21,7 +21,7 @@ from rollflow.flows.cli.progress import ProgressBar
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RunSpec
-from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
+from rollflow.tasks.publish.endpoints import endpoint_cells
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -55,13 +55,13 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 
 def endpoints_table(report: dict[str, Any]) -> Table | None:
-    """report.json's `endpoints` as a table that fits 80 columns (the URL folds), or None without them."""
+    """report.json's `endpoints` in 80 columns: a long URL folds, numbers stay whole; None without them."""
     rows = report.get("endpoints") or []
     if not rows:
         return None
-    table = Table(title="endpoints", title_justify="left")
-    table.add_column(ENDPOINT_COLUMNS[0], overflow="fold")
-    for name in ENDPOINT_COLUMNS[1:]:
+    table = Table(title="endpoints", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("endpoint", overflow="fold")
+    for name in ("rollouts", "per s", "errors", "limit", "out s", "engine"):
         table.add_column(name, justify="right", no_wrap=True)
     for row in rows:
         table.add_row(*endpoint_cells(row))
