@@ -17,7 +17,8 @@ from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
 from rollflow.tasks.tuning.adaptive import adaptive_control
 from rollflow.tasks.tuning.probe import ProbeFeed
 
-# slots of each replica (50 ms each) and the band the one-endpoint tests accept for that many slots
+# slots of each replica and the band the one-endpoint tests accept for that many slots; 100 ms per
+# request, so two tunings in one process need half the client CPU that 50 ms would
 REPLICAS = {8: (7, 15), 32: (29, 60)}
 ADAPT_S = 12.0  # long enough for the larger replica's controller to double from 4 past its 16 slots
 
@@ -26,7 +27,7 @@ def _replicas() -> dict[int, Service]:
     sims: dict[int, Service] = {}
     try:
         for slots in REPLICAS:
-            sims[slots] = spawn_simulator("--slots", str(slots), "--latency-ms", "50")
+            sims[slots] = spawn_simulator("--slots", str(slots), "--latency-ms", "100")
     except BaseException:
         for sim in sims.values():
             sim.stop()
