@@ -120,6 +120,28 @@ async def test_adaptive_moves_each_replica_limit_by_its_own_capacity(tmp_path: P
     assert {h["endpoint"] for h in report["history"]} == {small.url, large.url}
 
 
+def test_adaptive_run_reports_each_endpoint(run_cli, tmp_path: Path) -> None:
+    """`run --parallelism adaptive` over two replicas (too few rows to tune): a controller per endpoint."""
+    sims = _replicas()
+    rows = 300
+    try:
+        inp, out = write_rows(tmp_path / "rows.jsonl", rows), tmp_path / "out"
+        urls = ",".join(sim.url for sim in sims.values())
+        res = run_cli("run", *_run_args(inp, out, urls, "--parallelism", "adaptive"))
+    finally:
+        for sim in sims.values():
+            sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert "tuning_skipped" in report
+    adaptive = report["adaptive"]
+    final = {ep["url"]: ep["final_limit"] for ep in adaptive["endpoints"]}
+    assert final == {row["url"]: row["limit"] for row in report["endpoints"]}
+    assert set(final) == {sim.url for sim in sims.values()}
+    assert adaptive["final_parallelism"] == sum(final.values())
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), rows, 1)
+
+
 def _tuning(url: str, chosen: int, start: float, end: float) -> dict[str, Any]:
     steps = [
         {"phase": "search", "parallelism": p, "rollouts_per_s": r, "rollouts_per_s_err": 1.0,
