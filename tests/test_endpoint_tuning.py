@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
+from fixtures_net import free_port
 from rollout_data import assert_complete, write_rows
 from tuning_support import setup_run
 
 from rollflow.infra.local import Service, spawn_simulator
 from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.preflight import BackendUnreachable
 from rollflow.tasks.collect.rollouts import RolloutBatch, run_rollouts
 from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
 from rollflow.tasks.tuning.adaptive import adaptive_control
@@ -176,3 +179,49 @@ def test_report_has_one_table_per_endpoint_and_the_sum() -> None:
     one = throughput_png(parts[0])
     both = throughput_png(tuning)
     assert one[:4] == both[:4] == b"\x89PNG" and one != both
+
+
+async def test_a_replica_down_at_the_start_is_left_untuned(fast_sim: Service) -> None:
+    """Only the reachable replicas are tuned; the one that was down starts at the smallest tuned limit."""
+    from rollflow.tasks.collect.preflight import check_reachable
+    from rollflow.tasks.tuning.per_endpoint import Timed, combine_endpoints, split_reachable
+
+    down = f"http://127.0.0.1:{free_port()}"
+    live, out = await split_reachable([fast_sim.url, down], lambda url: check_reachable(url, 2.0))
+    assert (live, out) == ([fast_sim.url], [down])
+    with pytest.raises(BackendUnreachable):
+        await split_reachable([down], lambda url: check_reachable(url, 2.0))
+    runs = [
+        Timed(url, {"diagnosis": _diagnosis(), "tuning": _tuning(url, n, 0.0, 1.0), "chosen": n}, 0.0, 1.0)
+        for url, n in (("http://127.0.0.1:1", 12), ("http://127.0.0.1:2", 40))
+    ]
+    chosen, found = combine_endpoints(runs, [down])
+    assert found["tuning"]["limits"] == {"http://127.0.0.1:1": 12, "http://127.0.0.1:2": 40, down: 12}
+    assert chosen == found["tuning"]["chosen_parallelism"] == 64
+    assert found["tuning"]["unreachable"] == found["diagnosis"]["unreachable"] == [down]
+
+
+async def test_one_endpoint_failing_to_tune_names_it_and_stops_the_others() -> None:
+    from rollflow.tasks.tuning.diagnose import TuningError
+    from rollflow.tasks.tuning.per_endpoint import for_each_endpoint
+
+    cancelled: list[str] = []
+
+    async def work(url: str) -> int:
+        if url.endswith(":1"):
+            await asyncio.sleep(0.01)
+            raise TuningError("too few rows")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(url)
+            raise
+        return 0
+
+    with pytest.raises(TuningError, match=r"Endpoint http://127\.0\.0\.1:1: too few rows"):
+        await asyncio.wait_for(for_each_endpoint(["http://127.0.0.1:1", "http://127.0.0.1:2"], work), 10)
+    assert cancelled == ["http://127.0.0.1:2"]
+
+
+def _diagnosis() -> dict[str, Any]:
+    return {"verdict": "parallelism-bound", "next_step": "tune", "reason": "x2", "probe_rollouts": 200}
