@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from rollflow.tasks.collect.endpoints import EndpointPool
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.plan import RunPlan
-from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.rollouts import CollectContext, WorkItem
 from rollflow.tasks.tuning.diagnose import TuningError
 from rollflow.tasks.tuning.probe import ProbeFeed
 
@@ -38,7 +38,7 @@ class SharedFeed(ProbeFeed):
         super().__init__(ctx, plan)
         self._lock: asyncio.Lock | None = None
 
-    async def next(self, n: int) -> list[Any]:
+    async def next(self, n: int) -> list[WorkItem]:
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             return await super().next(n)
@@ -62,8 +62,8 @@ async def for_each_endpoint(
 ) -> list[Timed[T]]:
     """Run `work(url)` for every endpoint concurrently; results in the order of `urls`.
 
-    The first failure cancels the others and is raised as itself (a TuningError names its endpoint),
-    so the CLI shows one clear message rather than an exception group.
+    The first failure cancels the others and is raised as itself (with several endpoints a TuningError
+    names its endpoint), so the CLI shows one clear message rather than an exception group.
     """
     t0 = clock()
 
@@ -72,6 +72,8 @@ async def for_each_endpoint(
         try:
             value = await work(url)
         except TuningError as exc:
+            if len(urls) == 1:
+                raise
             raise TuningError(f"Endpoint {url}: {exc}") from exc
         return Timed(url, value, round(start, 6), round(clock() - t0, 6))
 
@@ -120,7 +122,7 @@ def combine_diagnoses(runs: Sequence[Timed[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-SUMMED = ("knee", "chosen_parallelism", "probe_rollouts", "seed_rollouts", "total_probe_rollouts")
+SUMMED = ("knee", "probe_rollouts", "seed_rollouts", "total_probe_rollouts")
 
 
 def combine_endpoints(
