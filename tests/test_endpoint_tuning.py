@@ -199,6 +199,8 @@ async def test_a_replica_down_at_the_start_is_left_untuned(fast_sim: Service) ->
     assert found["tuning"]["limits"] == {"http://127.0.0.1:1": 12, "http://127.0.0.1:2": 40, down: 12}
     assert chosen == found["tuning"]["chosen_parallelism"] == 64
     assert found["tuning"]["unreachable"] == found["diagnosis"]["unreachable"] == [down]
+    found["tuning"].update(adopted=0, discarded=0)
+    assert f"| {down} | - | 12 | - | unreachable at the start" in tuning_markdown(found["tuning"])
 
 
 async def test_one_endpoint_failing_to_tune_names_it_and_stops_the_others() -> None:

@@ -195,6 +195,10 @@ def endpoints_markdown(tuning: dict[str, Any], image: str) -> str:
             f"| {ep['url']} | {ep['knee']} | {ep['chosen_parallelism']} | {ep['peak_rollouts_per_s']:,.1f} | "
             f"{ep['stop_reason']} | {ep['total_probe_rollouts']:,} | {span} |"
         )
+    for url in tuning.get("unreachable") or ():
+        lines.append(
+            f"| {url} | - | {tuning['limits'][url]} | - | unreachable at the start: not tuned | 0 | |"
+        )
     lines.append(
         f"| **sum** | {tuning['knee']} | **{tuning['chosen_parallelism']}** | "
         f"{tuning['peak_rollouts_per_s']:,.1f} |  | {tuning['total_probe_rollouts']:,} | |"
