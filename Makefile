@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) bench/efficiency.py
 	$(PY) bench/memory.py
 	$(PY) bench/tuning.py
+	$(PY) bench/replicas.py
 	$(PY) bench/fault_suite.py
 	$(PY) bench/million.py
 	$(PY) bench/startup.py

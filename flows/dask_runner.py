@@ -17,6 +17,7 @@ from typing import Any
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.endpoints import split_limit
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 from rollflow.tasks.wrappers.remote import WorkerScope
@@ -46,10 +47,17 @@ def worker_share(parallelism: int, worker_threads: int) -> int:
     return max(1, math.floor(parallelism / max(1, worker_threads)))
 
 
+def endpoint_shares(spec: RunSpec, parallelism: int | dict[str, int], threads: int) -> dict[str, int]:
+    """Each chunk's share of every endpoint's limit: a worker spreads over all endpoints, like one process."""
+    urls = spec.backend.urls
+    limits = split_limit(parallelism, urls) if isinstance(parallelism, int) else parallelism
+    return {url: worker_share(limits[url], threads) for url in urls}
+
+
 def _collect_blocking(
     spec: RunSpec,
     chunks: list[ChunkSpec],
-    parallelism: int,
+    parallelism: int | dict[str, int],
     retries: int,
     scope: WorkerScope,
     stop: threading.Event,
@@ -57,7 +65,7 @@ def _collect_blocking(
     result = CollectResult()
     with _runner(spec) as runner:
         workers = runner.client.scheduler_info()["workers"].values()
-        share = worker_share(parallelism, sum(w.get("nthreads", 1) for w in workers))
+        share = endpoint_shares(spec, parallelism, sum(w.get("nthreads", 1) for w in workers))
         task = collect_chunk_remote_task.with_options(retries=retries)
         params = {"share": share, "scope": scope, "resolve": resolve_secret_blocks}
         pending = [runner.submit(task, {"spec": spec, "chunk": c, **params}) for c in chunks]
@@ -77,12 +85,14 @@ def _collect_blocking(
 async def collect_on_dask(
     spec: RunSpec,
     chunks: list[ChunkSpec],
-    parallelism: int,
+    parallelism: int | dict[str, int],
     retries: int,
     deadline_s: float | None = None,
     owner: str | None = None,
 ) -> CollectResult:
-    """Blocking Dask futures run off the flow's event loop (context variables travel with to_thread).
+    """`parallelism` is the run's total or its per-endpoint limits; each chunk gets its share of each.
+
+    Blocking Dask futures run off the flow's event loop (context variables travel with to_thread).
 
     Stopped at `deadline_s` or by cancellation; either way the thread is awaited before this returns
     or raises, so no chunk of this run is still running when it does.

@@ -23,6 +23,7 @@ from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.clock import StageClock
+from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, render_markdown, write_report
 from rollflow.tasks.storage.lease import Lease
@@ -121,7 +122,8 @@ async def _collect_verify_publish(
     clock.mark("startup")
     parallelism, extra = await choose_step(spec, settings, handles, plan)
     left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
-    collected = await collect_step(spec, settings, handles, plan, parallelism, left)
+    limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
+    collected = await collect_step(spec, settings, handles, plan, limits, left)
     collected.extra = {**extra, **collected.extra}
     clock.mark("collect")
     summary = await verify_task(handles, plan)
@@ -146,7 +148,7 @@ async def choose_step(
     if not pending:
         return plan.identity.parallelism or FALLBACK_PARALLELISM, {}
     remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
-    needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows
+    needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows * len(spec.backend.urls)
     if remaining < needed:
         return FALLBACK_PARALLELISM, {
             "tuning_skipped": f"only {remaining} rollouts left: too few to diagnose and tune (needs "
@@ -162,7 +164,7 @@ async def collect_step(
     settings: RollflowSettings,
     handles: RunHandles,
     plan: RunPlan,
-    parallelism: int,
+    parallelism: int | dict[str, int],
     left_s: float | None,
 ) -> Collected:
     """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation."""
@@ -187,7 +189,7 @@ async def _dispatch(
     ctx, col = collected.ctx, spec.collection
     if spec.runner == "dask":
         return await collect_on_dask(
-            spec, plan.pending, ctx.limit.limit, col.chunk_retries, left_s, handles.lease_owner
+            spec, plan.pending, ctx.pool.limits(), col.chunk_retries, left_s, handles.lease_owner
         )
     in_flight = col.chunks_in_flight or default_chunks_in_flight(
         ctx.limit.limit, col.chunk_size, col.num_repeats
@@ -195,7 +197,7 @@ async def _dispatch(
     if col.parallelism == "adaptive":
         async with adaptive_control(ctx) as controller:
             result = await collect_stage(ctx, plan, in_flight, left_s)
-        collected.extra["adaptive"] = {"final_parallelism": ctx.limit.limit, "history": controller.history}
+        collected.extra["adaptive"] = controller.report()
         return result
     async with chunk_progress(len(plan.scan.chunks), len(plan.scan.chunks) - len(plan.pending)):
         return await collect_stage(ctx, plan, in_flight, left_s)
@@ -244,6 +246,9 @@ async def report_step(
             "ignored_parts": ignored[:20],
             "run_id": handles.ledger.run_id,
             **overhead_figures(handles.clock, result.outcomes),
+            "endpoints": endpoint_rows(
+                collected.ctx.pool, result.outcomes, spec.runner == "dask", collected.seconds
+            ),
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)

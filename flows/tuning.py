@@ -8,6 +8,7 @@ part, so collection (now or in a later `rollflow run` on the same output) adopts
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -18,6 +19,8 @@ from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import RollflowSettings, RunSpec, TuningSettings
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.publish.plot import (
     data_uri,
     diagnosis_markdown,
@@ -26,6 +29,13 @@ from rollflow.tasks.publish.plot import (
     tuning_markdown,
 )
 from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.tuning.per_endpoint import (
+    SharedFeed,
+    combine_endpoints,
+    endpoint_context,
+    for_each_endpoint,
+    split_reachable,
+)
 from rollflow.tasks.tuning.probe import ProbeFeed
 from rollflow.tasks.tuning.tune import TuneOptions
 from rollflow.tasks.wrappers.prefect_tasks import lease_task, plan_task, preflight_task
@@ -60,6 +70,69 @@ async def _publish(handles: RunHandles, found: dict[str, Any]) -> None:
     )
 
 
+async def _diagnose_and_tune_one(
+    ctx: CollectContext,
+    plan: RunPlan,
+    params: TuningParams,
+    feed: ProbeFeed,
+    tune_too: bool,
+    diagnosed: Callable[[], None],
+) -> dict[str, Any]:
+    """One endpoint: its diagnosis, then (if asked) its tuning, as report.json shows them."""
+    diagnosis = await diagnose_task(
+        ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
+    )
+    diagnosed()
+    found: dict[str, Any] = {"diagnosis": diagnosis.as_dict(), "chosen": params.diagnose_high}
+    if tune_too:
+        tuning = await tune_task(
+            ctx, plan, TuneOptions.from_settings(params), feed, [diagnosis.low, diagnosis.high]
+        )
+        found["tuning"] = tuning.as_dict()
+        found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
+        found["chosen"] = tuning.chosen_parallelism
+    return found
+
+
+async def _per_endpoint(
+    ctx: CollectContext,
+    plan: RunPlan,
+    params: TuningParams,
+    urls: list[str],
+    tune_too: bool,
+    clock: StageClock,
+) -> tuple[int, dict[str, Any]]:
+    """Every endpoint diagnosed and tuned at once; one endpoint gives exactly the one-backend sections.
+
+    The diagnose stage ends when the last endpoint's diagnosis does.
+    """
+    timeout_s = ctx.backend.connect_timeout_s
+    live, down = await split_reachable(urls, lambda url: preflight_task(url, timeout_s))
+    feed = SharedFeed(ctx, plan)
+    waiting = len(live)
+
+    def diagnosed() -> None:
+        nonlocal waiting
+        waiting -= 1
+        if waiting == 0:
+            clock.mark("diagnose")
+
+    try:
+        runs = await for_each_endpoint(
+            live,
+            lambda url: _diagnose_and_tune_one(
+                endpoint_context(ctx, url), plan, params, feed, tune_too, diagnosed
+            ),
+        )
+    finally:
+        feed.close()
+        await close_loop_session()
+    if len(urls) == 1:
+        found = runs[0].value
+        return found.pop("chosen"), found
+    return combine_endpoints(runs, down)
+
+
 async def choose_parallelism(
     spec: RunSpec,
     settings: RollflowSettings,
@@ -73,29 +146,12 @@ async def choose_parallelism(
 
     Call inside a flow, after planning and before collection; the probes' rollouts are saved as parts
     that collection adopts. With tune_too=False only the diagnosis runs (the value is the high level).
+    With several endpoints each is tuned on its own, concurrently; the value is the sum of their choices
+    and `tuning.limits` holds each endpoint's.
     """
-    params = _params(spec, params)
     ctx = collect_context(handles, settings, 1)
-    await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
-    feed = ProbeFeed(ctx, plan)
-    found: dict[str, Any] = {}
-    try:
-        diagnosis = await diagnose_task(
-            ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
-        )
-        found["diagnosis"] = diagnosis.as_dict()
-        handles.clock.mark("diagnose")
-        chosen = params.diagnose_high
-        if tune_too:
-            tuning = await tune_task(
-                ctx, plan, TuneOptions.from_settings(params), feed, [diagnosis.low, diagnosis.high]
-            )
-            found["tuning"] = tuning.as_dict()
-            found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
-            chosen = tuning.chosen_parallelism
-    finally:
-        feed.close()
-        await close_loop_session()
+    urls = ctx.backend.urls
+    chosen, found = await _per_endpoint(ctx, plan, _params(spec, params), urls, tune_too, handles.clock)
     await asyncio.to_thread(handles.ledger.update_parallelism, chosen)
     await _publish(handles, found)
     handles.clock.mark("tune" if tune_too else "diagnose")

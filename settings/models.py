@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -15,17 +15,51 @@ class BackendKind(StrEnum):
     chat = "chat"
 
 
+def split_urls(value: str) -> list[str]:
+    """A comma-separated list of http(s) base URLs, stripped; a bad item is named in the error."""
+    urls = [item.strip() for item in value.split(",")]
+    seen: set[str] = set()
+    for n, url in enumerate(urls, 1):
+        where = f"item {n} of the backend URL list {value!r}" if len(urls) > 1 else f"backend URL {url!r}"
+        if not url:
+            raise ValueError(
+                f"{where} is empty; pass comma-separated URLs, e.g. http://h1:8000,http://h2:8000"
+            )
+        scheme, sep, rest = url.partition("://")
+        if scheme.lower() not in ("http", "https") or not sep or not rest.strip("/"):
+            raise ValueError(f"{where} ({url!r}) is not an http(s) URL; pass e.g. http://127.0.0.1:8000")
+        key = url.rstrip("/")
+        if key in seen:
+            raise ValueError(f"{where} ({url!r}) is listed twice; list each endpoint once")
+        seen.add(key)
+    return urls
+
+
 class BackendParams(BaseModel):
     """Where rollouts come from and how hard to try for each one (no secrets: safe as a flow parameter)."""
 
     kind: BackendKind = Field(BackendKind.responses, description="agent | responses | chat")
-    url: str = Field("http://127.0.0.1:8000", description="Base URL of the inference backend or agent server")
+    url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Base URL of the inference backend or agent server; several replicas comma-separated",
+    )
     model: str | None = Field(None, description="Model name sent to responses/chat backends")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (whole request)")
     connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout")
     max_retries: int = Field(5, ge=0, le=50, description="Retries per rollout on transient errors")
     backoff_base_s: float = Field(0.5, ge=0, description="First backoff; doubles each retry, with jitter")
     backoff_max_s: float = Field(30.0, ge=0, description="Largest backoff, also caps Retry-After")
+
+    @field_validator("url")
+    @classmethod
+    def _valid_url_list(cls, value: str) -> str:
+        split_urls(value)
+        return value
+
+    @property
+    def urls(self) -> list[str]:
+        """The endpoints of `url`, one per replica, in the order given."""
+        return split_urls(self.url)
 
 
 class BackendSettings(BackendParams):
@@ -38,6 +72,13 @@ class BackendSettings(BackendParams):
 
     def params(self) -> BackendParams:
         return BackendParams(**self.model_dump(exclude={"api_key", "api_key_block"}))
+
+    def for_url(self, url: str) -> BackendSettings:
+        """A copy pointing at one endpoint (the API key is kept: replicas share it)."""
+        urls = split_urls(url)
+        if len(urls) != 1:
+            raise ValueError(f"for_url takes one endpoint, got {len(urls)}: {url!r}")
+        return self.model_copy(update={"url": urls[0]})
 
 
 class StorageSettings(BaseModel):

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rollflow.flows.cli.runner import summary_table
+from rollflow.flows.cli.runner import endpoints_table, summary_table
 from rollflow.flows.cli.tuning_cmd import print_tuning
 
 S3_OUT = (
@@ -110,3 +110,32 @@ def test_tuning_table_fits_80_columns():
     for value in ("12,346", "48.1", "12,288", "1,234", "stability", "confirming", "latency-knee", "2,048"):
         assert value in text, text
     assert f"{S3_OUT}/throughput.png" in text.replace("\n", ""), text
+
+
+def test_endpoints_table_fits_80_columns():
+    rows = [
+        {
+            "url": f"http://vllm-replica-{i}.inference.svc.cluster.local:8000",
+            "rollouts": 12_345_678,
+            "rollouts_per_s": 3_257.123,
+            "errors": 1234,
+            "limit": 2048,
+            "out_of_rotation_s": 123.4,
+            "engine": {"running_max": 256, "waiting_max": 37, "kv_cache_usage_max": 0.98},
+        }
+        for i in range(3)
+    ]
+    rows[1]["engine"] = None
+    console = _console()
+    console.print(endpoints_table({"endpoints": rows}))
+    text = console.export_text()
+    assert "…" not in text
+    assert max(map(len, text.splitlines())) <= 80
+    headers = next(line for line in text.splitlines() if "endpoint" in line and "rollouts" in line)
+    for header in ("endpoint", "rollouts", "per s", "errors", "limit", "out s", "engine"):
+        assert header in headers, headers
+    for value in ("12,345,678", "3,257.1", "1,234", "2,048", "123.4", "256/37/98%"):
+        assert value in text, text
+    urls = "".join(line.split("│")[0].strip() for line in text.splitlines() if "│" in line)
+    assert urls == "".join(row["url"] for row in rows), text
+    assert endpoints_table({}) is None

@@ -27,6 +27,7 @@ from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.publish.amend import amend_report
+from rollflow.tasks.publish.endpoints import endpoint_cells
 from rollflow.tasks.storage.store import Store
 
 
@@ -57,6 +58,20 @@ def summary_table(report: dict[str, Any]) -> Table:
     ]
     for key, value in rows:
         table.add_row(key, value)
+    return table
+
+
+def endpoints_table(report: dict[str, Any]) -> Table | None:
+    """report.json's `endpoints` in 80 columns: a long URL folds, numbers stay whole; None without them."""
+    rows = report.get("endpoints") or []
+    if not rows:
+        return None
+    table = Table(title="endpoints", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("endpoint", overflow="fold")
+    for name in ("rollouts", "per s", "errors", "limit", "out s", "engine"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(*endpoint_cells(row))
     return table
 
 
@@ -137,6 +152,9 @@ def run_and_print(
         if report.get("diagnosis"):
             print_tuning(console, report, report["output"])
         console.print(summary_table(report))
+        endpoints = endpoints_table(report)
+        if endpoints is not None:
+            console.print(endpoints)
         if print_json:
             sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     return status

@@ -35,28 +35,40 @@ def _cell(value: Any) -> str:
 
 def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     """The verdict, its next step and the tuning table, as the CLI shows them."""
-    from rollflow.tasks.publish.plot import probe_fate, steps_table
+    from rollflow.tasks.publish.plot import probe_fate, tuning_parts
 
     d = found["diagnosis"]
     console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
     console.print(f"next step: {d['next_step']}", highlight=False)
     if "tuning" in found:
         t = found["tuning"]
-        table = Table(
-            title="tune-parallelism", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
-            padding=(0, 1, 0, 0), pad_edge=False,
-        )  # fmt: skip
-        for col in ("phase", "in flight", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
-            table.add_column(col, justify="left" if col in ("phase", "note") else "right", overflow="fold")
-        for row in steps_table(t):
-            table.add_row(*(_cell(v) for v in row.values()))
-        console.print(table)
+        for url, part in tuning_parts(t):
+            console.print(_steps(part, "tune-parallelism" + (f" {url}" if url else "")))
+            if url:
+                console.print(
+                    f"{url}: knee {part['knee']}, chosen {part['chosen_parallelism']}", highlight=False
+                )
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
+            f"{'in all ' if len(tuning_parts(t)) > 1 else ''}"
             f"({t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
             f"plot: {output.rstrip('/')}/throughput.png",
             highlight=False,
         )
+
+
+def _steps(tuning: dict[str, Any], title: str) -> Table:
+    from rollflow.tasks.publish.plot import steps_table
+
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+        padding=(0, 1, 0, 0), pad_edge=False,
+    )  # fmt: skip
+    for col in ("phase", "in flight", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
+        table.add_column(col, justify="left" if col in ("phase", "note") else "right", overflow="fold")
+    for row in steps_table(tuning):
+        table.add_row(*(_cell(v) for v in row.values()))
+    return table
 
 
 def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:

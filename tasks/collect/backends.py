@@ -5,19 +5,33 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
 
 from rollflow.settings import BackendKind, BackendSettings
+from rollflow.tasks.collect.endpoints import Endpoint, EndpointPool
 from rollflow.tasks.collect.http import auth_headers
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptObserver
 from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
 
 # ServerDisconnectedError is a ClientConnectionError. Any other aiohttp.ClientError (a garbled status line,
 # a bad chunked encoding) is also a transport failure: counted as "connection" and retried.
 CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError)
+PATHS = {
+    BackendKind.agent: "/run",
+    BackendKind.responses: "/v1/responses",
+    BackendKind.chat: "/v1/chat/completions",
+}
+LEAVE_GRACE_S = 0.5
 CHAT_PASSTHROUGH = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty")
+
+
+def _replica_failure(kind: str) -> bool:
+    """A failure a dying replica causes (as opposed to a rejected request or a rate limit)."""
+    return kind in ("connection", "timeout") or kind.startswith("http_5")
 
 
 class BackendError(Exception):
@@ -149,18 +163,12 @@ def chat_to_response(reply: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
     return response, text, out_tokens
 
 
-class AttemptObserver(Protocol):
-    """Sees every HTTP attempt, retried ones included (diagnosis and adaptive mode count 429s here)."""
-
-    def success(self, latency_s: float) -> None: ...
-
-    def failure(self, kind: str) -> None: ...
-
-
 class BackendClient:
     """Sends one rollout's request with bounded retries; the caller bounds concurrency.
 
-    Everything constant (URL, headers, timeout, policy) is built once here: rollout() is the hot path.
+    Each attempt goes to the endpoint `pool` chooses; a failure caused by a replica leaving rotation is
+    retried on the others without using up the rollout's retries. Everything constant (URLs, headers,
+    timeout, policy) is built once here: rollout() is the hot path.
     """
 
     def __init__(
@@ -168,19 +176,19 @@ class BackendClient:
         settings: BackendSettings,
         session: aiohttp.ClientSession,
         observers: tuple[AttemptObserver, ...] = (),
+        pool: EndpointPool | None = None,
     ) -> None:
         self.settings = settings
         self.session = session
         self.observers = observers
         self.kind = BackendKind(settings.kind)
-        base = settings.url.rstrip("/")
-        self.url = {
-            BackendKind.agent: f"{base}/run",
-            BackendKind.responses: f"{base}/v1/responses",
-            BackendKind.chat: f"{base}/v1/chat/completions",
-        }[self.kind]
+        urls = settings.urls
+        self.pool = pool or EndpointPool.even(urls, ConcurrencyLimit(len(urls)))
+        self._targets = {ep.url: ep.url.rstrip("/") + PATHS[self.kind] for ep in self.pool.endpoints}
+        self.url = self._targets[self.pool.endpoints[0].url]
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout_s, connect=settings.connect_timeout_s)
         self.policy = RetryPolicy.from_settings(settings)
+        self.max_free = 3 * len(self.pool.endpoints)
         self._headers = {"Content-Type": "application/json", **auth_headers(settings)}
         self._secret = settings.api_key.get_secret_value() if settings.api_key is not None else ""
 
@@ -202,49 +210,85 @@ class BackendClient:
             "X-Rollflow-Task-Index": str(task_index),
             "X-Rollflow-Rollout-Index": str(rollout_index),
         }
-        attempt = 0
+        failed: list[tuple[Endpoint, int]] = []
         while True:
+            ep = self.pool.choose((failed[-1][0].url,) if failed else ())
+            token = self.pool.begin(ep)
             start = time.perf_counter()
             try:
-                reply = await self._post(body, headers)
-                result = self._result(reply, time.perf_counter() - start, attempt + 1)
+                reply = await self._post(self._targets[ep.url], body, headers)
+                latency = time.perf_counter() - start
+                result = self._result(self._targets[ep.url], reply, latency, len(failed) + 1)
             except BackendError as exc:
-                for observer in self.observers:
-                    observer.failure(exc.kind)
-                exc.attempts = attempt + 1
-                if not exc.retryable or attempt >= self.policy.max_retries:
+                self.pool.end(ep)
+                self._failed(ep, exc)
+                failed.append((ep, token))
+                exc.attempts = len(failed)
+                if not exc.retryable or not await self._retry_after_backoff(failed, exc):
                     raise
-                await asyncio.sleep(self.policy.delay(attempt, exc.retry_after))
-                attempt += 1
                 continue
+            except BaseException:
+                self.pool.end(ep, abandoned=True)
+                raise
+            self.pool.end(ep)
+            self.pool.succeeded(ep, result.latency_s)
             for observer in self.observers:
                 observer.success(result.latency_s)
             return result
 
-    async def _post(self, body: bytes, headers: dict[str, str]) -> Any:
+    def _failed(self, ep: Endpoint, exc: BackendError) -> None:
+        refused = isinstance(exc.__cause__, aiohttp.ClientConnectorError)
+        self.pool.failed(ep, exc.kind, refused=refused)
+        for observer in self.observers:
+            observer.failure(exc.kind)
+
+    async def _retry_after_backoff(self, failed: list[tuple[Endpoint, int]], exc: BackendError) -> bool:
+        """Back off, then whether to try again: retries left, or the failure was a replica leaving.
+
+        A replica that dies drops its requests before it refuses new ones, so with no retry left and
+        other endpoints in rotation, the verdict waits a moment for it to leave rotation.
+        """
+        counted = self._counted(failed)
+        if counted <= self.policy.max_retries:
+            await asyncio.sleep(self.policy.delay(max(0, counted - 1), exc.retry_after))
+            return True
+        ep = failed[-1][0]
+        if not _replica_failure(exc.kind) or not any(
+            o.in_rotation for o in self.pool.endpoints if o is not ep
+        ):
+            return False
+        await asyncio.sleep(LEAVE_GRACE_S)
+        return self._counted(failed) <= self.policy.max_retries
+
+    def _counted(self, failed: list[tuple[Endpoint, int]]) -> int:
+        """Failures that use up retries: all but those a replica leaving rotation caused (bounded)."""
+        free = sum(1 for ep, token in failed if self.pool.caused_by_rotation(ep, token))
+        return len(failed) - min(free, self.max_free)
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> Any:
         try:
-            async with self.session.post(self.url, data=body, headers=headers, timeout=self.timeout) as resp:
+            async with self.session.post(url, data=body, headers=headers, timeout=self.timeout) as resp:
                 payload = await resp.read()
                 status = resp.status
                 retry_after = parse_retry_after(resp.headers.get("Retry-After")) if status == 429 else None
         except TimeoutError as exc:
             raise BackendError(
-                f"no reply within {self.settings.timeout_s:g}s from {self.url}",
+                f"no reply within {self.settings.timeout_s:g}s from {url}",
                 kind="timeout",
                 retryable=True,
             ) from exc
         except aiohttp.InvalidURL:
-            raise BackendError(f"invalid backend URL {self.url}", kind="connection") from None
+            raise BackendError(f"invalid backend URL {url}", kind="connection") from None
         except CONNECTION_ERRORS as exc:
             raise BackendError(
-                self._scrub(f"connection to {self.url} failed: {type(exc).__name__}: {exc}"),
+                self._scrub(f"connection to {url} failed: {type(exc).__name__}: {exc}"),
                 kind="connection",
                 retryable=True,
             ) from exc
         if status >= 400:
             snippet = payload[:300].decode("utf-8", "replace")
             raise BackendError(
-                self._scrub(f"HTTP {status} from {self.url}: {snippet}"),
+                self._scrub(f"HTTP {status} from {url}: {snippet}"),
                 kind=f"http_{status}",
                 status=status,
                 retryable=status in RETRYABLE_STATUS,
@@ -254,7 +298,7 @@ class BackendClient:
             return orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise BackendError(
-                f"malformed JSON body from {self.url} (HTTP {status}, {len(payload)} bytes)",
+                f"malformed JSON body from {url} (HTTP {status}, {len(payload)} bytes)",
                 kind="malformed",
                 status=status,
                 retryable=True,
@@ -264,9 +308,9 @@ class BackendClient:
         """A backend that echoes the request (headers included) must not put the key into an error."""
         return message.replace(self._secret, "***") if self._secret else message
 
-    def _result(self, reply: Any, latency: float, attempts: int) -> RolloutResult:
+    def _result(self, url: str, reply: Any, latency: float, attempts: int) -> RolloutResult:
         if not isinstance(reply, dict):
-            raise BackendError(f"expected a JSON object from {self.url}", kind="malformed", retryable=True)
+            raise BackendError(f"expected a JSON object from {url}", kind="malformed", retryable=True)
         try:
             if self.kind is BackendKind.chat:
                 response, text, tokens = chat_to_response(reply)
@@ -286,7 +330,7 @@ class BackendClient:
             return RolloutResult(reply, reward, responses_text(response), tokens, latency, attempts)
         except (AttributeError, TypeError, ValueError, IndexError, KeyError) as exc:
             raise BackendError(
-                f"unexpected reply shape from {self.url}: {type(exc).__name__}: {exc}",
+                f"unexpected reply shape from {url}: {type(exc).__name__}: {exc}",
                 kind="malformed",
                 retryable=True,
             ) from None

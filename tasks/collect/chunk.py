@@ -7,8 +7,9 @@ import hashlib
 import itertools
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 
@@ -33,6 +34,7 @@ class ChunkOutcome:
     adopted: int = 0
     core_s: float = 0.0
     task_s: float = 0.0
+    endpoints: list[dict[str, Any]] = field(default_factory=list)  # set on Dask workers: pool.rows()
 
 
 class ChunkStalled(Exception):

@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class AttemptObserver(Protocol):
+    """Sees every HTTP attempt, retried ones included (diagnosis and adaptive mode count 429s here)."""
+
+    def success(self, latency_s: float) -> None: ...
+
+    def failure(self, kind: str) -> None: ...
 
 
 @dataclass

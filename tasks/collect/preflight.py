@@ -12,7 +12,27 @@ class BackendUnreachable(Exception):
 
 
 async def check_reachable(url: str, timeout_s: float, what: str = "backend") -> None:
-    """Open (and close) one TCP connection to `url`'s host and port."""
+    """Open (and close) one TCP connection to `url`'s host and port; of a comma list, to any of them.
+
+    One replica up is enough to start: the others leave rotation at their first refused request.
+    """
+    urls = [u.strip() for u in url.split(",")] if "," in url else [url]
+    if len(urls) == 1:
+        return await _check_one(url, timeout_s, what)
+    checks = [_check_one(u, timeout_s, what) for u in urls]
+    results = await asyncio.gather(*checks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if len(errors) < len(urls):
+        return None
+    reasons = " ".join(str(e).split(". Start it")[0] + "." for e in errors)
+    raise BackendUnreachable(
+        f"All {len(urls)} {what} endpoints are unreachable: {reasons} Start them, or point rollflow at "
+        f"running ones with --backend-url. No request was sent and every chunk already committed under "
+        f"the output is kept; run the same command again once they are up."
+    )
+
+
+async def _check_one(url: str, timeout_s: float, what: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BackendUnreachable(

@@ -12,9 +12,11 @@ from typing import Any
 import orjson
 
 from rollflow.settings import BackendSettings, CollectionSettings
-from rollflow.tasks.collect.backends import AttemptObserver, BackendClient, BackendError, RolloutResult
+from rollflow.tasks.collect.backends import BackendClient, BackendError, RolloutResult
+from rollflow.tasks.collect.endpoints import EndpointPool
 from rollflow.tasks.collect.http import session_for_loop
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptObserver
 from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.verifiers import Verifier
@@ -26,7 +28,11 @@ WorkItem = tuple[int, dict[str, Any], int]
 
 @dataclass
 class CollectContext:
-    """Per-process state every chunk of a run shares: the ledger, the limit, the backend and verifier."""
+    """Per-process state every chunk of a run shares: the ledger, the limit, the backend and verifier.
+
+    `pool` holds the backend's endpoints; its in-rotation limits sum to `limit`, the one bound workers
+    take. Left out, it is built with `limit` split evenly over the backend's URLs.
+    """
 
     ledger: Ledger
     input_url: str
@@ -37,6 +43,11 @@ class CollectContext:
     limit: ConcurrencyLimit
     # Optional: builds the BackendClient (tuning and adaptive mode pass one that counts every attempt).
     observers: tuple[AttemptObserver, ...] = ()
+    pool: EndpointPool = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.pool is None:
+            self.pool = EndpointPool.even(self.backend.urls, self.limit)
 
 
 @dataclass(slots=True)
@@ -107,7 +118,7 @@ async def run_rollouts(
     the limit shrank below what is in use.
     """
     limit = limit or ctx.limit
-    client = BackendClient(ctx.backend, session_for_loop(ctx.backend), ctx.observers)
+    client = BackendClient(ctx.backend, session_for_loop(ctx.backend), ctx.observers, ctx.pool)
     source = iter(items)
     pending: set[asyncio.Task[None]] = set()
 

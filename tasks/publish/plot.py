@@ -9,15 +9,10 @@ from typing import Any
 
 def throughput_png(tuning: dict[str, Any]) -> bytes:
     """Throughput and p95 latency against parallelism (two y axes), the knee and the choice marked."""
-    steps = sorted(tuning["steps"], key=lambda s: s["parallelism"])
-    xs = [s["parallelism"] for s in steps]
-    rates = [s["rollouts_per_s"] for s in steps]
-    p95 = [(s["latency_p95_s"] or 0.0) * 1000 for s in steps]
-    import matplotlib  # imported here: a run without tuning never pays its ~0.7 s import
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    if "endpoints" in tuning:
+        return endpoints_png(tuning)
+    xs, rates, p95 = _curve(tuning)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     try:
         ax.plot(xs, rates, "o-", color="tab:blue", label="rollouts/s")
@@ -47,6 +42,50 @@ def throughput_png(tuning: dict[str, Any]) -> bytes:
         plt.close(fig)
 
 
+def _pyplot() -> Any:
+    """matplotlib, imported on first plot: a run without tuning never pays its ~0.7 s import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _curve(tuning: dict[str, Any]) -> tuple[list[int], list[float], list[float]]:
+    steps = sorted(tuning["steps"], key=lambda s: s["parallelism"])
+    p95 = [(s["latency_p95_s"] or 0.0) * 1000 for s in steps]
+    return [s["parallelism"] for s in steps], [s["rollouts_per_s"] for s in steps], p95
+
+
+def endpoints_png(tuning: dict[str, Any]) -> bytes:
+    """Each endpoint's curve in its own colour: throughput solid, p95 latency dashed, its choice marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    try:
+        lat = ax.twinx()
+        for i, ep in enumerate(tuning["endpoints"]):
+            color = f"C{i % 10}"
+            xs, rates, p95 = _curve(ep)
+            ax.plot(xs, rates, "o-", color=color, label=f"{ep['url']}: chosen {ep['chosen_parallelism']}")
+            lat.plot(xs, p95, "s--", color=color, alpha=0.5)
+            ax.axvline(ep["chosen_parallelism"], color=color, linewidth=2, alpha=0.7)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("parallelism per endpoint (requests in flight)")
+        ax.set_ylabel("rollouts/s (steady, solid)")
+        lat.set_ylabel("p95 latency (ms, dashed)")
+        ax.set_ylim(bottom=0)
+        lat.set_ylim(bottom=0)
+        ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(f"rollflow tune-parallelism: {tuning['chosen_parallelism']} in all")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
 def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
@@ -55,8 +94,17 @@ def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def tuning_parts(tuning: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
+    """(endpoint URL, its tuning) for each endpoint tuned; (None, tuning) for a one-endpoint run."""
+    if "endpoints" not in tuning:
+        return [(None, tuning)]
+    return [(ep["url"], ep) for ep in tuning["endpoints"]]
+
+
 def steps_table(tuning: dict[str, Any]) -> list[dict[str, Any]]:
-    """The tuning steps as rows for a Prefect table artifact or the CLI."""
+    """The tuning steps as rows for a Prefect table artifact or the CLI (several endpoints: URL first)."""
+    if "endpoints" in tuning:
+        return [{"endpoint": url, **row} for url, ep in tuning_parts(tuning) for row in steps_table(ep)]
     return [
         {
             "phase": s["phase"],
@@ -73,6 +121,11 @@ def steps_table(tuning: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def diagnosis_markdown(diagnosis: dict[str, Any]) -> str:
+    if "endpoints" in diagnosis:
+        lines = ["## Diagnosis", ""]
+        for d in diagnosis["endpoints"]:
+            lines += [f"- `{d['url']}`: **{d['verdict']}**: {d['next_step']}", f"  {d['reason']}"]
+        return "\n".join([*lines, ""])
     return "\n".join(
         [
             "## Diagnosis",
@@ -92,16 +145,8 @@ def probe_fate(tuning: dict[str, Any]) -> str:
     return f"{tuning['adopted']:,} adopted by their chunks, {tuning['discarded']:,} discarded"
 
 
-def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> str:
-    """Markdown: the verdict line, the steps table, the plot (`image`: a file name or a data: URI)."""
+def _steps_lines(tuning: dict[str, Any]) -> list[str]:
     lines = [
-        "## Tuning",
-        "",
-        f"Knee **{tuning['knee']}**, chosen parallelism **{tuning['chosen_parallelism']}** "
-        f"(stopped on {tuning['stop_reason']}; peak {tuning['peak_rollouts_per_s']:,.1f} rollouts/s). "
-        f"Tuning took {tuning['probe_rollouts']:,} rollouts (plus {tuning.get('seed_rollouts', 0):,} from "
-        f"the diagnosis); {probe_fate(tuning)}.",
-        "",
         "| phase | parallelism | rollouts/s | p50 ms | p95 ms | errors | rollouts | note |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -113,5 +158,59 @@ def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> st
         )
     for note in tuning.get("notes") or ():
         lines.append(f"\n- {note}")
+    return lines
+
+
+def _cost(tuning: dict[str, Any]) -> str:
+    return (
+        f"Tuning took {tuning['probe_rollouts']:,} rollouts (plus {tuning.get('seed_rollouts', 0):,} from "
+        f"the diagnosis); {probe_fate(tuning)}."
+    )
+
+
+def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> str:
+    """Markdown: the verdict line, the steps table, the plot (`image`: a file name or a data: URI)."""
+    if "endpoints" in tuning:
+        return endpoints_markdown(tuning, image)
+    lines = [
+        "## Tuning",
+        "",
+        f"Knee **{tuning['knee']}**, chosen parallelism **{tuning['chosen_parallelism']}** "
+        f"(stopped on {tuning['stop_reason']}; peak {tuning['peak_rollouts_per_s']:,.1f} rollouts/s). "
+        + _cost(tuning),
+        "",
+        *_steps_lines(tuning),
+    ]
     lines += ["", f"![throughput and p95 latency against parallelism]({image})", ""]
+    return "\n".join(lines)
+
+
+def endpoints_markdown(tuning: dict[str, Any], image: str) -> str:
+    """Several endpoints: a summary table with the sum, then each endpoint's steps table."""
+    lines = [
+        "## Tuning",
+        "",
+        f"{len(tuning['endpoints'])} endpoints tuned at once in {tuning['wall_s']:,.1f} s: chosen "
+        f"parallelism **{tuning['chosen_parallelism']}** in all. " + _cost(tuning),
+        "",
+        "| endpoint | knee | chosen | peak rollouts/s | stopped on | probe rollouts | tuned s |",
+        "|---|---:|---:|---:|---|---:|---|",
+    ]
+    for ep in tuning["endpoints"]:
+        span = f"{ep['started_s']:.1f}-{ep['ended_s']:.1f}"
+        lines.append(
+            f"| {ep['url']} | {ep['knee']} | {ep['chosen_parallelism']} | {ep['peak_rollouts_per_s']:,.1f} | "
+            f"{ep['stop_reason']} | {ep['total_probe_rollouts']:,} | {span} |"
+        )
+    for url in tuning.get("unreachable") or ():
+        lines.append(
+            f"| {url} | - | {tuning['limits'][url]} | - | unreachable at the start: not tuned | 0 | |"
+        )
+    lines.append(
+        f"| **sum** | {tuning['knee']} | **{tuning['chosen_parallelism']}** | "
+        f"{tuning['peak_rollouts_per_s']:,.1f} |  | {tuning['total_probe_rollouts']:,} | |"
+    )
+    for ep in tuning["endpoints"]:
+        lines += ["", f"### {ep['url']}", "", *_steps_lines(ep)]
+    lines += ["", f"![throughput and p95 latency against parallelism, per endpoint]({image})", ""]
     return "\n".join(lines)

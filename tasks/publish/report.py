@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.publish.audit import AuditSummary
+from rollflow.tasks.publish.endpoints import endpoints_markdown
 from rollflow.tasks.publish.plot import diagnosis_markdown, tuning_markdown
 from rollflow.tasks.storage.store import Store
 
@@ -154,6 +155,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("stages"):
         lines += ["", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
+    if report.get("endpoints"):
+        lines += ["", endpoints_markdown(report["endpoints"])]
     if report.get("diagnosis"):
         lines += ["", diagnosis_markdown(report["diagnosis"])]
     if report.get("tuning"):

@@ -1,8 +1,8 @@
-"""Adaptive parallelism (`--parallelism adaptive`): keep the shared limit at the knee while the run goes.
+"""Adaptive parallelism (`--parallelism adaptive`): keep each endpoint's limit at its knee as the run goes.
 
 Output lengths and backend load change during a long run, so a value tuned at the start can go stale.
-A controller samples the attempts of the last interval (successes, failures by kind, latency) and moves
-`ConcurrencyLimit.set_limit`:
+A controller per endpoint samples that endpoint's attempts of the last interval (successes, failures by
+kind, latency) and moves its limit in the pool (the shared limit is their sum):
 - errors or 429s: back off x `backoff` at once, then hold a while;
 - growing: after raising the limit, keep raising while the rate grows by at least `min_gain`: x2 while
   the rate grows nearly in proportion (`linear`) or before the first plateau, else x`grow`;
@@ -24,9 +24,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any
+from typing import Any, Protocol
 
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.endpoints import EndpointPool
 from rollflow.tasks.collect.observe import AttemptLog
 from rollflow.tasks.collect.rollouts import CollectContext
 
@@ -147,11 +147,35 @@ def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple
     return change(math.ceil(limit * factor), "probing upward")
 
 
+class Resizable(Protocol):
+    """A limit the controller reads and moves: a ConcurrencyLimit, or one endpoint's share of a pool."""
+
+    @property
+    def limit(self) -> int: ...
+
+    def set_limit(self, limit: int) -> None: ...
+
+
+@dataclass
+class EndpointLimit:
+    """One endpoint's limit in a pool; moving it moves the pool's total with it."""
+
+    pool: EndpointPool
+    url: str
+
+    @property
+    def limit(self) -> int:
+        return self.pool.endpoint(self.url).limit
+
+    def set_limit(self, limit: int) -> None:
+        self.pool.set_limit(self.url, limit)
+
+
 @dataclass
 class AdaptiveController:
-    """Samples an AttemptLog every interval and resizes a ConcurrencyLimit; keeps a history."""
+    """Samples an AttemptLog every interval and resizes a limit; keeps a history."""
 
-    limit: ConcurrencyLimit
+    limit: Resizable
     log: AttemptLog
     options: AdaptiveOptions = field(default_factory=AdaptiveOptions)
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -180,20 +204,52 @@ class AdaptiveController:
             )
 
 
+@dataclass
+class AdaptiveGroup:
+    """One controller per endpoint, each fed by that endpoint's own attempts."""
+
+    pool: EndpointPool
+    controllers: dict[str, AdaptiveController]
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One endpoint: its controller's history; several: all of them by time, each row with its URL."""
+        if len(self.controllers) == 1:
+            return next(iter(self.controllers.values())).history
+        rows = [{"endpoint": url, **h} for url, c in self.controllers.items() for h in c.history]
+        return sorted(rows, key=lambda h: h["t_s"])
+
+    def report(self) -> dict[str, Any]:
+        """report.json's `adaptive`: the final total and history, and with several endpoints each one's."""
+        out: dict[str, Any] = {"final_parallelism": self.pool.total.limit, "history": self.history}
+        if len(self.controllers) > 1:
+            out["endpoints"] = [
+                {"url": url, "final_limit": c.limit.limit, "history": c.history}
+                for url, c in self.controllers.items()
+            ]
+        return out
+
+
 @contextlib.asynccontextmanager
 async def adaptive_control(
     ctx: CollectContext, options: AdaptiveOptions | None = None
-) -> AsyncIterator[AdaptiveController]:
-    """Within the block, every client built from `ctx` reports to a controller that resizes ctx.limit."""
-    log = AttemptLog()
-    previous = ctx.observers
-    ctx.observers = (*previous, log)
-    controller = AdaptiveController(ctx.limit, log, options or AdaptiveOptions())
+) -> AsyncIterator[AdaptiveGroup]:
+    """Within the block, each endpoint of ctx.pool has a controller that moves its limit from its attempts.
+
+    The pool keeps ctx.limit at the sum of the endpoints' limits.
+    """
+    pool, opts = ctx.pool, options or AdaptiveOptions()
+    group = AdaptiveGroup(pool, {})
+    for ep in pool.endpoints:
+        log = AttemptLog()
+        pool.observe(ep.url, log)
+        group.controllers[ep.url] = AdaptiveController(EndpointLimit(pool, ep.url), log, opts)
     stop = asyncio.Event()
-    task = asyncio.create_task(controller.run(stop))
+    tasks = [asyncio.create_task(c.run(stop)) for c in group.controllers.values()]
     try:
-        yield controller
+        yield group
     finally:
         stop.set()
-        await task
-        ctx.observers = previous
+        await asyncio.gather(*tasks)
+        for url, c in group.controllers.items():
+            pool.endpoint(url).observers.remove(c.log)

@@ -57,7 +57,7 @@ async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutc
 async def collect_chunk_remote_task(
     spec: RunSpec,
     chunk: ChunkSpec,
-    share: int,
+    share: int | dict[str, int],
     scope: WorkerScope | None = None,
     resolve: SettingsResolver | None = None,
 ) -> ChunkOutcome:

@@ -2,8 +2,9 @@
 
 A worker needs only what travels in the spec (output URI, backend URL) plus its own environment
 (storage credentials, API key, or the Secret blocks they name); it gets its share of the run's
-parallelism. A cancelled Dask future does not stop a running task, so the worker itself stops the chunk
-at the run's deadline or when the run's lease is gone.
+parallelism: of each endpoint's limit, so every worker spreads over all endpoints. A cancelled Dask
+future does not stop a running task, so the worker itself stops the chunk at the run's deadline or when
+the run's lease is gone.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class WorkerScope:
 async def collect_chunk_on_worker(
     spec: RunSpec,
     chunk: ChunkSpec,
-    share: int,
+    share: int | dict[str, int],
     attempt: int = 1,
     scope: WorkerScope | None = None,
     resolve: SettingsResolver | None = None,
@@ -52,7 +53,10 @@ async def collect_chunk_on_worker(
         async with asyncio.timeout(left):
             work = collect_chunk(ctx, chunk, attempt)
             if scope.owner is None:
-                return await work
-            return await run_guarded(work, follow(handles.store, scope.owner, scope.check_s))
+                outcome = await work
+            else:
+                outcome = await run_guarded(work, follow(handles.store, scope.owner, scope.check_s))
+        outcome.endpoints = ctx.pool.rows()
+        return outcome
     finally:
         await close_loop_session()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.endpoints import EndpointPool, split_limit
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.verifiers import make_verifier
@@ -40,9 +41,15 @@ def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
     )
 
 
-def collect_context(handles: RunHandles, settings: RollflowSettings, parallelism: int) -> CollectContext:
+def collect_context(
+    handles: RunHandles, settings: RollflowSettings, parallelism: int | dict[str, int]
+) -> CollectContext:
+    """`parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL."""
     spec = handles.spec
     verifier = make_verifier(spec.verify) if spec.backend.kind.value != "agent" else None
+    urls = spec.backend.urls
+    limits = split_limit(parallelism, urls) if isinstance(parallelism, int) else parallelism
+    limit = ConcurrencyLimit(sum(limits[url] for url in urls))
     return CollectContext(
         ledger=handles.ledger,
         input_url=spec.input,
@@ -50,7 +57,8 @@ def collect_context(handles: RunHandles, settings: RollflowSettings, parallelism
         backend=spec.backend_settings(settings.backend.api_key),
         collection=spec.collection,
         verifier=verifier,
-        limit=ConcurrencyLimit(parallelism),
+        limit=limit,
+        pool=EndpointPool(urls, limits, limit),
     )
 
 

@@ -1,0 +1,199 @@
+"""Several replicas of one backend: per-endpoint limits, least-loaded dispatch, and rotation.
+
+Each attempt goes to the in-rotation endpoint with the least outstanding requests relative to its limit,
+so unequal replicas get load in proportion to their capacity. A replica that refuses connections, or
+fails STREAK_OUT times in a row (5xx, dropped connection, timeout), leaves rotation; after a backoff,
+capped so a replica that comes back gets load again within seconds, one trial request decides whether
+it is back (half-open). The one ConcurrencyLimit that workers take follows the in-rotation limits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptObserver
+
+STREAK_OUT = 5
+BACKOFF_BASE_S = 0.25
+BACKOFF_MAX_S = 2.0  # trial interval cap: a returning replica is back within this plus one request
+STREAK_KINDS = ("connection", "timeout")
+OUT_AT_START = -1
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One replica: its limit, what is in flight there, whether it takes load, and what it served."""
+
+    url: str
+    limit: int
+    outstanding: int = 0
+    in_rotation: bool = True
+    rollouts: int = 0
+    errors: int = 0
+    out_of_rotation_s: float = 0.0
+    ejections: int = 0
+    streak: int = 0
+    trial: bool = False
+    backoff_s: float = 0.0
+    retry_at: float = 0.0
+    out_since: float | None = None
+    # ("out" | "in", epoch seconds): when the endpoint left and rejoined rotation.
+    events: list[tuple[str, float]] = field(default_factory=list)
+    observers: list[AttemptObserver] = field(default_factory=list)
+    engine: Callable[[], dict[str, Any] | None] | None = None
+
+    def out_for(self, now: float) -> float:
+        """Seconds out of rotation so far, the current spell included."""
+        current = now - self.out_since if self.out_since is not None else 0.0
+        return self.out_of_rotation_s + current
+
+
+def split_limit(total: int, urls: list[str]) -> dict[str, int]:
+    """`total` split evenly across `urls`, the remainder to the first ones; at least 1 each."""
+    base, extra = divmod(total, len(urls))
+    return {url: max(1, base + (1 if i < extra else 0)) for i, url in enumerate(urls)}
+
+
+class EndpointPool:
+    """The endpoints of one backend and the choice of where each attempt goes."""
+
+    def __init__(self, urls: list[str], limits: dict[str, int], total: ConcurrencyLimit) -> None:
+        if not urls:
+            raise ValueError("an endpoint pool needs at least one URL")
+        self.endpoints = [Endpoint(url, limits[url]) for url in urls]
+        self.total = total
+        self._by_url = {ep.url: ep for ep in self.endpoints}
+        self.started: float | None = None
+        self.last: float | None = None
+        self._sync_total()
+
+    @classmethod
+    def even(cls, urls: list[str], total: ConcurrencyLimit) -> EndpointPool:
+        """A pool whose endpoints share `total`'s limit evenly (--parallelism N with several URLs)."""
+        return cls(urls, split_limit(total.limit, urls), total)
+
+    def endpoint(self, url: str) -> Endpoint:
+        return self._by_url[url]
+
+    def choose(self, exclude: Collection[str] = ()) -> Endpoint:
+        """A due half-open trial first; else the in-rotation endpoint with the most free capacity.
+
+        With every endpoint out of rotation, requests still go out (to the least loaded), so a run whose
+        replicas are all down fails through the usual bounded retries.
+        """
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        for ep in self.endpoints:
+            if not ep.in_rotation and not ep.trial and now >= ep.retry_at and ep.url not in exclude:
+                ep.trial = True
+                return ep
+        live = [ep for ep in self.endpoints if ep.in_rotation]
+        allowed = [ep for ep in live if ep.url not in exclude] or live
+        allowed = allowed or [ep for ep in self.endpoints if ep.url not in exclude] or self.endpoints
+        return min(allowed, key=lambda ep: (ep.outstanding / ep.limit, -ep.limit))
+
+    def begin(self, ep: Endpoint) -> int:
+        """Count an attempt in flight; the token tells `caused_by_rotation` what rotation it started in."""
+        ep.outstanding += 1
+        return ep.ejections if ep.in_rotation else OUT_AT_START
+
+    def end(self, ep: Endpoint, abandoned: bool = False) -> None:
+        """The attempt is over; an abandoned (cancelled) one frees a trial slot without an outcome."""
+        ep.outstanding -= 1
+        if abandoned:
+            ep.trial = False
+
+    def succeeded(self, ep: Endpoint, latency_s: float) -> None:
+        now = time.monotonic()
+        ep.rollouts += 1
+        ep.streak = 0
+        ep.trial = False
+        self.last = now
+        if not ep.in_rotation:
+            self._rejoin(ep, now)
+        for observer in ep.observers:
+            observer.success(latency_s)
+
+    def failed(self, ep: Endpoint, kind: str, refused: bool = False) -> None:
+        """Record a failed attempt; a refused connection or a streak of failures takes `ep` out."""
+        now = time.monotonic()
+        ep.errors += 1
+        for observer in ep.observers:
+            observer.failure(kind)
+        if not ep.in_rotation:
+            if ep.trial:
+                ep.trial = False
+                ep.backoff_s = min(BACKOFF_MAX_S, ep.backoff_s * 2)
+                ep.retry_at = now + ep.backoff_s
+            return
+        if kind.startswith("http_5") or kind in STREAK_KINDS:
+            ep.streak += 1
+        else:
+            ep.streak = 0
+        if refused or ep.streak >= STREAK_OUT:
+            self._eject(ep, now)
+
+    def caused_by_rotation(self, ep: Endpoint, token: int) -> bool:
+        """Whether a failed attempt is the replica's leaving rotation, with others left to retry on."""
+        left = token == OUT_AT_START or token != ep.ejections
+        return left and any(other.in_rotation for other in self.endpoints if other is not ep)
+
+    def set_limit(self, url: str, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"an endpoint's limit must be at least 1, got {n} for {url}")
+        self._by_url[url].limit = n
+        self._sync_total()
+
+    def limits(self) -> dict[str, int]:
+        return {ep.url: ep.limit for ep in self.endpoints}
+
+    def observe(self, url: str, observer: AttemptObserver) -> None:
+        """`observer` sees this endpoint's attempts, besides the context's observers that see all."""
+        self._by_url[url].observers.append(observer)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The report's `endpoints` table: what each endpoint served, at what rate, how long it was out."""
+        now = time.monotonic()
+        span = (self.last - self.started) if self.started is not None and self.last is not None else 0.0
+        return [
+            {
+                "url": ep.url,
+                "rollouts": ep.rollouts,
+                "rollouts_per_s": round(ep.rollouts / span, 3) if span > 0 else None,
+                "errors": ep.errors,
+                "limit": ep.limit,
+                "out_of_rotation_s": round(ep.out_for(now), 3),
+                "engine": ep.engine() if ep.engine is not None else None,
+            }
+            for ep in self.endpoints
+        ]
+
+    def _eject(self, ep: Endpoint, now: float) -> None:
+        ep.in_rotation = False
+        ep.ejections += 1
+        ep.streak = 0
+        ep.out_since = now
+        ep.backoff_s = BACKOFF_BASE_S
+        ep.retry_at = now + ep.backoff_s
+        ep.events.append(("out", time.time()))
+        self._sync_total()
+
+    def _rejoin(self, ep: Endpoint, now: float) -> None:
+        ep.in_rotation = True
+        if ep.out_since is not None:
+            ep.out_of_rotation_s += now - ep.out_since
+        ep.out_since = None
+        ep.events.append(("in", time.time()))
+        self._sync_total()
+
+    def _sync_total(self) -> None:
+        """The shared limit is the in-rotation endpoints' sum (all of them when none is in rotation)."""
+        live = sum(ep.limit for ep in self.endpoints if ep.in_rotation)
+        target = live or sum(ep.limit for ep in self.endpoints)
+        if self.total.limit != target:
+            self.total.set_limit(target)

@@ -1,0 +1,76 @@
+"""The report's `endpoints` table: rows from the pool (or summed over Dask workers' pools), and markdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.endpoints import EndpointPool
+
+ENDPOINT_COLUMNS = ("endpoint", "rollouts", "rollouts/s", "errors", "limit", "out s", "engine")
+
+
+def engine_cell(engine: dict[str, Any] | None) -> str:
+    """Engine peaks as `running/waiting/KV%`, or `-` when the endpoint serves no metrics."""
+    if not engine:
+        return "-"
+    kv = engine.get("kv_cache_usage_max")
+    kv_text = "-" if kv is None else f"{100 * kv:.0f}%"
+    return f"{engine.get('running_max', '-')}/{engine.get('waiting_max', '-')}/{kv_text}"
+
+
+def endpoint_cells(row: dict[str, Any]) -> tuple[str, ...]:
+    """One row's cells, the same in report.md and the CLI."""
+    rate = row.get("rollouts_per_s")
+    return (
+        row["url"],
+        f"{row['rollouts']:,}",
+        "-" if rate is None else f"{rate:,.1f}",
+        f"{row['errors']:,}",
+        f"{row['limit']:,}",
+        f"{row['out_of_rotation_s']:,.1f}",
+        engine_cell(row.get("engine")),
+    )
+
+
+def endpoints_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "## Endpoints",
+        "",
+        "| " + " | ".join(ENDPOINT_COLUMNS) + " |",
+        "|---|" + "---:|" * (len(ENDPOINT_COLUMNS) - 2) + "---|",
+    ]
+    lines += ["| " + " | ".join(endpoint_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def merge_rows(parts: list[list[dict[str, Any]]], limits: dict[str, int], seconds: float) -> list[dict]:
+    """Dask: each chunk's pool counted its own traffic; sum them, rate over the whole collection time."""
+    merged: dict[str, dict[str, Any]] = {
+        url: {"url": url, "rollouts": 0, "errors": 0, "out_of_rotation_s": 0.0} for url in limits
+    }
+    for rows in parts:
+        for row in rows:
+            into = merged.setdefault(row["url"], {"url": row["url"], "rollouts": 0, "errors": 0})
+            into["rollouts"] += row["rollouts"]
+            into["errors"] += row["errors"]
+            into["out_of_rotation_s"] = max(into.get("out_of_rotation_s", 0.0), row["out_of_rotation_s"])
+    return [
+        {
+            **row,
+            "rollouts_per_s": round(row["rollouts"] / seconds, 3) if seconds > 0 else None,
+            "limit": limits.get(url, 0),
+            "out_of_rotation_s": round(row["out_of_rotation_s"], 3),
+            "engine": None,
+        }
+        for url, row in merged.items()
+    ]
+
+
+def endpoint_rows(
+    pool: EndpointPool, outcomes: list[ChunkOutcome], remote: bool, seconds: float
+) -> list[dict[str, Any]]:
+    """The run's endpoint rows: this process's pool, or (Dask) the workers' pools summed."""
+    if not remote:
+        return pool.rows()
+    return merge_rows([o.endpoints for o in outcomes], pool.limits(), seconds)

@@ -1,0 +1,144 @@
+"""The endpoint pool: least-loaded choice, limits that sum to the shared one, rotation and its backoff."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from rollflow.settings import BackendParams, BackendSettings
+from rollflow.tasks.collect import endpoints as ep_module
+from rollflow.tasks.collect.endpoints import EndpointPool, split_limit
+from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.observe import AttemptLog
+
+A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
+
+
+def _pool(limits: dict[str, int]) -> EndpointPool:
+    return EndpointPool(list(limits), limits, ConcurrencyLimit(1))
+
+
+def test_urls_parse_a_comma_list_and_name_a_bad_item():
+    assert BackendParams(url=f" {A} ,{B}/").urls == [A, f"{B}/"]
+    assert BackendParams(url=A).urls == [A]
+    for bad, needle in ((f"{A},,{B}", "item 2"), (f"{A},ftp://x", "item 2"), (f"{A},{A}/", "twice")):
+        with pytest.raises(ValidationError, match=needle):
+            BackendParams(url=bad)
+
+
+def test_for_url_keeps_the_key_and_points_at_one_endpoint():
+    settings = BackendSettings(url=f"{A},{B}", api_key="sk-test")
+    one = settings.for_url(B)
+    assert one.url == B and one.urls == [B]
+    assert one.api_key is not None and one.api_key.get_secret_value() == "sk-test"
+    with pytest.raises(ValueError, match="one endpoint"):
+        settings.for_url(f"{A},{B}")
+
+
+def test_split_limit_gives_the_remainder_to_the_first():
+    assert split_limit(10, [A, B, C]) == {A: 4, B: 3, C: 3}
+    assert sum(split_limit(64, [A, B, C]).values()) == 64
+
+
+def test_choice_follows_free_capacity_in_proportion_to_limits():
+    pool = _pool({A: 8, B: 16, C: 32})
+    assert pool.total.limit == 56
+    for _ in range(56):
+        pool.begin(pool.choose())
+    assert [e.outstanding for e in pool.endpoints] == [8, 16, 32]
+    pool.end(pool.endpoint(B))
+    assert pool.choose().url == B
+    assert pool.choose(exclude=(B,)).url != B
+
+
+def test_set_limit_keeps_the_total_the_sum():
+    pool = _pool({A: 8, B: 16})
+    pool.set_limit(A, 20)
+    assert pool.total.limit == 36 and pool.limits() == {A: 20, B: 16}
+
+
+def test_refused_connection_takes_an_endpoint_out_and_a_trial_brings_it_back(monkeypatch):
+    monkeypatch.setattr(ep_module, "BACKOFF_BASE_S", 0.05)
+    pool = _pool({A: 8, B: 8})
+    a = pool.endpoint(A)
+    token = pool.begin(a)
+    pool.end(a)
+    pool.failed(a, "connection", refused=True)
+    assert not a.in_rotation and pool.total.limit == 8
+    assert pool.caused_by_rotation(a, token)
+    assert all(pool.choose().url == B for _ in range(20))
+    time.sleep(0.06)
+    trial = pool.choose()
+    assert trial is a and a.trial
+    assert pool.choose().url == B  # one trial at a time
+    pool.begin(a)
+    pool.end(a)
+    pool.failed(a, "connection", refused=True)
+    assert not a.in_rotation and a.backoff_s == pytest.approx(0.1)
+    time.sleep(0.11)
+    assert pool.choose() is a
+    pool.begin(a)
+    pool.end(a)
+    pool.succeeded(a, 0.01)
+    assert a.in_rotation and pool.total.limit == 16
+    assert [kind for kind, _ in a.events] == ["out", "in"]
+    assert a.out_of_rotation_s >= 0.16
+
+
+def test_backoff_is_capped_so_a_returning_replica_is_tried_soon():
+    pool = _pool({A: 4, B: 4})
+    a = pool.endpoint(A)
+    pool.failed(a, "connection", refused=True)
+    for _ in range(12):
+        a.retry_at = 0.0
+        assert pool.choose() is a
+        pool.failed(a, "connection", refused=True)
+    assert a.backoff_s == ep_module.BACKOFF_MAX_S
+    assert a.retry_at - time.monotonic() <= ep_module.BACKOFF_MAX_S
+
+
+def test_a_streak_of_five_5xx_takes_an_endpoint_out_and_other_errors_break_it():
+    pool = _pool({A: 4, B: 4})
+    a = pool.endpoint(A)
+    for _ in range(4):
+        pool.failed(a, "http_503")
+    pool.failed(a, "http_429")
+    for _ in range(4):
+        pool.failed(a, "http_500")
+    assert a.in_rotation
+    pool.failed(a, "http_502")
+    assert not a.in_rotation and a.errors == 10
+
+
+def test_all_out_still_dispatches_and_failures_count():
+    pool = _pool({A: 4, B: 4})
+    tokens = {}
+    for url in (A, B):
+        tokens[url] = pool.begin(pool.endpoint(url))
+        pool.end(pool.endpoint(url))
+        pool.failed(pool.endpoint(url), "connection", refused=True)
+    assert pool.total.limit == 8
+    assert pool.choose().url in (A, B)
+    assert not pool.caused_by_rotation(pool.endpoint(A), tokens[A])
+
+
+def test_per_endpoint_observers_and_rows():
+    pool = _pool({A: 4, B: 12})
+    log = AttemptLog()
+    pool.observe(A, log)
+    a, b = pool.endpoint(A), pool.endpoint(B)
+    pool.choose()
+    pool.succeeded(a, 0.5)
+    pool.failed(a, "http_429")
+    pool.succeeded(b, 0.25)
+    assert log.ok == 1 and log.errors == {"http_429": 1}
+    b.engine = lambda: {"running_max": 3, "waiting_max": 0, "kv_cache_usage_max": 0.5}
+    rows = {row["url"]: row for row in pool.rows()}
+    assert set(rows[A]) == {
+        "url", "rollouts", "rollouts_per_s", "errors", "limit", "out_of_rotation_s", "engine",
+    }  # fmt: skip
+    assert (rows[A]["rollouts"], rows[A]["errors"], rows[A]["limit"], rows[A]["engine"]) == (1, 1, 4, None)
+    assert rows[B]["engine"] == {"running_max": 3, "waiting_max": 0, "kv_cache_usage_max": 0.5}
+    assert rows[B]["rollouts_per_s"] is not None and rows[B]["rollouts_per_s"] > 0

@@ -1,0 +1,86 @@
+"""`--backend-url a,b`: the endpoint table in report.json, report.md and the CLI; all replicas down."""
+
+from __future__ import annotations
+
+import orjson
+from rollout_data import assert_complete, write_rows
+
+from rollflow.infra.local import free_port, spawn_simulator
+
+
+def _args(inp: object, out: object, urls: str, *extra: str) -> list[str]:
+    return [
+        "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url", urls,
+        "--chunk-size", "50", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, tmp_path):
+    sims = [spawn_simulator("--slots", "16", "--latency-ms", "5") for _ in range(2)]
+    try:
+        inp = write_rows(tmp_path / "rows.jsonl", 200)
+        out = tmp_path / "out"
+        urls = ",".join(sim.url for sim in sims)
+        res = run_cli(*_args(inp, out, urls, "--parallelism", "17", "--num-repeats", "2"))
+    finally:
+        for sim in sims:
+            sim.stop()
+    assert res.returncode == 0, res.stderr
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 200, 2)
+    report = orjson.loads((out / "report.json").read_bytes())
+    rows = report["endpoints"]
+    assert [r["url"] for r in rows] == [sim.url for sim in sims]
+    assert [r["limit"] for r in rows] == [9, 8]
+    assert sum(r["rollouts"] for r in rows) == 400 and all(r["rollouts"] > 0 for r in rows)
+    assert all(r["rollouts_per_s"] > 0 and r["errors"] == 0 and r["engine"] is None for r in rows)
+    markdown = (out / "report.md").read_text()
+    assert "## Endpoints" in markdown and all(sim.url in markdown for sim in sims)
+    table = res.stderr[res.stderr.index("endpoints") :]
+    assert all(sim.url in table for sim in sims), res.stderr
+
+
+def test_all_replicas_failing_take_the_usual_failure_path(run_cli, tmp_path):
+    sims = [
+        spawn_simulator("--fault-rate", "1", "--fault-kinds", "500", "--latency-ms", "1") for _ in range(2)
+    ]
+    try:
+        inp = write_rows(tmp_path / "rows.jsonl", 20)
+        out = tmp_path / "out"
+        urls = ",".join(sim.url for sim in sims)
+        env = {"ROLLFLOW_BACKEND__BACKOFF_BASE_S": "0.01"}
+        res = run_cli(
+            *_args(inp, out, urls, "--parallelism", "4", "--max-retries", "2"), env=env, timeout=120
+        )
+    finally:
+        for sim in sims:
+            sim.stop()
+    assert res.returncode == 1, res.stderr
+    message = " ".join(res.stderr.split())
+    assert "not published" in message and "20 failed after retries" in message, res.stderr
+    failures = [
+        orjson.loads(line) for p in (out / "failures").glob("*.jsonl") for line in p.read_bytes().splitlines()
+    ]
+    # 3 counted attempts each; a failure on a replica that had just left rotation, while the other
+    # was still in, is retried without counting, at most 3 per endpoint.
+    attempts = [f["error"]["attempts"] for f in failures]
+    assert len(failures) == 20 and all(3 <= n <= 3 + 3 * 2 for n in attempts), attempts
+    rows = orjson.loads((out / "report.json").read_bytes())["endpoints"]
+    assert sum(r["errors"] for r in rows) == sum(attempts) and all(r["rollouts"] == 0 for r in rows)
+    assert all(r["out_of_rotation_s"] > 0 for r in rows)
+
+
+def test_all_replicas_unreachable_stop_before_any_request(run_cli, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 10)
+    urls = f"http://127.0.0.1:{free_port()},http://127.0.0.1:{free_port()}"
+    res = run_cli(*_args(inp, tmp_path / "out", urls, "--parallelism", "4"), timeout=60)
+    assert res.returncode == 2
+    message = " ".join(res.stderr.split())
+    assert "All 2 backend endpoints are unreachable" in message and "--backend-url" in message, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_bad_url_list_names_the_item(run_cli, tmp_path):
+    inp = write_rows(tmp_path / "rows.jsonl", 10)
+    res = run_cli(*_args(inp, tmp_path / "out", "http://127.0.0.1:1,,http://127.0.0.1:2"), timeout=60)
+    assert res.returncode == 2
+    assert "item 2" in res.stderr and "is empty" in res.stderr and "Traceback" not in res.stderr
