@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ _FIELD.update({name: "kv" for name in KV_CACHE})
 @dataclass(frozen=True)
 class EngineSample:
     """One reading of the engine: requests running and waiting (None when that gauge is absent), the KV
-    cache's used fraction, and when it was taken (time.monotonic())."""
+    cache's used fraction, and when it was taken (time.perf_counter(), the clock of request records)."""
 
     running: int | None
     waiting: int | None
@@ -59,7 +60,7 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
         running=round(sum(running)) if running else None,
         waiting=round(sum(waiting)) if waiting else None,
         kv_cache_usage=max(kv) if kv else None,
-        at=time.monotonic() if at is None else at,
+        at=time.perf_counter() if at is None else at,
     )
 
 
@@ -73,8 +74,9 @@ class EngineSampler:
     """Samples `<url>/metrics` in the background while open, at most once per `min_interval_s`.
 
     After a reply without signal it waits `retry_s` before asking again, so a server without metrics costs
-    one request per half minute. Summaries cover everything seen while open; recent samples are kept for
-    `waiting_persistent`.
+    one request per half minute. Probe steps may ask for a sample at a moment of their choosing
+    (`sample_soon`), within the same rate limit. Summaries cover everything seen while open; recent
+    samples are kept for `waiting_persistent` and `between`.
     """
 
     def __init__(
@@ -93,7 +95,12 @@ class EngineSampler:
         self.retry_s = retry_s
         self.samples: deque[EngineSample] = deque(maxlen=keep)
         self.available = False
+        self.attempts = 0
         self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._tried = asyncio.Event()
+        self._last_fetch = -math.inf
+        self._held = False
         self._max: dict[str, float] = {}
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * self.min_interval_s))
 
@@ -115,17 +122,56 @@ class EngineSampler:
             self._task = None
 
     async def sample_once(self) -> EngineSample | None:
-        """One GET of /metrics; the sample (also recorded) or None for no signal."""
+        """One GET of /metrics now (rate limit aside); the sample (also recorded) or None for no signal."""
+        sent = time.perf_counter()
+        self._last_fetch = sent
+        self.attempts += 1
         try:
             async with self.session.get(self.url, headers=self.headers, timeout=self._timeout) as resp:
                 text = await resp.text(errors="replace") if resp.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, ValueError):
             text = ""
-        sample = parse_engine_metrics(text) if text else None
+        # The gauges describe some instant between sending and receiving: take the middle.
+        sample = parse_engine_metrics(text, at=(sent + time.perf_counter()) / 2) if text else None
         self.available = sample is not None
+        self._tried.set()
         if sample is not None:
             self._record(sample)
         return sample
+
+    async def has_signal(self) -> bool:
+        """Whether the engine publishes its gauges, waiting for the first answer if none came yet."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._tried.wait(), self._timeout.total or 1.0)
+        return self.available
+
+    async def reserve(self) -> bool:
+        """Keep the next sample for the caller (the background cadence pauses until it is taken or
+        release()), and wait until it may be taken; False, and nothing held, when there is no signal."""
+        if not await self.has_signal():
+            return False
+        self._held = True
+        await asyncio.sleep(max(0.0, self._last_fetch + self.min_interval_s - time.perf_counter()))
+        return True
+
+    async def sample_soon(self) -> EngineSample | None:
+        """A sample as soon as the rate limit allows (None without signal: no extra request then)."""
+        async with self._lock:
+            if not self.available:
+                return None
+            await asyncio.sleep(max(0.0, self._last_fetch + self.min_interval_s - time.perf_counter()))
+            try:
+                return await self.sample_once()
+            finally:
+                self._held = False
+
+    def release(self) -> None:
+        """Give a reservation back untaken (the step ended before its sample)."""
+        self._held = False
+
+    def between(self, t0: float, t1: float) -> list[EngineSample]:
+        """Samples whose instant lies in [t0, t1] (perf_counter times)."""
+        return [s for s in self.samples if t0 <= s.at <= t1]
 
     def _record(self, sample: EngineSample) -> None:
         self.samples.append(sample)
@@ -139,10 +185,17 @@ class EngineSampler:
 
     async def _run(self) -> None:
         while True:
-            started = time.monotonic()
-            sample = await self.sample_once()
-            pause = self.min_interval_s if sample is not None else self.retry_s
-            await asyncio.sleep(max(0.0, started + pause - time.monotonic()))
+            pause = self.min_interval_s if self.available or self.attempts == 0 else self.retry_s
+            due = self._last_fetch + pause
+            if self._held and self.available:
+                await asyncio.sleep(self.min_interval_s / 10)
+                continue
+            if time.perf_counter() < due:
+                await asyncio.sleep(due - time.perf_counter())
+                continue  # a probe step may have sampled meanwhile: the next one is due later
+            async with self._lock:
+                if time.perf_counter() >= self._last_fetch + pause:
+                    await self.sample_once()
 
     def summary(self, since: float | None = None) -> dict[str, Any] | None:
         """running_max, waiting_max, kv_cache_usage_max over all samples (or those at or after `since`)."""
@@ -162,7 +215,7 @@ class EngineSampler:
     def waiting_persistent(self, window_s: float, now: float | None = None) -> bool:
         """Every sample of the last `window_s` had requests waiting, and there were enough samples to say so
         (at least two, covering half the window): a queue that stays, not one burst."""
-        now = time.monotonic() if now is None else now
+        now = time.perf_counter() if now is None else now
         recent = [s for s in self.samples if s.at >= now - window_s]
         needed = max(2, int(window_s / self.min_interval_s / 2))
         return len(recent) >= needed and all(s.waiting is not None and s.waiting > 0 for s in recent)
