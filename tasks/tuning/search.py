@@ -239,7 +239,7 @@ class Search:
                 return "input exhausted"
             earlier = self.valid()
             saturated = step.engine is not None and step.engine.saturated
-            reason = ENGINE_QUEUE if saturated else search_stop(earlier, step, self.baseline(), self.opts)
+            reason = ENGINE_QUEUE if saturated else self.engine_stop(earlier, step)
             if reason == "errors" and not earlier and parallelism > 1:
                 self.history.append(("search", step, reason))
                 parallelism = max(1, parallelism // 2)
@@ -251,6 +251,21 @@ class Search:
             if step.engine is None:
                 return NO_SIGNAL  # the plain search goes on from here
             parallelism *= 2
+
+    def engine_stop(self, earlier: list[StepResult], step: StepResult) -> str | None:
+        """Why to stop at a step whose engine does not queue: errors, or requests that no longer reach the
+        engine (its running count stopped growing with parallelism: the client or verifier is the limit).
+        A short step's rate is too rough for the plateau rules; without engine figures they apply."""
+        if step.engine is None:
+            return search_stop(earlier, step, self.baseline(), self.opts)
+        if too_many_errors(step, self.baseline(), self.opts):
+            return "errors"
+        below = [s for s in earlier if s.engine is not None and s.parallelism < step.parallelism]
+        if below and step.engine.running_max is not None:
+            prev = max(below, key=lambda s: s.parallelism).engine
+            if prev is not None and prev.running_max and step.engine.running_max < 1.2 * prev.running_max:
+                return "engine not filling"
+        return None
 
     def engine_knee(self) -> int:
         """The engine's running count while requests waited, at the lowest parallelism where they did."""
