@@ -69,7 +69,7 @@ async def test_the_search_stops_at_the_engine_queue_with_half_the_probes(tmp_pat
     d_on, on = await diagnose_and_tune(tmp_path / "on", *args)
     d_off, off = await diagnose_and_tune(tmp_path / "off", *args, "--metrics-format", "none")
     assert on.stop_reason == "engine queue" and on.engine is not None and on.engine["knee_from_engine"]
-    assert on.knee == 32 and on.chosen_parallelism == 32 and on.stable
+    assert on.knee == 32 and on.chosen_parallelism == 40 and on.stable  # 25% over: a short queue
     assert on.steps[-1].phase == "stability" and on.steps[-1].note == "engine confirmation"
     spent_on = d_on.probe_rollouts + on.probe_rollouts
     spent_off = d_off.probe_rollouts + off.probe_rollouts

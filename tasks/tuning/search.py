@@ -277,21 +277,16 @@ class Search:
         return max(1, min(lowest.engine.running_when_queued, lowest.parallelism))
 
     async def engine_confirm(self, knee: int) -> tuple[bool, int]:
-        """One short step at the knee: no queue and no errors confirm it; a queue there means the engine
-        serves fewer at once (its running count is then taken); errors back off as stability does."""
-        step = await self.measure(knee, "stability", stability=True, short=True)
+        """One short step at the choice, the knee plus a short queue (`engine_queue_share`): errors there
+        back off to the knee; no errors confirm it."""
+        chosen = max(knee, math.ceil(knee * (1 + self.opts.engine_queue_share)))
+        step = await self.measure(chosen, "stability", stability=True, short=True)
         if step is None:
-            self.notes.append("no confirmation at the knee: the input ran out")
+            self.notes.append("no confirmation: the input ran out")
             return False, knee
         if too_many_errors(step, self.baseline(), self.opts):
-            lower = max(1, math.floor(knee * self.opts.backoff))
             self.history.append(("stability", step, f"unstable: {step.errors} failed rollouts"))
-            self.notes.append(f"backed off {knee} -> {lower}: errors at the knee")
-            return False, lower
-        if step.engine is not None and step.engine.saturated:
-            lower = min(knee - 1, step.engine.running_when_queued or knee - 1)
-            self.history.append(("stability", step, f"requests still waiting at {knee}"))
-            self.notes.append(f"requests still waited at {knee}: the engine serves {lower} at once")
-            return True, max(1, lower)
+            self.notes.append(f"backed off {chosen} -> {knee}: errors above the engine's knee")
+            return False, knee
         self.history.append(("stability", step, "engine confirmation"))
-        return True, knee
+        return True, chosen

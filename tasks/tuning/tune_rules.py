@@ -49,6 +49,9 @@ class TuneOptions:
     engine_cycles: float = 1.5
     engine_confirm_cycles: float = 2.0
     engine_min_rollouts: int = 20
+    # Run a little above the engine's knee: a short waiting queue keeps every slot busy while the client
+    # turns a reply into the next request (at exactly the knee a slot idles for that long each time).
+    engine_queue_share: float = 0.25
 
     @classmethod
     def from_settings(cls, params: TuningSettings) -> TuneOptions:
