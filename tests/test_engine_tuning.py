@@ -74,4 +74,4 @@ async def test_the_search_stops_at_the_engine_queue_with_half_the_probes(tmp_pat
     spent_on = d_on.probe_rollouts + on.probe_rollouts
     spent_off = d_off.probe_rollouts + off.probe_rollouts
     assert spent_on <= spent_off / 2, (spent_on, spent_off)
-    assert 29 <= off.chosen_parallelism <= 60  # the statistical search still finds the knee without it
+    assert off.stop_reason != "engine queue" and off.engine is None
