@@ -11,7 +11,8 @@ from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.tuning.diagnose import Diagnosis, diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed
-from rollflow.tasks.tuning.tune import TuneOptions, Tuning, tune
+from rollflow.tasks.tuning.tune import TuneOptions, Tuning, step_rollouts, tune
+from rollflow.tasks.tuning.tune_rules import engine_step_rollouts
 
 
 async def diagnose_and_tune(tmp_path, *sim_args: str, rows: int = 3000) -> tuple[Diagnosis, Tuning]:  # type: ignore[no-untyped-def]
@@ -64,14 +65,16 @@ async def test_without_metrics_the_report_has_no_engine(tmp_path) -> None:
     assert all("engine" not in step for step in t.as_dict()["steps"])
 
 
-async def test_the_search_stops_at_the_engine_queue_with_half_the_probes(tmp_path) -> None:
+async def test_the_search_stops_at_the_engine_queue_on_short_steps(tmp_path) -> None:
     args = ("--slots", "32", "--latency-ms", "50")
     d_on, on = await diagnose_and_tune(tmp_path / "on", *args)
     d_off, off = await diagnose_and_tune(tmp_path / "off", *args, "--metrics-format", "none")
     assert on.stop_reason == "engine queue" and on.engine is not None and on.engine["knee_from_engine"]
     assert on.knee == 32 and on.chosen_parallelism == 40 and on.stable  # 25% over: a short queue
     assert on.steps[-1].phase == "stability" and on.steps[-1].note == "engine confirmation"
-    spent_on = d_on.probe_rollouts + on.probe_rollouts
-    spent_off = d_off.probe_rollouts + off.probe_rollouts
-    assert spent_on <= spent_off / 2, (spent_on, spent_off)
+    # one short search step above the diagnosis (20 -> 40 queues) and one short confirmation at the choice
+    opts = TuneOptions()
+    short = engine_step_rollouts(40, opts) + engine_step_rollouts(40, opts, confirm=True)
+    assert on.probe_rollouts == short < step_rollouts(40, opts) + step_rollouts(40, opts, stability=True)
+    assert d_on.probe_rollouts + on.probe_rollouts < d_off.probe_rollouts + off.probe_rollouts
     assert off.stop_reason != "engine queue" and off.engine is None
