@@ -131,8 +131,10 @@ class EngineSampler:
                 text = await resp.text(errors="replace") if resp.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, ValueError):
             text = ""
-        # The gauges describe some instant between sending and receiving: take the middle.
-        sample = parse_engine_metrics(text, at=(sent + time.perf_counter()) / 2) if text else None
+        # The gauges describe some instant between sending and receiving: take the middle. An engine's
+        # page runs to thousands of lines (histograms): parse it off the event loop that drives rollouts.
+        at = (sent + time.perf_counter()) / 2
+        sample = await asyncio.to_thread(parse_engine_metrics, text, at) if text else None
         self.available = sample is not None
         self._tried.set()
         if sample is not None:

@@ -269,12 +269,10 @@ class Search:
 
     def engine_knee(self) -> int:
         """The engine's running count while requests waited, at the lowest parallelism where they did."""
-        queued = [
-            s for _, s, _ in self.history if s.engine is not None and s.engine.running_when_queued is not None
-        ]
+        queued = [s for _, s, _ in self.history if s.engine is not None and s.engine.saturated]
         lowest = min(queued, key=lambda s: s.parallelism)
-        assert lowest.engine is not None and lowest.engine.running_when_queued is not None
-        return max(1, min(lowest.engine.running_when_queued, lowest.parallelism))
+        running = lowest.engine.running_when_queued if lowest.engine is not None else None
+        return max(1, min(running or lowest.parallelism, lowest.parallelism))
 
     async def engine_confirm(self, knee: int) -> tuple[bool, int]:
         """One short step at the choice, the knee plus a short queue (`engine_queue_share`): errors there
