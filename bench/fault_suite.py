@@ -26,11 +26,11 @@ PARALLELISM, FLUSH_S, RATE = 16, 0.5, 800
 
 
 def metrics(url: str) -> dict:
-    return orjson.loads(urllib.request.urlopen(f"{url}/metrics").read())
+    return orjson.loads(urllib.request.urlopen(f"{url}/stats").read())
 
 
 def reset(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(f"{url}/metrics/reset", method="POST")).read()
+    urllib.request.urlopen(urllib.request.Request(f"{url}/stats/reset", method="POST")).read()
 
 
 def without_rf(data: bytes | Path) -> list[dict]:

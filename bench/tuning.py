@@ -8,6 +8,10 @@ Both choices are then measured on a 1500-rollout run (not counted as tuning) as 
 Goal: rollflow >= 0.90 of capacity with at most half the recipe's probe rollouts, none discarded.
 Then diagnose+tune runs REPEATS times in all on fresh rows: the spread (min/median/max) of its choice.
 
+Engine metrics: the same profiles with the simulator's vLLM /metrics on and off (`--metrics-format none`):
+diagnose+tune's probe rollouts and its choice's share of capacity (1500-rollout run), median of ENGINE_RUNS.
+Goal: at most half the probe rollouts at the same share. The recipe rows above run without /metrics.
+
 Adaptive: a simulator whose slots change mid-run (POST /admin/config); adaptive mode's steady rate in each
 phase against the best of several fixed settings in that phase. Goal: within 15%.
 """
@@ -38,6 +42,7 @@ from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 PROFILES = [(8, 50.0), (32, 50.0), (48, 100.0), (128, 400.0)]
 REPEATS = 10
+ENGINE_RUNS = 3
 
 
 def _context(url: str, work: Path, rows: int):  # type: ignore[no-untyped-def]
@@ -93,7 +98,7 @@ async def diagnose_and_tune(ctx, plan, feed):  # type: ignore[no-untyped-def]
 
 async def compare(slots: int, latency_ms: float) -> None:
     capacity = slots * 1000 / latency_ms
-    sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms))
+    sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms), "--metrics-format", "none")
     try:
         work = Path(tempfile.mkdtemp(prefix="rollflow-bench-tune-"))
         ctx, plan = _context(sim.url, work, 60_000)
@@ -121,6 +126,37 @@ async def compare(slots: int, latency_ms: float) -> None:
         f"  {'':>19}choice over {len(choices)} runs: min {min(choices)}, median "
         f"{statistics.median(choices):g}, max {max(choices)} ({min(choices) / slots:.2f}x to "
         f"{max(choices) / slots:.2f}x the slots)"
+    )
+
+
+async def engine_side(slots: int, latency_ms: float, fmt: str) -> tuple[int, float, int]:
+    """Median probe rollouts, share of capacity and choice of diagnose+tune with /metrics as `fmt`."""
+    capacity = slots * 1000 / latency_ms
+    sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms), "--metrics-format", fmt)
+    spent, shares, choices = [], [], []
+    try:
+        for _ in range(ENGINE_RUNS):
+            work = Path(tempfile.mkdtemp(prefix="rollflow-bench-engine-"))
+            ctx, plan = _context(sim.url, work, 12_000)
+            feed = ProbeFeed(ctx, plan)
+            d, t = await diagnose_and_tune(ctx, plan, feed)
+            spent.append(d.probe_rollouts + t.probe_rollouts)
+            choices.append(t.chosen_parallelism)
+            shares.append(await measure(ctx, plan, feed, t.chosen_parallelism) / capacity)
+            feed.close()
+            await close_loop_session()
+    finally:
+        sim.stop()
+    return round(statistics.median(spent)), statistics.median(shares), round(statistics.median(choices))
+
+
+async def engine_rows(slots: int, latency_ms: float) -> None:
+    off = await engine_side(slots, latency_ms, "none")
+    on = await engine_side(slots, latency_ms, "vllm")
+    print(
+        f"  {slots:>5} x {latency_ms:>4.0f} ms | without /metrics {off[0]:>5,} probe rollouts, "
+        f"chose {off[2]:>4}, {off[1]:.2f} of capacity | with {on[0]:>5,} ({on[0] / off[0]:.2f} of them), "
+        f"chose {on[2]:>4}, {on[1]:.2f} of capacity"
     )
 
 
@@ -188,11 +224,19 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--phase-s", type=float, default=15.0)
     ap.add_argument("--skip-adaptive", action="store_true")
+    ap.add_argument("--only-engine", action="store_true", help="only the engine-metrics rows")
     args = ap.parse_args()
-    print("tune-parallelism: recipe vs rollflow (probe rollouts; choice measured on 1500 rollouts)")
+    if not args.only_engine:
+        print("tune-parallelism: recipe vs rollflow (probe rollouts; choice measured on 1500 rollouts)")
+        for slots, latency in PROFILES:
+            await compare(slots, latency)
+        print("  goal: rollflow >= 0.90 of capacity with <= 0.5 of the recipe's rollouts, none discarded")
+    print(f"engine metrics: diagnose+tune with and without /metrics (median of {ENGINE_RUNS} runs each)")
     for slots, latency in PROFILES:
-        await compare(slots, latency)
-    print("  goal: rollflow >= 0.90 of capacity with <= 0.5 of the recipe's rollouts, none discarded")
+        await engine_rows(slots, latency)
+    print("  goal: with /metrics at most 0.5 of the probe rollouts at the same share of capacity")
+    if args.only_engine:
+        return
     if not args.skip_adaptive:
         print("adaptive parallelism: slots change mid-run (16 -> 48 -> 24), 100 ms")
         await adaptive(args.phase_s, [16, 48, 24], 100.0)

@@ -43,12 +43,15 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] |
 
 @dataclass
 class Service:
-    """A child process serving on `url`; stop() terminates it (and waits)."""
+    """A child process serving on `url`; stop() terminates it (and waits), kill() is a crash, and restart()
+    starts the same command again on the same port (for replicas that die and come back mid-run)."""
 
     name: str
     proc: subprocess.Popen[bytes]
     url: str
     env: dict[str, str] = field(default_factory=dict)
+    cmd: list[str] = field(default_factory=list)
+    health_path: str = "/health"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -59,11 +62,27 @@ class Service:
                 self.proc.kill()
                 self.proc.wait(5)
 
+    def kill(self) -> None:
+        """SIGKILL, as a crashed server: open connections are dropped without an answer."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
 
-def spawn_simulator(*args: str, port: int | None = None) -> Service:
-    """`python -m rollflow.infra.simulator` on 127.0.0.1; returns once it answers /health."""
-    port = port or free_port()
-    cmd = [
+    def restart(self, timeout_s: float = 30.0) -> None:
+        """Stop it if it still runs, then start the same command; returns once it answers again."""
+        if not self.cmd:
+            raise RuntimeError(f"{self.name} at {self.url} was not started with a command to restart")
+        self.stop()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
+        try:
+            wait_http(f"{self.url}{self.health_path}", timeout_s, self.proc)
+        except Exception:
+            self.proc.kill()
+            raise
+
+
+def _simulator_cmd(port: int, args: tuple[str, ...]) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "rollflow.infra.simulator",
@@ -73,14 +92,44 @@ def spawn_simulator(*args: str, port: int | None = None) -> Service:
         str(port),
         *args,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+
+
+def _await_healthy(services: list[Service]) -> list[Service]:
+    """Wait until every started service answers; on any failure all of them are killed."""
     try:
-        wait_http(f"{url}/health", 30, proc)
+        for service in services:
+            wait_http(f"{service.url}{service.health_path}", 30, service.proc)
     except Exception:
-        proc.kill()
+        for service in services:
+            service.kill()
         raise
-    return Service("simulator", proc, url)
+    return services
+
+
+def spawn_simulator(*args: str, port: int | None = None) -> Service:
+    """`python -m rollflow.infra.simulator` on 127.0.0.1; returns once it answers /health."""
+    port = port or free_port()
+    cmd = _simulator_cmd(port, args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    return _await_healthy([Service("simulator", proc, f"http://127.0.0.1:{port}", cmd=cmd)])[0]
+
+
+def spawn_replicas(replicas: list[tuple[int, float]], *args: str) -> list[Service]:
+    """One simulator process per (slots, latency_ms), each on its own port and restartable on it.
+
+    The processes start together; `args` are further simulator flags shared by all (e.g. the metrics format).
+    """
+    ports: set[int] = set()
+    for _ in range(10 * len(replicas)):
+        if len(ports) == len(replicas):
+            break
+        ports.add(free_port())
+    services = []
+    for (slots, latency_ms), port in zip(replicas, sorted(ports), strict=True):
+        cmd = _simulator_cmd(port, ("--slots", str(slots), "--latency-ms", str(latency_ms), *args))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        services.append(Service("simulator", proc, f"http://127.0.0.1:{port}", cmd=cmd))
+    return _await_healthy(services)
 
 
 def spawn_moto(port: int | None = None) -> Service:

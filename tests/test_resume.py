@@ -90,7 +90,7 @@ def test_faults_and_hangs_every_row_once(run_cli, rows_input, tmp_path):
         assert report["failed"] == 0 and report["metrics"]["retries"] > 50
         import urllib.request
 
-        faults = orjson.loads(urllib.request.urlopen(f"{sim.url}/metrics").read())["faults"]
+        faults = orjson.loads(urllib.request.urlopen(f"{sim.url}/stats").read())["faults"]
         assert faults.get("hang", 0) > 0 and faults.get("reset", 0) > 0
     finally:
         sim.stop()
@@ -106,7 +106,7 @@ def test_row_level_resume_redoes_little(run_cli, cli_env, rows_input, reference,
     env = {**cli_env, "ROLLFLOW_COLLECTION__FLUSH_INTERVAL_S": "0.5"}
 
     def metrics() -> dict:
-        return orjson.loads(urllib.request.urlopen(f"{sim.url}/metrics").read())
+        return orjson.loads(urllib.request.urlopen(f"{sim.url}/stats").read())
 
     def parts() -> list[Path]:
         return sorted((out / "parts").glob("*/*.jsonl")) if (out / "parts").exists() else []
@@ -125,7 +125,7 @@ def test_row_level_resume_redoes_little(run_cli, cli_env, rows_input, reference,
         assert not (out / "chunks").exists() or not list((out / "chunks").glob("*.json"))
         redone_bound = 16 + 0.5 * 800 + 100  # in flight + one flush interval at 800/s + scheduling slack
         assert 0 < done_before_kill - len(saved) <= redone_bound, (done_before_kill, len(saved))
-        urllib.request.urlopen(urllib.request.Request(f"{sim.url}/metrics/reset", method="POST")).read()
+        urllib.request.urlopen(urllib.request.Request(f"{sim.url}/stats/reset", method="POST")).read()
         res = run_cli(*args, env={"ROLLFLOW_COLLECTION__FLUSH_INTERVAL_S": "0.5"})
         assert res.returncode == 0, res.stderr
         assert metrics()["requests"] == ROWS * 2 - len(saved), "adopted rollouts must not be requested again"

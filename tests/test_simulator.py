@@ -139,14 +139,14 @@ async def test_capacity_queues_and_counts(sim_factory) -> None:
         t0 = time.perf_counter()
         work = asyncio.gather(*(post(s, f"{url}/run", ROW, rollout=i) for i in range(16)))
         while not work.done():
-            seen_in_flight.append((await get_json(s, f"{url}/metrics"))["in_flight"])
+            seen_in_flight.append((await get_json(s, f"{url}/stats"))["in_flight"])
             await asyncio.sleep(0.02)
         results = await work
         elapsed = time.perf_counter() - t0
-        metrics = await get_json(s, f"{url}/metrics")
-        async with s.post(f"{url}/metrics/reset") as resp:
+        metrics = await get_json(s, f"{url}/stats")
+        async with s.post(f"{url}/stats/reset") as resp:
             assert resp.status == 200
-        reset = await get_json(s, f"{url}/metrics")
+        reset = await get_json(s, f"{url}/stats")
     assert all(status == 200 for status, _ in results)
     assert 0.7 <= elapsed <= 1.6, elapsed
     assert max(seen_in_flight) <= 4 and metrics["max_served_seen"] == 4
@@ -177,7 +177,7 @@ async def test_max_queue_and_live_slots(sim_factory) -> None:
     async with aiohttp.ClientSession() as s:
         statuses = [st for st, _ in await asyncio.gather(*(post(s, f"{url}/run", ROW) for _ in range(8)))]
         assert statuses.count(503) == 4 and statuses.count(200) == 4
-        assert (await get_json(s, f"{url}/metrics"))["faults"]["queue_full"] == 4
+        assert (await get_json(s, f"{url}/stats"))["faults"]["queue_full"] == 4
         status, raw = await post(s, f"{url}/admin/config", {"slots": 0})
         assert status == 400 and b"slots" in raw
         status, raw = await post(s, f"{url}/admin/config", {"seed": 3})
@@ -213,7 +213,7 @@ async def test_each_fault_kind(sim_factory, kind: str) -> None:
                     assert resp.status == int(kind)
                     if kind == "429":
                         assert resp.headers["Retry-After"] == "2"
-        metrics = await get_json(s, f"{url}/metrics")
+        metrics = await get_json(s, f"{url}/stats")
     assert metrics["faults"] == {kind: 1}
 
 

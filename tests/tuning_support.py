@@ -69,7 +69,7 @@ def closed_loop(n: int, parallelism: int, slots: int, latency: float, t0: float 
 async def sim_metrics(url: str) -> dict[str, Any]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as resp:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/stats") as resp:
         return await resp.json()
 
 

@@ -1,5 +1,5 @@
 """`python -m rollflow.infra.simulator --port P`: the simulated backend as its own process."""
 
-from rollflow.infra.simulator.server import main
+from rollflow.infra.simulator.cli import main
 
 raise SystemExit(main())

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 FAULT_KINDS = ("429", "500", "503", "reset", "hang", "malformed")
 DEFAULT_FAULT_KINDS = ("429", "500", "503", "reset", "malformed")
+METRICS_FORMATS = ("vllm", "sglang", "none", "garbage")
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SimConfig:
     hang_s: float = 3600.0
     min_tokens: int = 16
     max_tokens: int = 256
+    metrics_format: str = "vllm"
 
     LIVE = (
         "slots",
@@ -36,6 +38,7 @@ class SimConfig:
         "max_queue",
         "fault_rate",
         "fault_kinds",
+        "metrics_format",
     )
 
     def __post_init__(self) -> None:
@@ -58,6 +61,10 @@ class SimConfig:
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {self.min_tokens}..{self.max_tokens}")
         parse_fault_kinds(",".join(self.fault_kinds))
+        if self.metrics_format not in METRICS_FORMATS:
+            raise ValueError(
+                f"metrics_format must be one of {', '.join(METRICS_FORMATS)}, got {self.metrics_format!r}"
+            )
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a live change atomically: on any bad value nothing changes."""

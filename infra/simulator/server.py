@@ -1,17 +1,11 @@
 """The simulated backend's HTTP side: NeMo Gym agent /run, /v1/responses, /v1/chat/completions, /verify, plus
-/health, /metrics and /admin/config; the CLI (`python -m rollflow.infra.simulator`, `rollflow simulate`)
-and an in-process starter. The generation hot path stays lean (orjson, no logging, cached content) because
-the benchmarks drive it at thousands of requests per second on the same cores as the client.
+/health, /metrics (Prometheus text as vLLM or SGLang publish it), /stats (its own counters, JSON) and
+/admin/config, and an in-process starter. The generation hot path stays lean (orjson, no logging, cached
+content) because the benchmarks drive it at thousands of requests per second on the same cores as the client.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
-import signal
-import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,7 +13,7 @@ import orjson
 from aiohttp import web
 
 from rollflow.infra.simulator.capacity import Capacity, Counters, QueueFull
-from rollflow.infra.simulator.config import SimConfig, parse_fault_kinds
+from rollflow.infra.simulator.config import SimConfig
 from rollflow.infra.simulator.content import (
     ContentModel,
     chat_object,
@@ -27,6 +21,7 @@ from rollflow.infra.simulator.content import (
     responses_object,
     reward,
 )
+from rollflow.infra.simulator.exposition import GARBAGE, exposition
 from rollflow.infra.simulator.faults import Faults
 
 JSON = "application/json"
@@ -127,17 +122,37 @@ class Simulator:
         """GET /health: liveness for start-up polling."""
         return _json({"status": "ok"})
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        """GET /metrics: the counters plus the live capacity settings."""
-        cfg = self.config
-        counters = asdict(self.counters)
+    def _in_flight(self) -> int:
         # Handlers whose timers fire in the same tick can overlap for an instant; report the slots the
         # model has busy now, which never exceeds `slots`.
-        counters["in_flight"] = min(self.counters.in_flight, self.capacity.busy_now())
+        return min(self.counters.in_flight, self.capacity.busy_now())
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """GET /stats: the counters plus the live capacity settings."""
+        cfg = self.config
+        counters = asdict(self.counters)
+        counters["in_flight"] = self._in_flight()
         return _json({**counters, "slots": cfg.slots, "latency_ms": cfg.latency_ms})
 
-    async def reset_metrics(self, request: web.Request) -> web.Response:
-        """POST /metrics/reset: zero the counters (requests under way stay counted as under way)."""
+    async def metrics(self, request: web.Request) -> web.Response:
+        """GET /metrics: an engine's Prometheus gauges (running, waiting, KV cache), or 404 / garbage."""
+        cfg = self.config
+        if cfg.metrics_format == "none":
+            raise web.HTTPNotFound(text="404: Not Found")
+        if cfg.metrics_format == "garbage":
+            return web.Response(text=GARBAGE, content_type="text/plain")
+        text = exposition(
+            cfg.metrics_format,
+            self._in_flight(),
+            self.counters.queued,
+            cfg.slots,
+            self.counters.completed,
+            cfg.latency_ms / 1000,
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def reset_stats(self, request: web.Request) -> web.Response:
+        """POST /stats/reset: zero the counters (requests under way stay counted as under way)."""
         c = self.counters
         fresh = Counters(in_flight=c.in_flight, queued=c.queued, max_in_flight_seen=c.in_flight + c.queued)
         fresh.max_served_seen = min(c.in_flight, self.config.slots)
@@ -165,7 +180,8 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post("/verify", sim.verify)
     app.router.add_get("/health", sim.health)
     app.router.add_get("/metrics", sim.metrics)
-    app.router.add_post("/metrics/reset", sim.reset_metrics)
+    app.router.add_get("/stats", sim.stats)
+    app.router.add_post("/stats/reset", sim.reset_stats)
     app.router.add_post("/admin/config", sim.admin_config)
     return app
 
@@ -190,84 +206,3 @@ async def start_simulator(config: SimConfig, host: str = "127.0.0.1", port: int 
     await site.start()
     bound = runner.addresses[0][1]
     return RunningSimulator(f"http://{host}:{bound}", runner)
-
-
-def make_parser() -> argparse.ArgumentParser:
-    """The CLI of `python -m rollflow.infra.simulator` and `rollflow simulate`; defaults from SimConfig."""
-    d = SimConfig()
-    p = argparse.ArgumentParser(prog="rollflow simulate", description="The simulated inference backend.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
-    p.add_argument("--slots", type=int, default=d.slots, help="requests served at once; the rest queue FIFO")
-    p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="base service time")
-    p.add_argument("--per-token-ms", type=float, default=d.per_token_ms, help="added per output token")
-    p.add_argument(
-        "--contention",
-        type=float,
-        default=d.contention,
-        help="service time x (1 + contention * (busy - 1) / slots)",
-    )
-    p.add_argument(
-        "--jitter", type=float, default=d.jitter, help="service time varies uniformly by +-this fraction"
-    )
-    p.add_argument("--max-queue", type=int, default=None, help="beyond this many waiting, answer 503")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--correct-rate", type=float, default=d.correct_rate, help="share of correct answers")
-    p.add_argument(
-        "--fault-rate", type=float, default=d.fault_rate, help="probability of a fault per request"
-    )
-    p.add_argument(
-        "--fault-kinds", default=",".join(d.fault_kinds), help="from 429,500,503,reset,hang,malformed"
-    )
-    p.add_argument(
-        "--retry-after-s", type=float, default=d.retry_after_s, help="Retry-After of injected 429s"
-    )
-    p.add_argument("--hang-s", type=float, default=d.hang_s, help="how long an injected hang holds a request")
-    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """SimConfig from parsed CLI flags; ValueError names a bad one."""
-    return SimConfig(
-        slots=args.slots, latency_ms=args.latency_ms, per_token_ms=args.per_token_ms,
-        contention=args.contention, jitter=args.jitter, max_queue=args.max_queue, seed=args.seed,
-        correct_rate=args.correct_rate, fault_rate=args.fault_rate,
-        fault_kinds=parse_fault_kinds(args.fault_kinds), retry_after_s=args.retry_after_s,
-        hang_s=args.hang_s, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-    )  # fmt: skip
-
-
-async def _serve_forever(config: SimConfig, host: str, port: int) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before the "listening" line: a parent may stop us at once
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    sim = await start_simulator(config, host, port)
-    print(f"rollflow simulator listening on {sim.url}", flush=True)
-    await stop.wait()
-    await sim.close()
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop when it is installed (it roughly halves the server's CPU per request), else asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the simulator until SIGTERM/SIGINT; 2 on a bad flag."""
-    args = make_parser().parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        print(f"rollflow simulate: {exc}", file=sys.stderr)
-        return 2
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve_forever(config, args.host, args.port))
-    return 0

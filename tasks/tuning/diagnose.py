@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollflow.tasks.collect.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.tuning.engine import engine_clause, engine_sampler
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
 
 PARALLELISM_BOUND = 2.0
@@ -41,6 +43,16 @@ class Diagnosis:
     def probe_rollouts(self) -> int:
         return self.low.rollouts + self.high.rollouts
 
+    @property
+    def engine(self) -> dict[str, Any] | None:
+        """The engine's figures at each level, when the backend publishes them (vLLM/SGLang /metrics)."""
+        if self.low.engine is None and self.high.engine is None:
+            return None
+        return {
+            str(st.parallelism): st.engine.as_dict() if st.engine is not None else None
+            for st in (self.low, self.high)
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict,
@@ -59,6 +71,7 @@ class Diagnosis:
             },
             "time_split": self.figures.get("time_split", {}),
             "probe_rollouts": self.probe_rollouts,
+            **({"engine": self.engine} if self.engine is not None else {}),
         }
 
 
@@ -97,6 +110,8 @@ def verdict(low: StepResult, high: StepResult) -> Diagnosis:
     speedup = hi_r / lo_r if lo_r > 0 else (float("inf") if hi_r > 0 else 0.0)
     figures: dict[str, Any] = {"time_split": time_split(low, high)}
     rates = f"{lo_r:,.1f} rollouts/s at {lo_p} in flight, {hi_r:,.1f} at {hi_p} (x{speedup:.2f})"
+    if high.engine is not None:
+        rates = f"{engine_clause(high.engine, hi_p)}; {rates}"
 
     def done(name: str, next_step: str, reason: str) -> Diagnosis:
         return Diagnosis(name, next_step, reason, low, high, speedup, figures)
@@ -125,7 +140,11 @@ def verdict(low: StepResult, high: StepResult) -> Diagnosis:
             f"{high.errors} of {high.rollouts} rollouts failed at {hi_p} in flight ({kinds}) against "
             f"{low.errors} of {low.rollouts} at {lo_p}; {rates}.",
         )
-    if speedup >= PARALLELISM_BOUND:
+    # The engine queueing at the high level but not at the low one puts the knee between them, whatever
+    # the rates say (a loaded client reads the low level's rate short).
+    knee_between = high.engine is not None and high.engine.saturated
+    knee_between = knee_between and (low.engine is None or not low.engine.saturated)
+    if speedup >= PARALLELISM_BOUND and not knee_between:
         return done(
             "parallelism-bound",
             f"More requests in flight pay off: throughput grew x{speedup:.2f} when parallelism went x"
@@ -137,6 +156,8 @@ def verdict(low: StepResult, high: StepResult) -> Diagnosis:
         v_lo, v_hi = low.per_rollout(low.verify_s), high.per_rollout(high.verify_s)
         verify_grew, backend_grew = v_hi - v_lo, b_hi - b_lo
         verifier = verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else v_hi > b_hi
+        if high.engine is not None:  # the engine says whether it is the one that queues
+            verifier = not high.engine.saturated
         split = f"per rollout: backend {_ms(b_lo)} -> {_ms(b_hi)}, verification {_ms(v_lo)} -> {_ms(v_hi)}"
         if verifier:
             return done(
@@ -172,17 +193,20 @@ async def diagnose(
     high: int = 20,
     rows: int = 100,
     feed: ProbeFeed | None = None,
+    engine: EngineSampler | None = None,
 ) -> Diagnosis:
     """`rows` rollouts at `low` then as many fresh ones at `high` in flight; both kept as parts.
 
     The two steps use different rows of the input (each rollout is real and kept), of the same number,
-    so the comparison is like for like without spending any rollout twice.
+    so the comparison is like for like without spending any rollout twice. The backend's /metrics is
+    sampled meanwhile (through `engine`, or a sampler of its own); without it nothing changes.
     """
     own = feed is None
     feed = feed or ProbeFeed(ctx, plan)
     try:
-        lo = await probe_next(ctx, plan, feed, low, rows, f"diagnose-p{low}")
-        hi = await probe_next(ctx, plan, feed, high, rows, f"diagnose-p{high}")
+        async with engine_sampler(ctx, engine) as sampler:
+            lo = await probe_next(ctx, plan, feed, low, rows, f"diagnose-p{low}", sampler)
+            hi = await probe_next(ctx, plan, feed, high, rows, f"diagnose-p{high}", sampler)
     finally:
         if own:
             feed.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from itertools import islice
 from typing import Any
 
 from rollflow.tasks.collect.chunk import committed_rows
+from rollflow.tasks.collect.engine_metrics import EngineSampler
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptLog, rate_limited
 from rollflow.tasks.collect.parts import chunk_parts, write_part
@@ -33,6 +35,7 @@ from rollflow.tasks.collect.rollouts import (
 )
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.storage.store import Store
+from rollflow.tasks.tuning.engine import EngineStep, engine_step, fed_window, sample_mid_step
 from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
 
 
@@ -49,6 +52,7 @@ class StepResult:
     attempt_errors: dict[str, int] = field(default_factory=dict)
     saved: int = 0
     records: list[RequestRecord] = field(default_factory=list, repr=False)
+    engine: EngineStep | None = None
 
     @property
     def rollouts_per_s(self) -> float:
@@ -100,6 +104,7 @@ class StepResult:
             "method": m.method,
             "rollouts_per_s_err": round(m.reported_err, 3),
             "saved": self.saved,
+            **({"engine": self.engine.as_dict()} if self.engine is not None else {}),
         }
 
 
@@ -122,6 +127,7 @@ def merge_steps(steps: Sequence[StepResult]) -> StepResult:
         attempt_errors=attempt_errors,
         saved=sum(st.saved for st in steps),
         records=records,
+        engine=steps[-1].engine,
     )
 
 
@@ -154,21 +160,36 @@ async def probe_step(
     *,
     chunks: Sequence[ChunkSpec],
     label: str = "probe",
+    engine: EngineSampler | None = None,
+    sample_delay_s: float | None = None,
 ) -> StepResult:
     """Run `items` at exactly `parallelism` in flight (own limit), measure, and save the successes as parts.
 
+    With an engine sampler that has a signal, one sample is taken mid-step (`sample_delay_s` after the
+    start, or half a latency after the first reply) and the step carries the engine's figures.
     Parts are saved even if the step is interrupted, so nothing that finished is lost.
     """
     log = AttemptLog()
     step_ctx = dataclasses.replace(ctx, observers=(*ctx.observers, log))
     batch = RolloutBatch()
     saved = 0
+    watch: asyncio.Task[None] | None = None
+    if engine is not None and await engine.reserve():
+        started = time.perf_counter()
+        watch = asyncio.create_task(sample_mid_step(engine, batch.records, started, sample_delay_s))
     try:
         await run_rollouts(step_ctx, items, batch, ConcurrencyLimit(parallelism))
     finally:
+        if watch is not None and engine is not None:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            engine.release()
         results = dict(batch.results)
         ledger = ctx.ledger
         saved = await asyncio.to_thread(save_parts, ledger.store, ledger.run_id, chunks, results, label)
+    seen = None
+    if watch is not None and engine is not None:
+        seen = engine_step(fed_window(engine, batch.records, started, sample_delay_s))
     return StepResult(
         label=label,
         parallelism=parallelism,
@@ -179,6 +200,7 @@ async def probe_step(
         attempt_errors=dict(log.errors),
         saved=saved,
         records=batch.records,
+        engine=seen,
     )
 
 
@@ -221,10 +243,20 @@ class ProbeFeed:
 
 
 async def probe_next(
-    ctx: CollectContext, plan: RunPlan, feed: ProbeFeed, parallelism: int, rollouts: int, label: str
+    ctx: CollectContext,
+    plan: RunPlan,
+    feed: ProbeFeed,
+    parallelism: int,
+    rollouts: int,
+    label: str,
+    engine: EngineSampler | None = None,
+    sample_delay_s: float | None = None,
 ) -> StepResult | None:
     """A step on the next `rollouts` fresh items; None when the input has none left."""
     items = await feed.next(rollouts)
     if not items:
         return None
-    return await probe_step(ctx, items, parallelism, chunks=plan.scan.chunks, label=label)
+    return await probe_step(
+        ctx, items, parallelism, chunks=plan.scan.chunks, label=label, engine=engine,
+        sample_delay_s=sample_delay_s,
+    )  # fmt: skip

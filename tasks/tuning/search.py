@@ -1,5 +1,9 @@
 """The tuner's search as one object: the steps measured so far and the moves over them (double,
-confirm, refine, extend, check stability). The rules each move applies live in tune_rules."""
+confirm, refine, extend, check stability). The rules each move applies live in tune_rules.
+
+With the engine's signal (vLLM/SGLang /metrics), the doubling takes short steps and stops where the
+engine's waiting queue stays non-empty; the running count there is the knee, confirmed by one short
+step at it instead of refinement and a statistical stability stretch."""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rollflow.tasks.collect.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, merge_steps, probe_next
 from rollflow.tasks.tuning.tune_rules import (
     TuneOptions,
+    base_latency,
+    engine_step_rollouts,
     knee_estimate,
     refine_target,
     search_stop,
@@ -24,6 +31,8 @@ from rollflow.tasks.tuning.tune_rules import (
 )
 
 Entry = tuple[str, StepResult, str]  # (phase, step, note)
+ENGINE_QUEUE = "engine queue"
+NO_SIGNAL = "no engine signal"
 
 
 @dataclass
@@ -39,6 +48,8 @@ class Search:
     notes: list[str] = field(default_factory=list)
     spent: int = 0
     t0: float = field(default_factory=time.monotonic)
+    t0_perf: float = field(default_factory=time.perf_counter)
+    engine: EngineSampler | None = None
 
     def __post_init__(self) -> None:
         self.history = [("seed", s, "") for s in self.seeds]
@@ -63,17 +74,34 @@ class Search:
         ran = len(self.history) - len(self.seeds)
         return ran >= self.opts.max_steps or time.monotonic() - self.t0 > self.opts.time_budget_s
 
-    async def measure(self, parallelism: int, phase: str, stability: bool = False) -> StepResult | None:
-        n = step_rollouts(parallelism, self.opts, stability)
-        step = await probe_next(
-            self.ctx, self.plan, self.feed, parallelism, n, f"tune-{phase}-p{parallelism}"
+    async def measure(
+        self, parallelism: int, phase: str, stability: bool = False, short: bool = False
+    ) -> StepResult | None:
+        """A step of the search; `short`: sized for the engine's signal rather than for a steady rate."""
+        n = (
+            engine_step_rollouts(parallelism, self.opts, confirm=stability)
+            if short
+            else step_rollouts(parallelism, self.opts, stability)
         )
+        latency0 = base_latency(self.valid()) if self.valid() else None
+        step = await probe_next(
+            self.ctx, self.plan, self.feed, parallelism, n, f"tune-{phase}-p{parallelism}",
+            self.engine, None if latency0 is None else latency0 / 2,
+        )  # fmt: skip
         if step is not None:
             self.spent += step.rollouts
         return step
 
+    async def signalled(self) -> bool:
+        """Whether the engine's figures are there to steer by (the backend publishes /metrics)."""
+        return self.engine is not None and await self.engine.has_signal()
+
     async def search(self) -> str:
         """The doubling search; appends to `history` and returns why it stopped."""
+        if await self.signalled():
+            reason = await self.engine_search()
+            if reason != NO_SIGNAL:
+                return reason
         good, opts = self.valid(), self.opts
         stop: str | None = None
         if len(good) >= 2:
@@ -193,3 +221,70 @@ class Search:
             return why
         self.history.append(("stability", again, ""))
         return None if unstable(again, self.valid(), self.opts) is None else why
+
+    async def engine_search(self) -> str:
+        """Doubling on short steps until the engine's waiting queue stays non-empty through a step
+        (ENGINE_QUEUE); errors, a lost signal or the rate rules end it as the plain search would."""
+        good = self.valid()
+        if any(s.engine is not None and s.engine.saturated for s in good):
+            return ENGINE_QUEUE
+        parallelism = max(max(s.parallelism for s in good) * 2, self.opts.start) if good else self.opts.start
+        while True:
+            if self.out_of_budget():
+                return "step or time budget"
+            if parallelism > self.opts.max_parallelism:
+                return "max-parallelism"
+            step = await self.measure(parallelism, "search", short=True)
+            if step is None:
+                return "input exhausted"
+            earlier = self.valid()
+            saturated = step.engine is not None and step.engine.saturated
+            reason = ENGINE_QUEUE if saturated else self.engine_stop(earlier, step)
+            if reason == "errors" and not earlier and parallelism > 1:
+                self.history.append(("search", step, reason))
+                parallelism = max(1, parallelism // 2)
+                continue
+            note = "waiting queue stays non-empty" if saturated else reason or ""
+            self.history.append(("search", step, note))
+            if reason is not None:
+                return reason
+            if step.engine is None:
+                return NO_SIGNAL  # the plain search goes on from here
+            parallelism *= 2
+
+    def engine_stop(self, earlier: list[StepResult], step: StepResult) -> str | None:
+        """Why to stop at a step whose engine does not queue: errors, or requests that no longer reach the
+        engine (its running count stopped growing with parallelism: the client or verifier is the limit).
+        A short step's rate is too rough for the plateau rules; without engine figures they apply."""
+        if step.engine is None:
+            return search_stop(earlier, step, self.baseline(), self.opts)
+        if too_many_errors(step, self.baseline(), self.opts):
+            return "errors"
+        below = [s for s in earlier if s.engine is not None and s.parallelism < step.parallelism]
+        if below and step.engine.running_max is not None:
+            prev = max(below, key=lambda s: s.parallelism).engine
+            if prev is not None and prev.running_max and step.engine.running_max < 1.2 * prev.running_max:
+                return "engine not filling"
+        return None
+
+    def engine_knee(self) -> int:
+        """The engine's running count while requests waited, at the lowest parallelism where they did."""
+        queued = [s for _, s, _ in self.history if s.engine is not None and s.engine.saturated]
+        lowest = min(queued, key=lambda s: s.parallelism)
+        running = lowest.engine.running_when_queued if lowest.engine is not None else None
+        return max(1, min(running or lowest.parallelism, lowest.parallelism))
+
+    async def engine_confirm(self, knee: int) -> tuple[bool, int]:
+        """One short step at the choice, the knee plus a short queue (`engine_queue_share`): errors there
+        back off to the knee; no errors confirm it."""
+        chosen = max(knee, math.ceil(knee * (1 + self.opts.engine_queue_share)))
+        step = await self.measure(chosen, "stability", stability=True, short=True)
+        if step is None:
+            self.notes.append("no confirmation: the input ran out")
+            return False, knee
+        if too_many_errors(step, self.baseline(), self.opts):
+            self.history.append(("stability", step, f"unstable: {step.errors} failed rollouts"))
+            self.notes.append(f"backed off {chosen} -> {knee}: errors above the engine's knee")
+            return False, knee
+        self.history.append(("stability", step, "engine confirmation"))
+        return True, chosen

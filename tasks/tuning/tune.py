@@ -24,6 +24,10 @@ only 80% of capacity, and the floor keeps the choice at the knee.
 
 Stability. The chosen value runs for a longer stretch (`stability_rollouts`, >= `stability_cycles` x P);
 if errors or a latency spread (p95/p50) well beyond the unloaded one appear, it backs off x `backoff`.
+
+Engine signal. When the backend publishes vLLM's or SGLang's gauges at /metrics, the search steps are
+short (`engine_cycles` x P), it stops at the first step whose waiting queue stays non-empty, the knee is
+the engine's running count there, and one short step at the knee confirms it (search.py).
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollflow.tasks.collect.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.diagnose import TuningError
+from rollflow.tasks.tuning.engine import engine_sampler
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
-from rollflow.tasks.tuning.search import Search
+from rollflow.tasks.tuning.search import ENGINE_QUEUE, Search
 from rollflow.tasks.tuning.tune_rules import (
     TuneOptions,
     base_latency,
@@ -75,6 +81,7 @@ class TuneStep:
     utilisation: float | None = None
     note: str = ""
     rollouts_per_s_err: float = 0.0
+    engine: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +95,7 @@ class TuneStep:
             "rollouts": self.rollouts,
             "utilisation": None if self.utilisation is None else round(self.utilisation, 3),
             "note": self.note,
+            **({"engine": self.engine} if self.engine is not None else {}),
         }
 
 
@@ -105,6 +113,7 @@ class Tuning:
     stable: bool = True
     seed_rollouts: int = 0
     notes: list[str] = field(default_factory=list)
+    engine: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +127,7 @@ class Tuning:
             "base_latency_s": None if self.base_latency_s is None else round(self.base_latency_s, 6),
             "stable": self.stable,
             "notes": self.notes,
+            **({"engine": self.engine} if self.engine is not None else {}),
         }
 
 
@@ -137,6 +147,7 @@ def _row(phase: str, step: StepResult, latency0: float | None, note: str = "") -
         utilisation=utilisation(step, latency0),
         note=note,
         rollouts_per_s_err=m.reported_err,
+        engine=step.engine.as_dict() if step.engine is not None else None,
     )
 
 
@@ -147,26 +158,35 @@ async def tune(
     *,
     feed: ProbeFeed | None = None,
     seeds: Sequence[StepResult] = (),
+    engine: EngineSampler | None = None,
 ) -> Tuning:
     """Search, refine, choose, check stability; every rollout is real and saved as a part.
 
     `seeds` are steps already measured (the diagnosis' low and high levels): they count as points of
-    the curve, and the search starts above them.
+    the curve, and the search starts above them. The backend's /metrics is sampled meanwhile (through
+    `engine`, or a sampler of its own); with its signal the search is the engine's (module docstring).
     """
     opts = options or TuneOptions()
     own = feed is None
     run = Search(ctx, plan, feed or ProbeFeed(ctx, plan), opts, seeds)
     try:
-        stop = await run.search()
-        if not run.valid():
-            raise TuningError(
-                "Tuning found no parallelism at which the backend answered reliably "
-                f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in run.history)}). "
-                "Check the backend, or pass a fixed --parallelism."
-            )
-        knee, refined = await run.refine()
-        knee = await run.extend_ambiguous(knee)
-        stable, chosen = await run.stability(choose(run.valid(), knee, opts), refined)
+        async with engine_sampler(ctx, engine) as sampler:
+            run.engine = sampler
+            stop = await run.search()
+            if not run.valid():
+                raise TuningError(
+                    "Tuning found no parallelism at which the backend answered reliably "
+                    f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in run.history)}). "
+                    "Check the backend, or pass a fixed --parallelism."
+                )
+            if stop == ENGINE_QUEUE:
+                knee = run.engine_knee()
+                stable, chosen = await run.engine_confirm(knee)
+            else:
+                knee, refined = await run.refine()
+                knee = await run.extend_ambiguous(knee)
+                stable, chosen = await run.stability(choose(run.valid(), knee, opts), refined)
+            figures = sampler.summary(since=run.t0_perf)
     finally:
         if own:
             run.feed.close()
@@ -182,4 +202,5 @@ async def tune(
         stable=stable,
         seed_rollouts=sum(s.rollouts for s in seeds),
         notes=run.notes,
+        engine=None if figures is None else {**figures, "knee_from_engine": stop == ENGINE_QUEUE},
     )

@@ -45,6 +45,13 @@ class TuneOptions:
     max_parallelism: int = 4096
     max_steps: int = 12
     time_budget_s: float = 900.0
+    # With the engine's signal a step only needs to hold P in flight past one mid-step sample.
+    engine_cycles: float = 1.5
+    engine_confirm_cycles: float = 2.0
+    engine_min_rollouts: int = 20
+    # Run a little above the engine's knee: a short waiting queue keeps every slot busy while the client
+    # turns a reply into the next request (at exactly the knee a slot idles for that long each time).
+    engine_queue_share: float = 0.25
 
     @classmethod
     def from_settings(cls, params: TuningSettings) -> TuneOptions:
@@ -64,6 +71,12 @@ def step_rollouts(parallelism: int, opts: TuneOptions, stability: bool = False) 
     if stability:
         return max(opts.stability_rollouts, math.ceil(opts.stability_cycles * parallelism))
     return max(opts.min_rollouts, math.ceil(opts.cycles * parallelism))
+
+
+def engine_step_rollouts(parallelism: int, opts: TuneOptions, confirm: bool = False) -> int:
+    """Rollouts for a step read by the engine's queue: enough to keep P in flight past its sample."""
+    cycles = opts.engine_confirm_cycles if confirm else opts.engine_cycles
+    return max(opts.engine_min_rollouts, math.ceil(cycles * parallelism))
 
 
 def too_many_errors(step: StepResult, baseline: StepResult | None, opts: TuneOptions) -> bool:

@@ -1,0 +1,59 @@
+"""Prometheus text at GET /metrics the way vLLM or SGLang publish it, so engine-metrics readers are tested
+against the real names, label sets, comments and neighbouring histograms rather than a tidy subset.
+"""
+
+from __future__ import annotations
+
+_VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="{model}"}} {running:.1f}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="{model}"}} {waiting:.1f}
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} {kv}
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{model}"}} {completed:.1f}
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{{engine="0",le="0.3",model_name="{model}"}} {completed:.1f}
+vllm:e2e_request_latency_seconds_bucket{{engine="0",le="+Inf",model_name="{model}"}} {completed:.1f}
+vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{model}"}} {completed:.1f}
+vllm:e2e_request_latency_seconds_sum{{engine="0",model_name="{model}"}} {latency_sum}
+"""
+
+_SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{model_name="{model}",tp_rank="0"}} {running:.1f}
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{model_name="{model}",tp_rank="0"}} {waiting:.1f}
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{{model_name="{model}",tp_rank="0"}} {kv}
+# HELP sglang:e2e_request_latency_seconds Histogram of End-to-end request latency in seconds
+# TYPE sglang:e2e_request_latency_seconds histogram
+sglang:e2e_request_latency_seconds_bucket{{le="0.3",model_name="{model}"}} {completed:.1f}
+sglang:e2e_request_latency_seconds_bucket{{le="+Inf",model_name="{model}"}} {completed:.1f}
+sglang:e2e_request_latency_seconds_count{{model_name="{model}"}} {completed:.1f}
+sglang:e2e_request_latency_seconds_sum{{model_name="{model}"}} {latency_sum}
+"""
+
+GARBAGE = "<html><body>metrics moved</body></html>\n{not prometheus at all\n"
+
+
+def exposition(fmt: str, running: int, waiting: int, slots: int, completed: int, latency_s: float) -> str:
+    """The /metrics body for `fmt` ('vllm' or 'sglang'); KV cache use is modelled as running / slots."""
+    template = _VLLM if fmt == "vllm" else _SGLANG
+    return template.format(
+        model="sim",
+        running=running,
+        waiting=waiting,
+        kv=round(min(1.0, running / slots), 4),
+        completed=completed,
+        latency_sum=round(completed * latency_s, 3),
+    )

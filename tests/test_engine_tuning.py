@@ -1,0 +1,80 @@
+"""Diagnosis and tuning with the engine's own signal (the simulator's vLLM or SGLang /metrics) against
+the same backend without it (`--metrics-format none`): what the verdict says, where the search stops, and
+how many probe rollouts it takes."""
+
+from __future__ import annotations
+
+import pytest
+from tuning_support import setup_run
+
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.tuning.diagnose import Diagnosis, diagnose
+from rollflow.tasks.tuning.probe import ProbeFeed
+from rollflow.tasks.tuning.tune import TuneOptions, Tuning, step_rollouts, tune
+from rollflow.tasks.tuning.tune_rules import engine_step_rollouts
+
+
+async def diagnose_and_tune(tmp_path, *sim_args: str, rows: int = 3000) -> tuple[Diagnosis, Tuning]:  # type: ignore[no-untyped-def]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    sim = spawn_simulator(*sim_args)
+    try:
+        s = setup_run(tmp_path, sim.url, rows=rows)
+        feed = ProbeFeed(s.ctx, s.plan)
+        d = await diagnose(s.ctx, s.plan, feed=feed)
+        t = await tune(s.ctx, s.plan, TuneOptions(), feed=feed, seeds=[d.low, d.high])
+        feed.close()
+        await close_loop_session()
+    finally:
+        sim.stop()
+    return d, t
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+async def test_verdict_names_the_engine_queue(tmp_path, fmt: str) -> None:
+    sim = spawn_simulator("--slots", "4", "--latency-ms", "40", "--metrics-format", fmt)
+    try:
+        s = setup_run(tmp_path, sim.url, rows=400, chunk_size=100)
+        d = await diagnose(s.ctx, s.plan, low=5, high=20, rows=100)
+        await close_loop_session()
+    finally:
+        sim.stop()
+    assert d.verdict == "backend-bound"
+    assert "backend saturated: " in d.reason and "requests waiting, KV cache 100% used" in d.reason
+    engine = d.as_dict()["engine"]
+    assert engine["20"]["saturated"] and engine["20"]["running_max"] == 4
+    assert 10 <= engine["20"]["waiting_max"] <= 16  # 20 in flight, 4 served; a reply or two in transit
+
+
+async def test_verdict_says_the_engine_is_not_the_limit(tmp_path) -> None:
+    sim = spawn_simulator("--slots", "64", "--latency-ms", "40")
+    try:
+        s = setup_run(tmp_path, sim.url, rows=400, chunk_size=100)
+        d = await diagnose(s.ctx, s.plan, low=5, high=20, rows=100)
+        await close_loop_session()
+    finally:
+        sim.stop()
+    assert d.verdict == "parallelism-bound"
+    assert "of 20 running, none waiting" in d.reason and not d.as_dict()["engine"]["20"]["saturated"]
+
+
+async def test_without_metrics_the_report_has_no_engine(tmp_path) -> None:
+    d, t = await diagnose_and_tune(tmp_path, "--slots", "8", "--latency-ms", "50", "--metrics-format", "none")
+    assert "engine" not in d.as_dict() and "backend saturated" not in d.reason
+    assert "engine" not in t.as_dict() and t.stop_reason != "engine queue"
+    assert all("engine" not in step for step in t.as_dict()["steps"])
+
+
+async def test_the_search_stops_at_the_engine_queue_on_short_steps(tmp_path) -> None:
+    args = ("--slots", "32", "--latency-ms", "50")
+    d_on, on = await diagnose_and_tune(tmp_path / "on", *args)
+    d_off, off = await diagnose_and_tune(tmp_path / "off", *args, "--metrics-format", "none")
+    assert on.stop_reason == "engine queue" and on.engine is not None and on.engine["knee_from_engine"]
+    assert on.knee == 32 and on.chosen_parallelism == 40 and on.stable  # 25% over: a short queue
+    assert on.steps[-1].phase == "stability" and on.steps[-1].note == "engine confirmation"
+    # one short search step above the diagnosis (20 -> 40 queues) and one short confirmation at the choice
+    opts = TuneOptions()
+    short = engine_step_rollouts(40, opts) + engine_step_rollouts(40, opts, confirm=True)
+    assert on.probe_rollouts == short < step_rollouts(40, opts) + step_rollouts(40, opts, stability=True)
+    assert d_on.probe_rollouts + on.probe_rollouts < d_off.probe_rollouts + off.probe_rollouts
+    assert off.stop_reason != "engine queue" and off.engine is None
