@@ -163,10 +163,13 @@ async def collect_step(
     settings: RollflowSettings,
     handles: RunHandles,
     plan: RunPlan,
-    parallelism: int,
+    parallelism: int | dict[str, int],
     left_s: float | None,
 ) -> Collected:
-    """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation."""
+    """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation.
+
+    `parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL.
+    """
     pending = plan.pending
     hub.emit(ProgressEvent("plan", total=sum(c.good_rows for c in pending) * spec.collection.num_repeats))
     collected = Collected(CollectResult(), collect_context(handles, settings, parallelism))
