@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
-from rollflow.flows.artifacts import chunk_progress, dataset_link
+from rollflow.flows.artifacts import chunk_progress, dataset_link, endpoints_table
 from rollflow.flows.dask_runner import CollectResult, collect_on_dask
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.secrets import resolve_secret_blocks
@@ -255,6 +255,7 @@ async def report_step(
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )
+    await endpoints_table(report["endpoints"])
     return report
 
 
