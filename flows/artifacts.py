@@ -1,4 +1,4 @@
-"""Prefect artifacts a run shows while it runs: a progress bar that moves as chunks commit, a dataset link."""
+"""Prefect artifacts of a run: a progress bar that moves as chunks commit, a dataset link, the endpoints."""
 
 from __future__ import annotations
 
@@ -6,10 +6,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
-from prefect.artifacts import acreate_link_artifact, acreate_progress_artifact, aupdate_progress_artifact
+from prefect.artifacts import (
+    acreate_link_artifact,
+    acreate_progress_artifact,
+    acreate_table_artifact,
+    aupdate_progress_artifact,
+)
 
 from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
 
 
 @contextlib.asynccontextmanager
@@ -50,3 +57,10 @@ async def dataset_link(url: str) -> None:
     await acreate_link_artifact(
         link, link_text=url, key="rollflow-dataset", description="the published dataset"
     )
+
+
+async def endpoints_table(rows: list[dict[str, Any]]) -> None:
+    """The report's endpoint table as a Prefect table artifact, with the cells report.md shows."""
+    if rows:
+        table = [dict(zip(ENDPOINT_COLUMNS, endpoint_cells(row), strict=True)) for row in rows]
+        await acreate_table_artifact(table, key="rollflow-endpoints", description="requests per endpoint")

@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
-from rollflow.flows.artifacts import chunk_progress, dataset_link
+from rollflow.flows.artifacts import chunk_progress, dataset_link, endpoints_table
 from rollflow.flows.dask_runner import CollectResult, collect_on_dask
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.secrets import resolve_secret_blocks
@@ -167,7 +167,10 @@ async def collect_step(
     parallelism: int | dict[str, int],
     left_s: float | None,
 ) -> Collected:
-    """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation."""
+    """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation.
+
+    `parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL.
+    """
     pending = plan.pending
     hub.emit(ProgressEvent("plan", total=sum(c.good_rows for c in pending) * spec.collection.num_repeats))
     collected = Collected(CollectResult(), collect_context(handles, settings, parallelism))
@@ -255,6 +258,7 @@ async def report_step(
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )
+    await endpoints_table(report["endpoints"])
     return report
 
 

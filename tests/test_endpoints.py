@@ -7,11 +7,13 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from rollflow.settings import BackendParams, BackendSettings
+from rollflow.flows.dask_runner import endpoint_shares
+from rollflow.settings import BackendParams, BackendSettings, RunSpec
 from rollflow.tasks.collect import endpoints as ep_module
 from rollflow.tasks.collect.endpoints import EndpointPool, split_limit
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptLog
+from rollflow.tasks.publish.endpoints import merge_rows
 
 A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 
@@ -142,3 +144,20 @@ def test_per_endpoint_observers_and_rows():
     assert (rows[A]["rollouts"], rows[A]["errors"], rows[A]["limit"], rows[A]["engine"]) == (1, 1, 4, None)
     assert rows[B]["engine"] == {"running_max": 3, "waiting_max": 0, "kv_cache_usage_max": 0.5}
     assert rows[B]["rollouts_per_s"] is not None and rows[B]["rollouts_per_s"] > 0
+
+
+def test_dask_workers_take_their_share_of_each_endpoint():
+    spec = RunSpec(input="in.jsonl", output="out", backend={"url": f"{A},{B}"})
+    assert endpoint_shares(spec, {A: 32, B: 8}, 4) == {A: 8, B: 2}
+    assert endpoint_shares(spec, 17, 2) == {A: 4, B: 4}
+    assert endpoint_shares(spec, 2, 8) == {A: 1, B: 1}
+
+
+def test_dask_rows_are_summed_over_the_workers_pools():
+    part = {"url": A, "rollouts": 10, "errors": 1, "out_of_rotation_s": 0.5}
+    rows = merge_rows([[part], [{**part, "out_of_rotation_s": 1.5}]], {A: 8, B: 4}, 4.0)
+    assert rows[0] == {
+        "url": A, "rollouts": 20, "errors": 2, "out_of_rotation_s": 1.5, "rollouts_per_s": 5.0, "limit": 8,
+        "engine": None,
+    }  # fmt: skip
+    assert rows[1]["url"] == B and rows[1]["rollouts"] == 0 and rows[1]["limit"] == 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import orjson
 from rollout_data import assert_complete, write_rows
 
@@ -15,7 +17,17 @@ def _args(inp: object, out: object, urls: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, tmp_path):
+def _latest_artifact(server: object, key: str) -> dict:
+    body = {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1}
+    req = urllib.request.Request(
+        f"{server.url}/api/artifacts/filter",  # type: ignore[attr-defined]
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
+    return orjson.loads(urllib.request.urlopen(req, timeout=30).read())[0]
+
+
+def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, prefect_server, tmp_path):
     sims = [spawn_simulator("--slots", "16", "--latency-ms", "5") for _ in range(2)]
     try:
         inp = write_rows(tmp_path / "rows.jsonl", 200)
@@ -37,6 +49,10 @@ def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, tmp_
     assert "## Endpoints" in markdown and all(sim.url in markdown for sim in sims)
     table = res.stderr[res.stderr.index("endpoints") :]
     assert all(sim.url in table for sim in sims), res.stderr
+    artifact = _latest_artifact(prefect_server, "rollflow-endpoints")
+    cells = orjson.loads(artifact["data"])
+    assert [c["endpoint"] for c in cells] == [sim.url for sim in sims]
+    assert [c["rollouts"] for c in cells] == [f"{r['rollouts']:,}" for r in rows]
 
 
 def test_all_replicas_failing_take_the_usual_failure_path(run_cli, tmp_path):
