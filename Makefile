@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/tuning.py
 	$(PY) bench/fault_suite.py
 	$(PY) bench/million.py
+	$(PY) bench/end_to_end.py
 
 clean:
 	rm -rf $(VENV) demo-out
