@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import Service, spawn_prefect_server, spawn_simulator, write_input
+
 from rollflow.infra.local import wait_http
 
 ROLLOUTS, PARALLELISM = 20_000, 256
@@ -90,8 +91,12 @@ def rollflow_rows(inp: Path, tmp: Path, sim_url: str, base: dict[str, str]) -> l
     args = ["collect", "--input", str(inp), "--backend-kind", "agent", "--backend-url", sim_url,
             "--parallelism", str(PARALLELISM), "--no-progress"]  # fmt: skip
     # A fresh PREFECT_HOME whose server port nobody listens on: no running server is found or reused.
-    eph = {**base, "PREFECT_HOME": str(tmp / "home"), "PREFECT_SERVER_API_PORT": "1"}
-    warm = tmp / "warm"  # a first run pays one-off costs (bytecode, the ephemeral database) that users pay once
+    # On a loaded machine the ephemeral server can take longer than Prefect's default 20 s to answer.
+    eph = {**base, "PREFECT_HOME": str(tmp / "home"), "PREFECT_SERVER_API_PORT": "1",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # fmt: skip
+    warm = (
+        tmp / "warm"
+    )  # a first run pays one-off costs (bytecode, the ephemeral database) that users pay once
     timed("warm-up", [ROLLFLOW, *args, "--limit", "10", "--output", str(warm)], eph, warm / "rollouts.jsonl")
     prefect = spawn_prefect_server()
     try:
@@ -146,7 +151,9 @@ def main() -> None:
 def _print(rows: list[Row]) -> None:
     print(f"{ROLLOUTS:,} rollouts, parallelism {PARALLELISM}, zero-latency simulator (agent /run); CPU-s "
           "counts the command and its children, not detached servers")  # fmt: skip
-    print(f"{'collector':34} {'wall s':>7} {'rollouts/s':>10} {'CPU s':>7} {'CPU ms/rollout':>14} {'rows':>7}")
+    print(
+        f"{'collector':34} {'wall s':>7} {'rollouts/s':>10} {'CPU s':>7} {'CPU ms/rollout':>14} {'rows':>7}"
+    )
     for r in rows:
         line = (f"{r.name:34} {r.wall_s:7.2f} {ROLLOUTS / r.wall_s:10,.0f} {r.cpu_s:7.2f} "
                 f"{r.cpu_s * 1000 / ROLLOUTS:14.3f} {r.lines:7,}")  # fmt: skip

@@ -40,7 +40,7 @@ def main() -> None:
     args = p.parse_args()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        def do_GET(self) -> None:
             body = b""
             if self.path.startswith("/global_config_dict_yaml"):
                 body = json.dumps(json.dumps(cfg)).encode()
