@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from rollflow.tasks.collect.heap import tune_gc_for_collection
 from rollflow.tasks.collect.parts import chunk_parts, delete_parts, write_part
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import (
@@ -127,6 +128,7 @@ def _adoptable(
 async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1) -> ChunkOutcome:
     """Collect every missing rollout of `chunk` and commit it; a committed, complete chunk is skipped."""
     t_core = time.perf_counter()
+    tune_gc_for_collection()
     previous = await asyncio.to_thread(ctx.ledger.manifest, chunk.index)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
