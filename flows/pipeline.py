@@ -17,7 +17,8 @@ from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.engine_metrics import sample_endpoints
+from rollflow.tasks.collect.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
@@ -179,7 +180,8 @@ async def collect_step(
     t0, cpu0 = time.perf_counter(), time.process_time()
     await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
     try:
-        collected.result = await _dispatch(spec, handles, plan, collected, left_s)
+        async with sample_endpoints(collected.ctx.pool, auth_headers(collected.ctx.backend)):
+            collected.result = await _dispatch(spec, handles, plan, collected, left_s)
     finally:
         await close_loop_session()
     collected.seconds, collected.cpu_s = time.perf_counter() - t0, time.process_time() - cpu0

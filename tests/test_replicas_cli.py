@@ -28,7 +28,10 @@ def _latest_artifact(server: object, key: str) -> dict:
 
 
 def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, prefect_server, tmp_path):
-    sims = [spawn_simulator("--slots", "16", "--latency-ms", "5") for _ in range(2)]
+    sims = [
+        spawn_simulator("--slots", "16", "--latency-ms", "5", "--metrics-format", fmt)
+        for fmt in ("vllm", "none")
+    ]
     try:
         inp = write_rows(tmp_path / "rows.jsonl", 200)
         out = tmp_path / "out"
@@ -44,7 +47,10 @@ def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, pref
     assert [r["url"] for r in rows] == [sim.url for sim in sims]
     assert [r["limit"] for r in rows] == [9, 8]
     assert sum(r["rollouts"] for r in rows) == 400 and all(r["rollouts"] > 0 for r in rows)
-    assert all(r["rollouts_per_s"] > 0 and r["errors"] == 0 and r["engine"] is None for r in rows)
+    assert all(r["rollouts_per_s"] > 0 and r["errors"] == 0 for r in rows)
+    # Sampled while collecting: the replica serving vLLM's /metrics has engine peaks, the other none.
+    assert set(rows[0]["engine"]) == {"running_max", "waiting_max", "kv_cache_usage_max"}, rows[0]
+    assert rows[0]["engine"]["running_max"] >= 0 and rows[1]["engine"] is None
     markdown = (out / "report.md").read_text()
     assert "## Endpoints" in markdown and all(sim.url in markdown for sim in sims)
     table = res.stderr[res.stderr.index("endpoints") :]

@@ -12,12 +12,16 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from rollflow.tasks.collect.endpoints import EndpointPool
+from rollflow.tasks.collect.http import session_for_loop
 
 # Gauge names by field, vLLM first; gpu_cache_usage_perc is vLLM's name before kv_cache_usage_perc.
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -226,3 +230,14 @@ class EngineSampler:
 def _max_of(values: Any) -> Any:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+@contextlib.asynccontextmanager
+async def sample_endpoints(pool: EndpointPool, headers: dict[str, str]) -> AsyncIterator[None]:
+    """While collecting, one sampler per endpoint; each endpoint's report row reads its sampler's peaks."""
+    session = session_for_loop()
+    async with contextlib.AsyncExitStack() as stack:
+        for ep in pool.endpoints:
+            sampler = await stack.enter_async_context(EngineSampler(ep.url, session, headers))
+            ep.engine = sampler.summary
+        yield

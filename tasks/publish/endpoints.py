@@ -70,7 +70,10 @@ def merge_rows(parts: list[list[dict[str, Any]]], limits: dict[str, int], second
 def endpoint_rows(
     pool: EndpointPool, outcomes: list[ChunkOutcome], remote: bool, seconds: float
 ) -> list[dict[str, Any]]:
-    """The run's endpoint rows: this process's pool, or (Dask) the workers' pools summed."""
+    """The run's endpoint rows: this process's pool, or (Dask) the workers' pools summed, with the engine
+    peaks this process sampled."""
     if not remote:
         return pool.rows()
-    return merge_rows([o.endpoints for o in outcomes], pool.limits(), seconds)
+    rows = merge_rows([o.endpoints for o in outcomes], pool.limits(), seconds)
+    engines = {ep.url: ep.engine() for ep in pool.endpoints if ep.engine is not None}
+    return [{**row, "engine": engines.get(row["url"])} for row in rows]
