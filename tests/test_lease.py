@@ -61,14 +61,20 @@ def test_foreign_lease_refused_until_it_expires(where: str, tmp_path: Path, moto
 
 
 def test_second_run_on_same_output_is_refused(run_cli, cli_env, rows_input, reference, tmp_path):
-    sim = spawn_simulator("--latency-ms", "50", "--slots", "8")  # 160/s: the first run lasts ~15 s
+    sim = spawn_simulator("--latency-ms", "50", "--slots", "8")
     out = tmp_path / "out"
     args = run_args(rows_input, str(out), sim)
+    # The first run is paused while the second starts: however slow the second's start-up, the first
+    # still holds the lease (alive on this host, well inside a TTL longer than any start-up here).
+    env = {**cli_env, "ROLLFLOW_PIPELINE__LEASE_TTL_S": "300"}
     try:
-        first = spawn(args, cli_env)
+        first = spawn(args, env)
         wait_until(lambda: (out / "chunks").exists(), first)
-        second = run_cli(*args)
-        assert first.poll() is None, "the first run must still be running for this test to mean anything"
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = run_cli(*args)
+        finally:
+            first.send_signal(signal.SIGCONT)
         assert second.returncode == 2
         assert "in use by another rollflow run" in second.stderr and f"pid {first.pid}" in second.stderr
         assert first.wait(120) == 0
