@@ -67,7 +67,7 @@ async def test_without_metrics_the_report_has_no_engine(tmp_path) -> None:
 
 async def test_the_search_stops_at_the_engine_queue_on_short_steps(tmp_path) -> None:
     # 400 ms rollouts: a short step lasts about a second, so its mid-step /metrics sample lands while the
-    # queue stands even when the machine is loaded (at 50 ms a step lasted ~75 ms and a late sample missed it).
+    # queue stands even on a loaded machine (at 50 ms a step lasted ~75 ms and a late sample missed it).
     args = ("--slots", "32", "--latency-ms", "400")
     d_on, on = await diagnose_and_tune(tmp_path / "on", *args)
     d_off, off = await diagnose_and_tune(tmp_path / "off", *args, "--metrics-format", "none")
