@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import pytest
 from rollout_data import assert_complete, write_rows
 
 CHROMIUM = Path("/usr/bin/chromium")
-SHOTS = Path(__file__).resolve().parent.parent / "docs" / "img"
+# Screenshots go to the test's temporary directory; ROLLFLOW_UI_SHOTS=docs/img refreshes the README's.
+SHOTS_ENV = "ROLLFLOW_UI_SHOTS"
 ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -88,10 +90,11 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
             field(page, "Url").fill(fast_sim.url)  # the first Url is the backend's
             field(page, "Parallelism").fill("16")
             field(page, "Chunk Size").fill("50")
-            SHOTS.mkdir(parents=True, exist_ok=True)
+            shots = Path(os.environ.get(SHOTS_ENV) or tmp_path / "shots")
+            shots.mkdir(parents=True, exist_ok=True)
             prop(page, "Input").evaluate("e => e.scrollIntoView({block: 'start'})")
             page.wait_for_timeout(300)  # let the form repaint what was typed
-            page.screenshot(path=str(SHOTS / "ui-run-form.png"), full_page=False)
+            page.screenshot(path=str(shots / "ui-run-form.png"), full_page=False)
             page.get_by_role("button", name="Submit").click()
             page.wait_for_url(f"**/deployments/deployment/{deployment['id']}**", timeout=30_000)
             runs: list = []
@@ -114,7 +117,7 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
                 page.get_by_text("Artifacts", exact=True)
             ).first.click()
             page.get_by_text("rollflow-report").first.wait_for(timeout=30_000)
-            page.screenshot(path=str(SHOTS / "ui-run-artifacts.png"), full_page=False)
+            page.screenshot(path=str(shots / "ui-run-artifacts.png"), full_page=False)
             browser.close()
         fs = moto_s3.fs()
         assert_complete(fs.cat_file(f"{out}/rollouts.jsonl").splitlines(), 120, 1)
