@@ -4,8 +4,9 @@ The agent server is rollflow's simulator in agent mode (`--latency-ms 0`), in it
 256. Each collector runs as a whole command in a subprocess: wall time, rollouts/s, CPU-s from
 RUSAGE_CHILDREN (the command and every process it waited for; servers that run detached from it, such as
 the simulator, the running `prefect server` and the head-server stand-in, are not counted), CPU ms/rollout.
-Rows: rollflow with a running `prefect server` (PREFECT_API_URL set), rollflow with no server configured
-(Prefect's ephemeral mode), and NeMo Gym 0.7.0's `ng_collect_rollouts`, found in the venv NG_VENV
+Rows: rollflow with a running `prefect server` (PREFECT_API_URL set), with Prefect's ephemeral server, with
+no server configured (the default: a kept local server, started by a warm-up run), and NeMo Gym 0.7.0's
+`ng_collect_rollouts`, found in the venv NG_VENV
 (default /work/ngvenv when it exists; the row is skipped with a message otherwise). The collector resolves
 its agent through NeMo Gym's head server, which `ng_run` would start; bench/ng_head.py stands in for it,
 serving a config that names the simulator as the agent and its environment server. NeMo Gym's aggregate
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from harness import Service, spawn_prefect_server, spawn_simulator, write_input
 
-from rollflow.infra.local import wait_http
+from rollflow.infra.local import free_port, wait_http
 
 ROLLOUTS, PARALLELISM = 20_000, 256
 AGENT = "bench_agent"
@@ -87,28 +88,40 @@ def spawn_ng_head(venv: Path, agent_url: str) -> Service:
 
 
 def rollflow_rows(inp: Path, tmp: Path, sim_url: str, base: dict[str, str]) -> list[Row]:
-    """`rollflow collect` with a running `prefect server`, then with none configured (ephemeral)."""
+    """`rollflow collect` with a running `prefect server`, with Prefect's ephemeral server, and with no
+    server configured (the default: the local server a first run started and left running is reused)."""
     args = ["collect", "--input", str(inp), "--backend-kind", "agent", "--backend-url", sim_url,
             "--parallelism", str(PARALLELISM), "--no-progress"]  # fmt: skip
     # A fresh PREFECT_HOME whose server port nobody listens on: no running server is found or reused.
     # On a loaded machine the ephemeral server can take longer than Prefect's default 20 s to answer.
     eph = {**base, "PREFECT_HOME": str(tmp / "home"), "PREFECT_SERVER_API_PORT": "1",
+           "ROLLFLOW_PREFECT__LOCAL_SERVER": "ephemeral",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # fmt: skip
-    warm = (
-        tmp / "warm"
-    )  # a first run pays one-off costs (bytecode, the ephemeral database) that users pay once
-    timed("warm-up", [ROLLFLOW, *args, "--limit", "10", "--output", str(warm)], eph, warm / "rollouts.jsonl")
-    prefect = spawn_prefect_server()
+    keep = {**base, "PREFECT_HOME": str(tmp / "keep-home"), "PREFECT_SERVER_API_PORT": str(free_port())}
+    # A first run pays one-off costs (bytecode, the database, starting the kept server) that users pay once.
+    for name, env in (("eph", eph), ("keep", keep)):
+        warm = tmp / f"warm-{name}"
+        timed(
+            "warm-up", [ROLLFLOW, *args, "--limit", "10", "--output", str(warm)], env, warm / "rollouts.jsonl"
+        )
     try:
-        out = tmp / "rf-server"
-        env = {**base, **prefect.env}
-        rows = [timed("rollflow, running prefect server", [ROLLFLOW, *args, "--output", str(out)], env,
-                      out / "rollouts.jsonl")]  # fmt: skip
+        prefect = spawn_prefect_server()
+        try:
+            out = tmp / "rf-server"
+            env = {**base, **prefect.env}
+            rows = [timed("rollflow, running prefect server", [ROLLFLOW, *args, "--output", str(out)], env,
+                          out / "rollouts.jsonl")]  # fmt: skip
+        finally:
+            prefect.stop()
+        out = tmp / "rf-ephemeral"
+        rows.append(timed("rollflow, ephemeral Prefect", [ROLLFLOW, *args, "--output", str(out)], eph,
+                          out / "rollouts.jsonl"))  # fmt: skip
+        out = tmp / "rf-keep"
+        rows.append(timed("rollflow, no server set (kept one)", [ROLLFLOW, *args, "--output", str(out)], keep,
+                          out / "rollouts.jsonl"))  # fmt: skip
     finally:
-        prefect.stop()
-    out = tmp / "rf-ephemeral"
-    rows.append(timed("rollflow, no server (ephemeral)", [ROLLFLOW, *args, "--output", str(out)], eph,
-                      out / "rollouts.jsonl"))  # fmt: skip
+        subprocess.run([str(Path(ROLLFLOW).with_name("prefect")), "server", "stop"], env=keep,
+                       capture_output=True, timeout=60)  # fmt: skip
     return rows
 
 
