@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -53,11 +54,29 @@ def test_report_times_startup_and_shutdown(run_cli: RunCli, fast_sim: Service, t
     assert report["prefect_api"] == "configured"
 
 
-def _flow_runs(api: str) -> int:
-    req = urllib.request.Request(f"{api}/flow_runs/count", data=b"{}", method="POST")
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return int(resp.read())
+def _runs_writing(api: str, out: Path, since: str) -> list[str]:
+    """Names of the flows whose runs, started after `since`, were given `out` as their output.
+
+    Matched by parameter, not counted server-wide: other tests' runs may land on the shared server.
+    """
+
+    def post(path: str, body: dict) -> list[dict]:
+        req = urllib.request.Request(f"{api}{path}", data=json.dumps(body).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    flows = {f["id"]: f["name"] for f in post("/flows/filter", {})}
+    runs = post("/flow_runs/filter", {"flow_runs": {"start_time": {"after_": since}}, "limit": 200})
+    return [
+        flows[r["flow_id"]]
+        for r in runs
+        if any(isinstance(v, dict) and v.get("output") == str(out) for v in r["parameters"].values())
+    ]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
 
 
 def test_running_local_server_is_reused(
@@ -65,24 +84,13 @@ def test_running_local_server_is_reused(
 ) -> None:
     """No PREFECT_API_URL: the server answering at the profile's server address gets the run (its UI)."""
     api = prefect_server.env["PREFECT_API_URL"]
-    before = _flow_runs(api)
+    since = _now()
     port = str(urlparse(api).port)
     env = {"PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": port}
     done, out = _collect(run_cli, tmp_path, fast_sim, "--no-progress", env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["prefect_api"] == "local server"
-    assert _flow_runs(api) == before + 1
-
-
-def _flow_run_names(api: str) -> list[str]:
-    req = urllib.request.Request(f"{api}/flows/filter", data=b"{}", method="POST")
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        flows = {f["id"]: f["name"] for f in json.loads(resp.read())}
-    req = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}", method="POST")
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return [flows[r["flow_id"]] for r in json.loads(resp.read())]
+    assert _runs_writing(api, out, since) == ["rollflow-run"]
 
 
 def test_diagnose_uses_the_running_local_server(
@@ -90,7 +98,7 @@ def test_diagnose_uses_the_running_local_server(
 ) -> None:
     """`rollflow diagnose` finds the server at the profile's address like `collect` (its run in that UI)."""
     api = prefect_server.env["PREFECT_API_URL"]
-    before = _flow_run_names(api).count("rollflow-diagnose")
+    since = _now()
     port = str(urlparse(api).port)
     env = {"PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": port}
     env["ROLLFLOW_PREFECT__LOCAL_SERVER"] = "ephemeral"  # if it were not found, nothing would be kept
@@ -100,4 +108,4 @@ def test_diagnose_uses_the_running_local_server(
         "--backend-url", fast_sim.url, "--diagnose-rows", "20", env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert _flow_run_names(api).count("rollflow-diagnose") == before + 1
+    assert _runs_writing(api, tmp_path / "out", since) == ["rollflow-diagnose"]
