@@ -1,9 +1,11 @@
 """Many replicas: rollflow's dispatch over four unequal simulator replicas, beside round-robin.
 
 Four replicas of 16, 16, 32 and 64 slots x 100 ms (1,280 rollouts/s in all). rollflow collects the input
-with per-endpoint limits equal to the slots (least outstanding relative to the limit); round-robin,
-written here with aiohttp, sends the same requests in turn to each replica at the same total parallelism
-(128), so the small replicas queue while the big one idles: it is held to the slowest replica's pace.
+with per-endpoint limits of the slots plus a queue (`--queue-share`, default 0.25: what tuning with engine
+metrics chooses, so a slot never waits for the client's turnaround; 0 gives limits equal to the slots),
+dispatching to the least outstanding relative to the limit; round-robin, written here with aiohttp, sends
+the same requests in turn to each replica at the same total parallelism, so the small replicas queue while
+the big one idles: it is held to the slowest replica's pace.
 Each runs once with all replicas up and once with the 64-slot replica killed mid-run and restarted on
 the same port a second later. Goal: rollflow at least 0.95 of the sum with all replicas up.
 """
@@ -29,6 +31,7 @@ from rollflow.tasks.collect.plan import plan_run
 from rollflow.tasks.wrappers.runtime import collect_context, default_chunks_in_flight, open_run
 
 SLOTS = (16, 16, 32, 64)
+QUEUE_SHARE = 0.25
 LATENCY_MS = 100.0
 KILL_AFTER_S, DOWN_S = 3.0, 1.0
 
@@ -87,7 +90,11 @@ class Replicas:
             sim.stop()
 
 
-async def rollflow_run(replicas: Replicas, inp: Path, out: Path, chaos: bool) -> Row:
+def limits_for(queue_share: float) -> tuple[int, ...]:
+    return tuple(round(n * (1 + queue_share)) for n in SLOTS)
+
+
+async def rollflow_run(replicas: Replicas, inp: Path, out: Path, chaos: bool, limit: tuple[int, ...]) -> Row:
     urls = replicas.urls
     spec = RunSpec(
         input=str(inp),
@@ -98,9 +105,9 @@ async def rollflow_run(replicas: Replicas, inp: Path, out: Path, chaos: bool) ->
     settings = RollflowSettings()
     handles = open_run(spec, settings)
     plan = await asyncio.to_thread(plan_run, spec, handles.store, handles.ledger, handles.input_options, None)
-    limits = dict(zip(urls, SLOTS, strict=True))
+    limits = dict(zip(urls, limit, strict=True))
     ctx = collect_context(handles, settings, limits)
-    gate = asyncio.Semaphore(default_chunks_in_flight(sum(SLOTS), 1000, 1))
+    gate = asyncio.Semaphore(default_chunks_in_flight(sum(limit), 1000, 1))
 
     async def one(chunk: object) -> tuple[int, int]:
         async with gate:
@@ -125,7 +132,7 @@ async def rollflow_run(replicas: Replicas, inp: Path, out: Path, chaos: bool) ->
     return Row("rollflow", chaos, rollouts, failed, seconds, replicas.capacity, back)
 
 
-async def round_robin_run(replicas: Replicas, rows: list[bytes], chaos: bool) -> Row:
+async def round_robin_run(replicas: Replicas, rows: list[bytes], chaos: bool, total: int) -> Row:
     """Each request to the next replica in turn; a refused connection moves on to the next one."""
     urls = [f"{url}/run" for url in replicas.urls]
     turn = itertools.count()
@@ -152,16 +159,18 @@ async def round_robin_run(replicas: Replicas, rows: list[bytes], chaos: bool) ->
     async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.perf_counter()
         bounce = asyncio.create_task(replicas.bounce()) if chaos else None
-        await asyncio.gather(*(worker(session) for _ in range(sum(SLOTS))))
+        await asyncio.gather(*(worker(session) for _ in range(total)))
         seconds = time.perf_counter() - t0
         if bounce is not None:
             await bounce
     return Row("round-robin", chaos, ok, failed, seconds, replicas.capacity)
 
 
-async def main(rollouts: int, latency_ms: float) -> None:
+async def main(rollouts: int, latency_ms: float, queue_share: float) -> None:
     capacity = sum(SLOTS) / (latency_ms / 1000)
+    limit = limits_for(queue_share)
     print(f"replicas {SLOTS} slots x {latency_ms:g} ms = {capacity:,.0f} rollouts/s; {rollouts:,} rollouts")
+    print(f"rollflow's per-endpoint limits {limit}; round-robin at the same total, {sum(limit)} in flight")
     print("| dispatch | replicas | rollouts | failed | rollouts/s | share of sum | back in rotation s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="rf-replicas-") as tmp:
@@ -172,9 +181,9 @@ async def main(rollouts: int, latency_ms: float) -> None:
                 replicas = Replicas(latency_ms)
                 try:
                     if mode == "rollflow":
-                        row = await rollflow_run(replicas, inp, Path(tmp) / f"out-{int(chaos)}", chaos)
+                        row = await rollflow_run(replicas, inp, Path(tmp) / f"out-{int(chaos)}", chaos, limit)
                     else:
-                        row = await round_robin_run(replicas, rows, chaos)
+                        row = await round_robin_run(replicas, rows, chaos, sum(limit))
                 finally:
                     replicas.stop()
                 print(row.line(), flush=True)
@@ -186,5 +195,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--latency-ms", type=float, default=LATENCY_MS, help="replica latency (default 100: 1,280/s in all)"
     )
+    parser.add_argument(
+        "--queue-share",
+        type=float,
+        default=QUEUE_SHARE,
+        help="queue over each replica's slots (default 0.25)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.rollouts, args.latency_ms))
+    asyncio.run(main(args.rollouts, args.latency_ms, args.queue_share))
