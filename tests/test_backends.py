@@ -6,6 +6,7 @@ import asyncio
 import pickle
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from local_http import AGENT, RESPONSE, ScriptedServer
@@ -39,10 +40,48 @@ async def test_agent_posts_whole_row_and_returns_reply(server: ScriptedServer) -
     assert result.latency_s > 0
 
 
-async def test_agent_non_numeric_reward_is_none(server: ScriptedServer) -> None:
-    url = await server.start({"response": RESPONSE, "reward": "yes"})
+@pytest.mark.parametrize("reward", [b'"yes"', b"null", b"true", b"NaN", b"1e999"])
+async def test_agent_reward_that_is_not_a_number_is_retried_then_malformed(
+    server: ScriptedServer, reward: bytes
+) -> None:
+    body = orjson.dumps({"response": RESPONSE})[:-1] + b',"reward":' + reward + b"}"
+    url = await server.start(web.Response(body=body, content_type="application/json"))
+    with pytest.raises(BackendError) as info:
+        await client(url, "agent", max_retries=1).rollout(ROW, 0, 0)
+    assert info.value.kind == "malformed" and info.value.attempts == 2 and len(server.seen) == 2
+
+
+async def test_agent_without_reward_leaves_it_to_the_verifier(server: ScriptedServer) -> None:
+    url = await server.start({"response": RESPONSE})
     result = await client(url, "agent").rollout(ROW, 0, 0)
-    assert result.reward is None and result.fields["reward"] == "yes"
+    assert result.reward is None and result.text == "x = 42"
+
+
+ERROR_200 = {"error": {"message": "upstream model overloaded", "type": "server_error", "code": 503}}
+
+
+@pytest.mark.parametrize("kind", ["agent", "responses", "chat"])
+async def test_error_object_in_a_200_is_malformed_never_a_rollout(server: ScriptedServer, kind: str) -> None:
+    url = await server.start(ERROR_200)
+    with pytest.raises(BackendError) as info:
+        await client(url, kind, max_retries=2).rollout(ROW, 0, 0)
+    assert info.value.kind == "malformed" and info.value.attempts == 3
+    assert "upstream model overloaded" in str(info.value)
+
+
+async def test_failed_responses_object_is_malformed(server: ScriptedServer) -> None:
+    url = await server.start({**RESPONSE, "status": "failed", "error": {"message": "boom"}})
+    with pytest.raises(BackendError) as info:
+        await client(url, "responses", max_retries=0).rollout(ROW, 0, 0)
+    assert info.value.kind == "malformed" and "boom" in str(info.value)
+
+
+async def test_big_integers_reach_the_agent_exactly(server: ScriptedServer) -> None:
+    url = await server.start("ok")
+    row = {**ROW, "expected_answer": 2**100, "id": -(2**70)}
+    await client(url, "agent").rollout(row, 0, 0)
+    assert b'"expected_answer":1267650600228229401496703205376' in server.seen[0].body
+    assert b'"id":-1180591620717411303424' in server.seen[0].body
 
 
 async def test_responses_posts_create_params_with_model(server: ScriptedServer) -> None:
@@ -81,7 +120,6 @@ async def test_chat_converts_request_and_reply(server: ScriptedServer) -> None:
             "seed": 5,
             "stop": ["\n\n"],
             "reasoning": {"effort": "low"},
-            "tools": [{"type": "web_search"}],  # Responses-style tool: dropped
         }
     }
     result = await client(url, "chat", model="m").rollout(row, 1, 0)
@@ -130,6 +168,19 @@ async def test_reply_of_wrong_shape_is_malformed(server: ScriptedServer) -> None
     with pytest.raises(BackendError) as info:
         await client(url, "chat", max_retries=1).rollout(ROW, 0, 0)
     assert info.value.kind == "malformed" and info.value.attempts == 2
+
+
+async def test_shape_error_that_echoes_the_key_is_scrubbed(server: ScriptedServer) -> None:
+    async def echo_200(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": f"bad auth {request.headers['Authorization']}"}})
+
+    url = await server.start(echo_200)
+    c = client(url, "chat", max_retries=0, api_key=SecretStr("sk-hidden-456"))
+    with pytest.raises(BackendError) as info:
+        await c.rollout(ROW, 0, 0)
+    assert (
+        info.value.kind == "malformed" and "sk-hidden-456" not in str(info.value) and "***" in str(info.value)
+    )
 
 
 async def test_api_key_sent_and_scrubbed_from_errors(server: ScriptedServer) -> None:
@@ -190,3 +241,27 @@ async def test_one_session_per_loop() -> None:
     await close_loop_session()
     assert first.closed and session_for_loop() is not first
     await close_loop_session()
+
+
+async def test_chat_sends_function_tools_and_calls_over_http(server: ScriptedServer) -> None:
+    url = await server.start("ok")
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    row = {
+        "responses_create_params": {
+            "input": [
+                {"role": "user", "content": "call f"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "done"},
+            ],
+            "tools": [tool],
+            "tool_choice": "required",
+        }
+    }
+    await client(url, "chat", model="m").rollout(row, 0, 0)
+    sent = server.seen[0].json()
+    assert sent["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    assert sent["tool_choice"] == "required"
+    assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "tool"]
+    assert sent["messages"][1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}

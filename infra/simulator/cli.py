@@ -54,7 +54,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--fault-rate", type=float, default=d.fault_rate, help="probability of a fault per request"
     )
     p.add_argument(
-        "--fault-kinds", default=",".join(d.fault_kinds), help="from 429,500,503,reset,hang,malformed"
+        "--fault-kinds",
+        default=",".join(d.fault_kinds),
+        help="from 429,500,503,reset,hang,malformed,error_object (HTTP 200 with an error object), "
+        "null_reward (/run answers reward null)",
     )
     p.add_argument(
         "--retry-after-s", type=float, default=d.retry_after_s, help="Retry-After of injected 429s"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAULT_KINDS = ("429", "500", "503", "reset", "hang", "malformed")
+FAULT_KINDS = ("429", "500", "503", "reset", "hang", "malformed", "error_object", "null_reward")
 DEFAULT_FAULT_KINDS = ("429", "500", "503", "reset", "malformed")
 METRICS_FORMATS = ("vllm", "sglang", "none", "garbage")
 

@@ -14,6 +14,9 @@ from rollflow.infra.simulator.capacity import Counters
 from rollflow.infra.simulator.config import SimConfig
 
 MALFORMED_BODY = b'{"id": "resp_trunc", "object": "response", "output": ['
+ERROR_OBJECT = b'{"error": {"message": "injected error object", "type": "server_error", "code": 500}}'
+# Faults that shape an otherwise normal reply instead of replacing it.
+REPLY_FAULTS = ("null_reward",)
 
 
 class Faults:
@@ -42,6 +45,8 @@ class Faults:
             return web.Response(status=int(kind), text=f"injected {kind}")
         if kind == "malformed":
             return web.Response(body=MALFORMED_BODY, content_type="application/json")
+        if kind == "error_object":
+            return web.Response(body=ERROR_OBJECT, content_type="application/json")
         if kind == "hang":
             # The client's timeout ends it; if it never does, answer 504 after hang_s.
             await asyncio.sleep(self.config.hang_s)

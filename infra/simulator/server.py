@@ -6,6 +6,8 @@ content) because the benchmarks drive it at thousands of requests per second on 
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,15 +24,28 @@ from rollflow.infra.simulator.content import (
     reward,
 )
 from rollflow.infra.simulator.exposition import GARBAGE, exposition
-from rollflow.infra.simulator.faults import Faults
+from rollflow.infra.simulator.faults import REPLY_FAULTS, Faults
 
 JSON = "application/json"
 SIMULATOR_KEY = web.AppKey("simulator", "Simulator")
 ROLLOUT_HEADER = "X-Rollflow-Rollout-Index"
 
 
+_LONG_DIGITS = re.compile(rb"\d{19}")
+
+
+def _loads(body: bytes) -> Any:
+    """As a Python agent server reads a row: integers beyond 64 bits keep their value (orjson's would not)."""
+    value = orjson.loads(body)
+    return json.loads(body) if _LONG_DIGITS.search(body) else value
+
+
 def _json(payload: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type=JSON)
+    try:
+        body = orjson.dumps(payload)
+    except orjson.JSONEncodeError:
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return web.Response(body=body, status=status, content_type=JSON)
 
 
 def _bad_request(message: str) -> web.Response:
@@ -57,14 +72,14 @@ class Simulator:
         c.requests += 1
         c.endpoints[endpoint] = c.endpoints.get(endpoint, 0) + 1
         try:
-            body = orjson.loads(await request.read())
+            body = _loads(await request.read())
             rollout = int(request.headers.get(ROLLOUT_HEADER, 0))
         except ValueError as exc:
             return _bad_request(f"bad JSON body or {ROLLOUT_HEADER} header: {exc}")
         if not isinstance(body, dict):
             return _bad_request("the body must be a JSON object")
         fault = self.faults.decide()
-        if fault is not None:
+        if fault is not None and fault not in REPLY_FAULTS:
             return await self.faults.respond(request, fault)
         if endpoint == "run":
             params = body.get("responses_create_params")
@@ -91,9 +106,8 @@ class Simulator:
         response = responses_object(made, model)
         if endpoint == "responses":
             return _json(response)
-        return _json(
-            {"responses_create_params": params, "response": response, "reward": reward(made.text, expected)}
-        )
+        score = None if fault == "null_reward" else reward(made.text, expected)
+        return _json({"responses_create_params": params, "response": response, "reward": score})
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         """POST /run: a NeMo Gym agent server running the model and its verifier on a whole row."""
@@ -111,7 +125,7 @@ class Simulator:
         """POST /verify: a NeMo Gym resources server scoring a row's `response` against expected_answer."""
         self.counters.endpoints["verify"] = self.counters.endpoints.get("verify", 0) + 1
         try:
-            body = orjson.loads(await request.read())
+            body = _loads(await request.read())
         except ValueError as exc:
             return _bad_request(f"bad JSON body: {exc}")
         if not isinstance(body, dict):

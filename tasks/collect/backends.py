@@ -12,11 +12,20 @@ import orjson
 
 from rollflow.settings import BackendKind, BackendSettings
 from rollflow.tasks.collect.endpoints import Endpoint, EndpointPool
-from rollflow.tasks.collect.formats import chat_request, chat_to_response, responses_text
+from rollflow.tasks.collect.formats import chat_request
 from rollflow.tasks.collect.http import auth_headers
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptObserver
+from rollflow.tasks.collect.replies import (
+    ReplyShapeError,
+    agent_response,
+    agent_reward,
+    chat_to_response,
+    check_response,
+    responses_text,
+)
 from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.tasks.storage import rowjson
 
 # ServerDisconnectedError is a ClientConnectionError. Any other aiohttp.ClientError (a garbled status line,
 # a bad chunked encoding) is also a transport failure: counted as "connection" and retried.
@@ -113,13 +122,13 @@ class BackendClient:
 
     def _body(self, row: dict[str, Any]) -> bytes:
         if self.kind is BackendKind.agent:
-            return orjson.dumps(row)
+            return rowjson.dumps(row)
         params = row["responses_create_params"]
         if self.kind is BackendKind.chat:
-            return orjson.dumps(chat_request(params, self.settings.model))
+            return rowjson.dumps(chat_request(params, self.settings.model))
         if self.settings.model and "model" not in params:
             params = {**params, "model": self.settings.model}
-        return orjson.dumps(params)
+        return rowjson.dumps(params)
 
     async def rollout(self, row: dict[str, Any], task_index: int, rollout_index: int) -> RolloutResult:
         """The rollout's result, or BackendError once retries are exhausted (or at once if not retryable)."""
@@ -214,8 +223,8 @@ class BackendClient:
                 retry_after=retry_after,
             )
         try:
-            return orjson.loads(payload)
-        except orjson.JSONDecodeError:
+            return rowjson.loads(payload)
+        except (orjson.JSONDecodeError, UnicodeDecodeError):
             raise BackendError(
                 f"malformed JSON body from {url} (HTTP {status}, {len(payload)} bytes)",
                 kind="malformed",
@@ -228,28 +237,26 @@ class BackendClient:
         return message.replace(self._secret, "***") if self._secret else message
 
     def _result(self, url: str, reply: Any, latency: float, attempts: int) -> RolloutResult:
-        if not isinstance(reply, dict):
-            raise BackendError(f"expected a JSON object from {url}", kind="malformed", retryable=True)
+        """The reply read as its kind's shape; anything else (an error object in a 200) is malformed."""
         try:
+            if not isinstance(reply, dict):
+                raise ReplyShapeError(f"expected a JSON object, got {type(reply).__name__}")
             if self.kind is BackendKind.chat:
                 response, text, tokens = chat_to_response(reply)
                 return RolloutResult({"response": response}, None, text, tokens, latency, attempts)
             if self.kind is BackendKind.responses:
-                usage = reply.get("usage") or {}
-                tokens = int(usage.get("output_tokens") or 0)
+                check_response(reply)
+                tokens = int((reply.get("usage") or {}).get("output_tokens") or 0)
                 return RolloutResult(
                     {"response": reply}, None, responses_text(reply), tokens, latency, attempts
                 )
-            response = reply.get("response")
-            usage = (response.get("usage") or {}) if isinstance(response, dict) else {}
-            reward = reply.get("reward")
-            if not isinstance(reward, int | float) or isinstance(reward, bool):
-                reward = None
-            tokens = int(usage.get("output_tokens") or 0)
+            response = agent_response(reply)
+            reward = agent_reward(reply)
+            tokens = int((response.get("usage") or {}).get("output_tokens") or 0)
             return RolloutResult(reply, reward, responses_text(response), tokens, latency, attempts)
-        except (AttributeError, TypeError, ValueError, IndexError, KeyError) as exc:
+        except (ReplyShapeError, AttributeError, TypeError, ValueError) as exc:
             raise BackendError(
-                f"unexpected reply shape from {url}: {type(exc).__name__}: {exc}",
+                self._scrub(f"unexpected reply shape from {url}: {exc}"),
                 kind="malformed",
                 retryable=True,
             ) from None

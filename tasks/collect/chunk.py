@@ -133,7 +133,10 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
     kept, problems = await asyncio.to_thread(_adoptable, ctx, chunk, previous)
-    rows = await asyncio.to_thread(lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options)))
+    kind = ctx.backend.kind.value
+    rows = await asyncio.to_thread(
+        lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options, kind))
+    )
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
     k = ctx.collection.num_repeats

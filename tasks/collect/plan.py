@@ -80,6 +80,7 @@ def plan_run(
             skip_bad_rows=spec.collection.skip_bad_rows,
             storage_options=input_options,
             on_bad_row=record,
+            kind=spec.backend.kind.value,
         )
         config = rollout_config(spec)
         identity = RunIdentity(

@@ -4,12 +4,11 @@ output and failure lines, and the timings the throughput measurement reads."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 from rollflow.settings import BackendSettings, CollectionSettings
 from rollflow.tasks.collect.backends import BackendClient, BackendError, RolloutResult
@@ -20,6 +19,7 @@ from rollflow.tasks.collect.observe import AttemptObserver
 from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.verifiers import Verifier
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
 
 RolloutKey = tuple[int, int]
@@ -48,6 +48,14 @@ class CollectContext:
     def __post_init__(self) -> None:
         if self.pool is None:
             self.pool = EndpointPool.even(self.backend.urls, self.limit)
+        key = self.backend.api_key.get_secret_value() if self.backend.api_key is not None else ""
+        self.secrets: tuple[str, ...] = (key,) if key else ()
+
+    def scrub(self, text: str) -> str:
+        """Every secret the context holds replaced, whatever error produced the text."""
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
 
 
 @dataclass(slots=True)
@@ -125,14 +133,14 @@ async def run_rollouts(
     async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:
         start = time.perf_counter()
         error: str | None = None
+        key = (task_index, rollout)
         try:
-            batch.results[(task_index, rollout)] = await _rollout_line(
-                ctx, client, row, task_index, rollout, batch.stats
-            )
+            batch.results[key] = await _rollout_line(ctx, client, row, task_index, rollout, batch.stats)
             hub.emit(ProgressEvent("rollouts", done=1))
-        except BackendError as exc:
-            error = exc.kind
-            batch.failures[(task_index, rollout)] = _failure_line(row, task_index, rollout, exc)
+        except Exception as exc:
+            failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
+            error = failure.kind
+            batch.failures[key] = _failure_line(ctx, row, task_index, rollout, failure)
             hub.emit(ProgressEvent("rollouts", failed=1))
         batch.records.append(RequestRecord(start, time.perf_counter(), error))
 
@@ -179,13 +187,13 @@ async def _rollout_line(
     if reward is None and ctx.verifier is not None:
         reward = await _verify(ctx.verifier, row, result)
         stats.verify_s += time.perf_counter() - t1
+    _check_reward(reward, result.attempts)
     stats.backend_s += t1 - t0
     stats.latencies.append(result.latency_s)
     stats.output_tokens += result.output_tokens
     stats.retries += result.attempts - 1
-    if isinstance(reward, int | float):
-        stats.reward_sum += reward
-        stats.reward_count += 1
+    stats.reward_sum += reward
+    stats.reward_count += 1
     out = {**row, **result.fields}
     out["reward"] = reward
     out["_ng_task_index"] = task_index
@@ -194,7 +202,7 @@ async def _rollout_line(
     if ctx.collection.record_latency:
         rf["latency_s"] = round(result.latency_s, 6)
     out["_rf"] = rf
-    return orjson.dumps(out)
+    return rowjson.dumps(out)
 
 
 async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult) -> float:
@@ -208,17 +216,35 @@ async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult
         ) from exc
 
 
-def _failure_line(row: dict[str, Any], task_index: int, rollout: int, exc: BackendError) -> bytes:
-    return orjson.dumps(
-        {
-            "_ng_task_index": task_index,
-            "_ng_rollout_index": rollout,
-            "error": {
-                "kind": exc.kind,
-                "status": exc.status,
-                "attempts": exc.attempts,
-                "message": str(exc),
-            },
-            "row": row,
-        }
-    )
+def _check_reward(reward: Any, attempts: int) -> None:
+    """A rollout without a finite number as its reward is a failure, retried by the next run."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        why = "the backend gave none and no verifier is set" if reward is None else f"it is {reward!r}"
+        raise BackendError(f"no numeric reward: {why}", kind="no_reward", attempts=attempts)
+
+
+def _unexpected(exc: Exception) -> BackendError:
+    """Any other error while building, sending, verifying or storing one rollout: that rollout's failure."""
+    return BackendError(f"{type(exc).__name__}: {exc}", kind="rollout_error")
+
+
+def _failure_line(
+    ctx: CollectContext, row: dict[str, Any], task_index: int, rollout: int, exc: BackendError
+) -> bytes:
+    record: dict[str, Any] = {
+        "_ng_task_index": task_index,
+        "_ng_rollout_index": rollout,
+        "error": {
+            "kind": exc.kind,
+            "status": exc.status,
+            "attempts": exc.attempts,
+            "message": ctx.scrub(str(exc)),
+        },
+        "row": row,
+    }
+    try:
+        return rowjson.dumps(record)
+    except (TypeError, ValueError) as dump_error:
+        record["row"] = None
+        record["row_not_stored"] = f"{type(dump_error).__name__}: {dump_error}; see the input file"
+        return rowjson.dumps(record)

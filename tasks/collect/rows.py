@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 
+from rollflow.tasks.collect.formats import chat_problem
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.store import describe_error, open_input
 
 MAX_BAD_TEXT = 2000
@@ -52,10 +54,13 @@ class InputScan:
     chunks: list[ChunkSpec]
 
 
-def row_problem(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """(row, None) for a valid NeMo Gym row, else (None, what is wrong); one parse per good row."""
+def row_problem(line: bytes, kind: str = "agent") -> tuple[dict[str, Any] | None, str | None]:
+    """(row, None) for a row backend `kind` can send and the dataset can store, else (None, what is wrong).
+
+    The same check runs at plan time and when a chunk reads its rows, so a row that passed is sent.
+    """
     try:
-        row = orjson.loads(line)
+        row = rowjson.loads(line)
     except orjson.JSONDecodeError as exc:
         try:
             line.decode("utf-8")
@@ -69,7 +74,13 @@ def row_problem(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, "the row has no 'responses_create_params' (required by the NeMo Gym row format)"
     if not isinstance(params, dict):
         return None, f"'responses_create_params' must be an object, got {type(params).__name__}"
-    return row, None
+    if rowjson.too_deep(line, row):
+        return (
+            None,
+            f"the row nests deeper than {rowjson.MAX_ROW_DEPTH} levels, more than a JSONL line can hold",
+        )
+    problem = chat_problem(params) if kind == "chat" else None
+    return (None, problem) if problem else (row, None)
 
 
 def _bad_input(url: str, line: int, problem: str) -> InputError:
@@ -121,6 +132,7 @@ def scan_input(
     skip_bad_rows: bool,
     storage_options: dict[str, Any] | None = None,
     on_bad_row: Callable[[BadRow], None] | None = None,
+    kind: str = "agent",
 ) -> InputScan:
     """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset."""
     digest = hashlib.sha256()
@@ -135,7 +147,7 @@ def scan_input(
             if not line.strip():
                 continue
             cutter.open(tasks, line_offset, lineno)
-            _row, problem = row_problem(line.rstrip(b"\r\n"))
+            _row, problem = row_problem(line.rstrip(b"\r\n"), kind)
             if problem is None:
                 good += 1
                 cutter.good += 1
@@ -159,7 +171,7 @@ def scan_input(
 
 
 def iter_chunk_rows(
-    url: str, chunk: ChunkSpec, storage_options: dict[str, Any] | None = None
+    url: str, chunk: ChunkSpec, storage_options: dict[str, Any] | None = None, kind: str = "agent"
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(task_index, row) for the chunk's valid rows, in order, reading from the chunk's byte offset."""
     task = chunk.first_task
@@ -171,7 +183,7 @@ def iter_chunk_rows(
                 return
             if not line.strip():
                 continue
-            row, problem = row_problem(line.rstrip(b"\r\n"))
+            row, problem = row_problem(line.rstrip(b"\r\n"), kind)
             if problem is None:
                 yield task, row
             task += 1

@@ -223,7 +223,9 @@ class ProbeFeed:
             done: set[RolloutKey] = set(chunk_parts(self.ctx.ledger, chunk, k)[0])
             if chunk.index in self.plan.committed:
                 done |= set(committed_rows(self.ctx.ledger, self.plan.committed[chunk.index])[0])
-            for task_index, row in iter_chunk_rows(self.ctx.input_url, chunk, self.ctx.input_options):
+            for task_index, row in iter_chunk_rows(
+                self.ctx.input_url, chunk, self.ctx.input_options, self.ctx.backend.kind.value
+            ):
                 prepared = prepare_row(row, self.ctx.collection)
                 for r in range(k):
                     if (task_index, r) not in done:
