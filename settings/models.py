@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The largest count a setting takes: what a JSON number holds exactly everywhere it travels (Prefect's
+# database and UI included); beyond it a flow run's parameters could not be stored or shown.
+MAX_COUNT = 2**53
+# The longest time a setting takes (a week): longer is a typo, and `inf` never reaches a timer.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+class Settings(BaseModel):
+    """Every settings model: NaN and infinity are refused, whatever the source (flag, env, .env, UI)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
 
 class BackendKind(StrEnum):
@@ -28,6 +41,15 @@ def split_urls(value: str) -> list[str]:
         scheme, sep, rest = url.partition("://")
         if scheme.lower() not in ("http", "https") or not sep or not rest.strip("/"):
             raise ValueError(f"{where} ({url!r}) is not an http(s) URL; pass e.g. http://127.0.0.1:8000")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises for a port that is not a number from 0 to 65535
+        except ValueError as exc:
+            raise ValueError(
+                f"{where} ({url!r}) has an invalid port ({exc}); ports run from 1 to 65535"
+            ) from None
+        if not parts.hostname:
+            raise ValueError(f"{where} ({url!r}) names no host; pass e.g. http://127.0.0.1:8000")
         key = url.rstrip("/")
         if key in seen:
             raise ValueError(f"{where} ({url!r}) is listed twice; list each endpoint once")
@@ -35,7 +57,7 @@ def split_urls(value: str) -> list[str]:
     return urls
 
 
-class BackendParams(BaseModel):
+class BackendParams(Settings):
     """Where rollouts come from and how hard to try for each one (no secrets: safe as a flow parameter)."""
 
     kind: BackendKind = Field(BackendKind.responses, description="agent | responses | chat")
@@ -44,11 +66,15 @@ class BackendParams(BaseModel):
         description="Base URL of the inference backend or agent server; several replicas comma-separated",
     )
     model: str | None = Field(None, description="Model name sent to responses/chat backends")
-    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (whole request)")
-    connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout")
+    timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Per-request timeout (whole request)")
+    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS, description="TCP connect timeout")
     max_retries: int = Field(5, ge=0, le=50, description="Retries per rollout on transient errors")
-    backoff_base_s: float = Field(0.5, ge=0, description="First backoff; doubles each retry, with jitter")
-    backoff_max_s: float = Field(30.0, ge=0, description="Largest backoff, also caps Retry-After")
+    backoff_base_s: float = Field(
+        0.5, ge=0, le=MAX_SECONDS, description="First backoff; doubles each retry, with jitter"
+    )
+    backoff_max_s: float = Field(
+        30.0, ge=0, le=MAX_SECONDS, description="Largest backoff, also caps Retry-After"
+    )
 
     @field_validator("url")
     @classmethod
@@ -81,7 +107,7 @@ class BackendSettings(BackendParams):
         return self.model_copy(update={"url": urls[0]})
 
 
-class StorageSettings(BaseModel):
+class StorageSettings(Settings):
     """fsspec options for s3:// (or other remote) input and output."""
 
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); default AWS")
@@ -113,7 +139,7 @@ class StorageSettings(BaseModel):
         return opts
 
 
-class CollectionSettings(BaseModel):
+class CollectionSettings(Settings):
     """How the input is planned into chunks and how many requests run at once."""
 
     parallelism: Annotated[int, Field(ge=1, le=65536)] | Literal["auto", "adaptive"] = Field(
@@ -123,7 +149,7 @@ class CollectionSettings(BaseModel):
     )
     chunk_size: int = Field(1000, ge=1, le=1_000_000, description="Input rows per chunk task")
     num_repeats: int = Field(1, ge=1, le=10_000, description="Rollouts per input row")
-    limit: int | None = Field(None, ge=1, description="Use only the first N rows of the input")
+    limit: int | None = Field(None, ge=1, le=MAX_COUNT, description="Use only the first N rows of the input")
     chunks_in_flight: int | None = Field(
         None, ge=1, le=1024, description="Chunks collected at once; default enough to keep parallelism fed"
     )
@@ -137,25 +163,32 @@ class CollectionSettings(BaseModel):
         5.0, ge=0, le=3600, description="Save a running chunk's finished rollouts this often (0: never)"
     )
     stall_timeout_s: float = Field(
-        0.0, ge=0, description="Cancel and retry a chunk when no rollout finishes for this long (0: never)"
+        0.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="Cancel and retry a chunk when no rollout finishes for this long (0: never)",
     )
     record_latency: bool = Field(
         False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
     )
 
 
-class TuningSettings(BaseModel):
+class TuningSettings(Settings):
     """diagnose-bottleneck and tune-parallelism knobs (used when parallelism is auto or adaptive)."""
 
     diagnose_low: int = Field(5, ge=1, le=65536, description="Low parallelism of the diagnosis")
     diagnose_high: int = Field(20, ge=2, le=65536, description="High parallelism of the diagnosis")
-    diagnose_rows: int = Field(100, ge=10, description="Rollouts at each diagnosis level")
-    tune_start: int = Field(8, ge=1, description="First level of the search when there is no diagnosis")
-    tune_step_rollouts: int = Field(100, ge=10, description="Fewest rollouts per search step")
-    plateau_gain: float = Field(0.10, gt=0, description="A doubling that gains less than this is a plateau")
-    max_error_rate: float = Field(0.02, ge=0, description="Failure rate that stops the search")
+    diagnose_rows: int = Field(100, ge=10, le=MAX_COUNT, description="Rollouts at each diagnosis level")
+    tune_start: int = Field(
+        8, ge=1, le=65536, description="First level of the search when there is no diagnosis"
+    )
+    tune_step_rollouts: int = Field(100, ge=10, le=MAX_COUNT, description="Fewest rollouts per search step")
+    plateau_gain: float = Field(
+        0.10, gt=0, le=100, description="A doubling that gains less than this is a plateau"
+    )
+    max_error_rate: float = Field(0.02, ge=0, le=1, description="Failure rate that stops the search")
     headroom: float = Field(0.8, gt=0, le=1, description="Chosen value is at least headroom x knee")
-    max_parallelism: int = Field(4096, ge=1, description="Never search above this")
+    max_parallelism: int = Field(4096, ge=1, le=65536, description="Never search above this")
 
 
 BuiltinVerifier = Annotated[Literal["exact_match", "math", "http", "none"], Field(title="built-in")]
@@ -166,7 +199,7 @@ CallableVerifier = Annotated[
 ]
 
 
-class VerifySettings(BaseModel):
+class VerifySettings(Settings):
     """How rewards are computed for backends that return none."""
 
     verifier: BuiltinVerifier | CallableVerifier = Field(
@@ -175,10 +208,12 @@ class VerifySettings(BaseModel):
         "module:function, your Python callable (row, text) -> float",
     )
     url: str | None = Field(None, description="NeMo Gym resources server for the http verifier")
-    timeout_s: float = Field(60.0, gt=0, description="Per-request timeout of the http verifier")
+    timeout_s: float = Field(
+        60.0, gt=0, le=MAX_SECONDS, description="Per-request timeout of the http verifier"
+    )
 
 
-class PipelineSettings(BaseModel):
+class PipelineSettings(Settings):
     """Where the run reads and writes, and what it may do to existing output."""
 
     input: str | None = Field(None, description="Input JSONL: local path or any fsspec URL (s3://...)")
@@ -186,7 +221,10 @@ class PipelineSettings(BaseModel):
     restart: bool = Field(False, description="Discard committed chunks of a different run and start over")
     allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
     deadline_s: float | None = Field(
-        None, gt=0, description="Stop cleanly after this many seconds, keeping all committed work"
+        None,
+        gt=0,
+        le=MAX_SECONDS,
+        description="Stop cleanly after this many seconds, keeping all committed work",
     )
     runner: Literal["local", "dask"] = Field(
         "local", description="local: chunks in this process; dask: chunks on a Dask cluster's workers"
@@ -196,11 +234,14 @@ class PipelineSettings(BaseModel):
     )
     dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
     lease_ttl_s: float = Field(
-        60.0, ge=1, description="Output lease lifetime; renewed every third of it while the run lives"
+        60.0,
+        ge=1,
+        le=MAX_SECONDS,
+        description="Output lease lifetime; renewed every third of it while the run lives",
     )
 
 
-class PrefectSettings(BaseModel):
+class PrefectSettings(Settings):
     """Which Prefect server a CLI run uses when no PREFECT_API_URL is configured."""
 
     local_server: Literal["keep", "ephemeral"] = Field(
@@ -212,6 +253,7 @@ class PrefectSettings(BaseModel):
     start_timeout_s: float = Field(
         180.0,
         gt=0,
+        le=MAX_SECONDS,
         description="How long a run waits for the Prefect server it started (kept or ephemeral) to answer",
     )
 
@@ -225,6 +267,7 @@ class RollflowSettings(BaseSettings):
         env_file=".env",
         env_file_encoding="utf-8",
         extra="ignore",
+        allow_inf_nan=False,
     )
 
     backend: BackendSettings = Field(default_factory=BackendSettings)

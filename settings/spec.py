@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from rollflow.settings.models import (
+    MAX_SECONDS,
     BackendParams,
     BackendSettings,
     CollectionSettings,
     RollflowSettings,
+    Settings,
     TuningSettings,
     VerifySettings,
 )
 
 
-class RunSpec(BaseModel):
+class RunSpec(Settings):
     """What to collect, from where, into where. Secrets are resolved from the environment at run time."""
 
     input: str = Field(..., description="Input JSONL of NeMo Gym rows: local path or s3://...")
@@ -31,7 +33,7 @@ class RunSpec(BaseModel):
     restart: bool = Field(False, description="Discard a different run's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
     deadline_s: float | None = Field(
-        None, gt=0, description="Stop cleanly after this many seconds; run again to resume"
+        None, gt=0, le=MAX_SECONDS, description="Stop cleanly after this many seconds; run again to resume"
     )
     runner: Literal["local", "dask"] = Field("local", description="Where chunks run: this process or Dask")
     dask_address: str | None = Field(None, description="Existing Dask scheduler; default a local cluster")

@@ -96,14 +96,50 @@ def quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")
 
 
+def _unparsable_json_settings() -> list[str]:
+    """The ROLLFLOW_* variables (environment, then .env) of object-valued settings that are not JSON."""
+    import json
+
+    from dotenv import dotenv_values
+
+    from rollflow.settings import RollflowSettings
+
+    names = [
+        f"ROLLFLOW_{group.upper()}__{name.upper()}"
+        for group, info in RollflowSettings.model_fields.items()
+        for name, field in getattr(info.annotation, "model_fields", {}).items()
+        if getattr(field.annotation, "__origin__", field.annotation) is dict
+    ]
+    found = []
+    dotenv = {k.upper(): v for k, v in dotenv_values(".env").items()} if os.path.exists(".env") else {}
+    for name in names:
+        source, value = (
+            ("environment", os.environ.get(name)) if name in os.environ else (".env", dotenv.get(name))
+        )
+        if value is None:
+            continue
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            example = '{"temperature": 0.7}'
+            found.append(
+                f"{name} in the {source} is not valid JSON ({exc}); pass an object, e.g. '{example}'"
+            )
+    return found
+
+
 def load_settings() -> RollflowSettings:
     """The ROLLFLOW_* settings; a bad value in the environment or .env is a UsageError naming the variable."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from rollflow.settings import RollflowSettings
 
     try:
         return RollflowSettings()
+    except SettingsError as exc:
+        problems = "; ".join(_unparsable_json_settings()) or str(exc)
+        raise UsageError(f"Invalid setting: {problems}. Fix or unset it.") from None
     except ValidationError as exc:
         problems = "; ".join(
             f"ROLLFLOW_{'__'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()

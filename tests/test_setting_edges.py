@@ -1,0 +1,41 @@
+"""Every setting is checked at the edge: exit 2 and one paragraph naming it, before a flow run exists."""
+
+from __future__ import annotations
+
+import pytest
+from rollout_data import write_rows
+from test_errors import args_for, one_paragraph
+
+CASES = {
+    "limit beyond 2**53": ((f"--limit={2**63 + 1}",), {}, None, "limit"),
+    "timeout inf": (("--timeout-s", "inf"), {}, None, "timeout_s"),
+    "connect timeout inf (env)": (
+        (),
+        {"ROLLFLOW_BACKEND__CONNECT_TIMEOUT_S": "inf"},
+        None,
+        "CONNECT_TIMEOUT_S",
+    ),
+    "deadline nan": (("--deadline-s", "nan"), {}, None, "deadline_s"),
+    "port out of range": ((), {}, "http://127.0.0.1:99999", "invalid port"),
+    "overrides not JSON (env)": (
+        (),
+        {"ROLLFLOW_COLLECTION__OVERRIDES": "{bad"},
+        None,
+        "ROLLFLOW_COLLECTION__OVERRIDES",
+    ),
+    "overrides not JSON (.env)": ((), {}, None, "ROLLFLOW_COLLECTION__OVERRIDES in the .env"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_setting_is_one_paragraph_and_exit_2(run_cli, fast_sim, tmp_path, case):
+    flags, env, url, needle = CASES[case]
+    inp = write_rows(tmp_path / "in.jsonl", 5)
+    if case.endswith("(.env)"):
+        (tmp_path / ".env").write_text("ROLLFLOW_COLLECTION__OVERRIDES={bad\n")
+    out = tmp_path / "out"
+    res = run_cli(*args_for(inp, out, url or fast_sim.url), *flags, env=env, cwd=str(tmp_path), timeout=60)
+    assert res.returncode == 2, res.stderr
+    message = one_paragraph(res.stderr)
+    assert needle in message, message
+    assert "Traceback" not in res.stderr and not out.exists()
