@@ -12,6 +12,39 @@ if TYPE_CHECKING:
     from rollflow.settings import RollflowSettings
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
+# Stopped by a signal, as shells report it (128 + the signal): Ctrl-C 130, SIGTERM 143.
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside a flow run (Prefect raises its own TerminationSignal inside one): stop like Ctrl-C."""
+
+
+def terminate_like_ctrl_c() -> None:
+    """From now on SIGTERM stops the command as Ctrl-C does, instead of killing it without a word."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def signal_stops() -> tuple[type[BaseException], ...]:
+    """What a signal raises in the command: Ctrl-C, SIGTERM before a flow run, and Prefect's in one."""
+    from prefect.exceptions import TerminationSignal
+
+    return (KeyboardInterrupt, TerminationSignal)
+
+
+def signal_stop_in(exc: BaseException) -> BaseException | None:
+    """The signal's exception, also when a task group wrapped it; None for any other error."""
+    if isinstance(exc, BaseExceptionGroup):
+        group = exc.subgroup(signal_stops())
+        while isinstance(group, BaseExceptionGroup):
+            group = group.exceptions[0]
+        return group
+    return exc if isinstance(exc, signal_stops()) else None
 
 
 class UsageError(Exception):
@@ -47,6 +80,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+# Prefect's words for a task or flow that a Ctrl-C or SIGTERM cancelled; the CLI says it in one line.
+STOPPED_BY_SIGNAL = "cancelled by the runtime environment"
+
+
 class HideKnownErrors(logging.Filter):
     """Console only: drop Prefect's records of an expected error, which rollflow reports in one paragraph.
 
@@ -65,6 +102,8 @@ class HideKnownErrors(logging.Filter):
         if not record.name.startswith("prefect"):
             return True
         message = record.getMessage().replace("exception: ", "exception ")
+        if STOPPED_BY_SIGNAL in message:
+            return False
         return not any(name in message for name in self.names)
 
 

@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rollflow.flows.cli.errors import EXIT_ERROR, UsageError, load_settings, quiet_prefect
+from rollflow.flows.cli.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+    UsageError,
+    load_settings,
+    quiet_prefect,
+    terminate_like_ctrl_c,
+)
 
 if TYPE_CHECKING:
     from rollflow.settings import RollflowSettings
@@ -245,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fresh = argv is None
     started_at = process_start() if fresh else time.time()
+    if fresh:
+        terminate_like_ctrl_c()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
@@ -274,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"rollflow: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt as exc:
+        term = isinstance(exc, Terminated)
+        print(
+            f"rollflow: {'terminated (SIGTERM)' if term else 'interrupted'} before any work.", file=sys.stderr
+        )
+        return EXIT_TERMINATED if term else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -17,8 +17,13 @@ from rich.table import Table
 from rollflow.flows.cli.errors import (
     EXIT_ERROR,
     EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
+    Terminated,
     known_errors_quiet,
+    signal_stop_in,
+    signal_stops,
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
@@ -140,12 +145,18 @@ def run_and_print(
     except known as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
-    except KeyboardInterrupt:
+    except (*signal_stops(), BaseExceptionGroup) as exc:
+        stop = signal_stop_in(exc)
+        if stop is None:
+            raise
+        interrupt = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Terminated)
         console.print(
-            "[bold yellow]rollflow:[/] interrupted. Committed chunks are kept; run the same command again "
-            "to resume."
+            f"[bold yellow]rollflow:[/] {'interrupted' if interrupt else 'terminated (SIGTERM)'}. Committed "
+            "chunks and saved rollouts are kept; run the same command again to resume.",
+            highlight=False,
+            soft_wrap=True,
         )
-        return 130
+        return EXIT_INTERRUPTED if interrupt else EXIT_TERMINATED
     if note:
         console.print(f"[yellow]rollflow:[/] {note}", highlight=False, soft_wrap=True)
     if report is not None:

@@ -1,0 +1,42 @@
+"""SIGTERM stops a run the way Ctrl-C does: one line, its own exit status, committed work kept."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from cli_runs import run_args, spawn, wait_until
+
+from rollflow.infra.local import spawn_simulator
+
+
+def test_sigterm_is_one_line_exit_143_and_the_next_run_resumes(run_cli, cli_env, rows_input, tmp_path):
+    sim = spawn_simulator("--latency-ms", "40", "--slots", "16")  # 400/s: 2,400 rollouts take ~6 s
+    try:
+        out = tmp_path / "out"
+        proc = spawn(run_args(rows_input, str(out), sim), cli_env)
+        wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 2, proc)
+        committed = {p.name: p.read_bytes() for p in out.glob("chunks/*.json*")}
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        stderr = err.decode()
+        assert proc.returncode == 143, stderr[-3000:]
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("rollflow: terminated (SIGTERM)"), stderr[-3000:]
+        for name, data in committed.items():
+            assert (out / "chunks" / name).read_bytes() == data
+        res = run_cli(*run_args(rows_input, str(out), sim))
+        assert res.returncode == 0, res.stderr
+        assert len((out / "rollouts.jsonl").read_bytes().splitlines()) == 2 * 1200
+    finally:
+        sim.stop()
+
+
+def test_sigterm_before_the_flow_is_one_line(cli_env, rows_input, tmp_path: Path):
+    proc = spawn(
+        ["run", "--input", str(rows_input), "--output", str(tmp_path / "o"), "--no-progress"], cli_env
+    )
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (143, -signal.SIGTERM), err.decode()[-2000:]
+    assert "Traceback" not in err.decode()
