@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from rollflow.settings import RunSpec
+from rollflow.tasks.collect.paths import check_paths, remove_published, same_object
 from rollflow.tasks.collect.rows import BadRow, InputScan, scan_input
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
@@ -59,10 +60,18 @@ def config_hash(config: dict[str, Any], num_repeats: int, chunk_size: int) -> st
 
 
 def plan_run(
-    spec: RunSpec, store: Store, ledger: Ledger, input_options: dict[str, Any], parallelism: int | None
+    spec: RunSpec,
+    store: Store,
+    ledger: Ledger,
+    input_options: dict[str, Any],
+    parallelism: int | None,
+    dataset_options: dict[str, Any] | None = None,
 ) -> RunPlan:
-    """Fail fast (bad output, bad input, changed run) before a single request is sent."""
+    """Fail fast (bad paths, output, input, changed run) before a single request is sent."""
     store.check_writable()
+    dataset_options = dataset_options or {}
+    check_paths(spec.input, spec.output, spec.dataset_url(), (input_options, dataset_options), store)
+    stored = ledger.stored_identity()
     with tempfile.SpooledTemporaryFile(max_size=4 * 1024 * 1024) as bad:
 
         def record(row: BadRow) -> None:
@@ -96,12 +105,21 @@ def plan_run(
             parallelism=parallelism,
             created_at=datetime.now(UTC).isoformat(),
             rollflow_version=_rollflow_version(),
+            dataset_url=spec.dataset_url(),
         )
         identity = ledger.open_run(identity, restart=spec.restart)
+        if stored is not None and identity.run_id != stored.run_id:
+            _remove_discarded_dataset(stored.dataset_url or spec.dataset_url(), spec, dataset_options)
         if scan.bad_rows:
             bad.seek(0)
             ledger.write_bad_rows(bad)
     return RunPlan(scan=scan, identity=identity, committed=ledger.committed())
+
+
+def _remove_discarded_dataset(url: str, spec: RunSpec, options: dict[str, Any]) -> None:
+    """A restart publishes nothing of the run it discards, also where it published outside the output."""
+    if not same_object(url, spec.input, options):
+        remove_published(url, options)
 
 
 def _chunk_dict(chunk: Any) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class RunIdentity(BaseModel):
     # New for every fresh start (and every --restart), kept on resume: parts and manifests carry it,
     # so nothing written under a discarded run is ever adopted or published. "" for older outputs.
     run_id: str = ""
+    # Where the run publishes its dataset (also outside the output), so --restart can remove it.
+    dataset_url: str | None = None
 
 
 class ChunkManifest(BaseModel):
@@ -133,8 +135,10 @@ class Ledger:
         if stored is not None:
             changes = identity_changes(stored, identity)
             if not changes and not restart:
-                if identity.parallelism is not None and identity.parallelism != stored.parallelism:
-                    stored.parallelism = identity.parallelism
+                moved = identity.dataset_url is not None and identity.dataset_url != stored.dataset_url
+                if moved or (identity.parallelism is not None and identity.parallelism != stored.parallelism):
+                    stored.parallelism = identity.parallelism or stored.parallelism
+                    stored.dataset_url = identity.dataset_url or stored.dataset_url
                     self._write_identity(stored)
                 self._run_id = stored.run_id
                 return stored

@@ -24,7 +24,13 @@ from rollflow.tasks.wrappers.runtime import RunHandles
 @task(name="plan", cache_policy=NONE)
 async def plan_task(handles: RunHandles, parallelism: int | None) -> RunPlan:
     return await asyncio.to_thread(
-        plan_run, handles.spec, handles.store, handles.ledger, handles.input_options, parallelism
+        plan_run,
+        handles.spec,
+        handles.store,
+        handles.ledger,
+        handles.input_options,
+        parallelism,
+        handles.dataset_options,
     )
 
 
