@@ -100,6 +100,10 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
 
 TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW = 4  # below 4x the diagnosis size, tuning would eat most of the run
 FALLBACK_PARALLELISM = CollectionSettings().parallelism
+TUNING_AT_DEADLINE = (
+    "the deadline came while diagnosing or tuning: nothing was collected; the probes' finished rollouts "
+    "are saved as parts, which the next run adopts"
+)
 
 
 @dataclass
@@ -121,11 +125,18 @@ async def _collect_verify_publish(
     mode = spec.collection.parallelism
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
     clock.mark("startup")
-    parallelism, extra = await choose_step(spec, settings, handles, plan)
     left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
-    limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
-    collected = await collect_step(spec, settings, handles, plan, limits, left)
-    collected.extra = {**extra, **collected.extra}
+    try:
+        async with asyncio.timeout(left):
+            parallelism, extra = await choose_step(spec, settings, handles, plan)
+    except TimeoutError:
+        collected = Collected(CollectResult(stopped=True), collect_context(handles, settings, 1))
+        collected.extra = {"tuning_stopped": TUNING_AT_DEADLINE}
+    else:
+        left = None if left is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
+        limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
+        collected = await collect_step(spec, settings, handles, plan, limits, left)
+        collected.extra = {**extra, **collected.extra}
     clock.mark("collect")
     summary = await verify_task(handles, plan)
     clock.mark("verify")
