@@ -59,11 +59,7 @@ class ObjectCas:
             try:
                 self.store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
             except (FileExistsError, OSError) as exc:
-                if (
-                    "pre-condition" in str(exc)
-                    or "PreconditionFailed" in str(exc)
-                    or isinstance(exc, FileExistsError)
-                ):
+                if _precondition_failed(exc):
                     return False
                 raise
             return True
@@ -75,8 +71,27 @@ class ObjectCas:
             return self.read()[0] == data
         return True
 
-    def delete(self) -> None:
-        self.store.delete(self.rel)
+    def delete(self, token: str | None) -> bool:
+        """Delete the object only if it is still the version we read as `token`; False if it changed."""
+        if self.s3:
+            bucket, key = self._bucket_key()
+            try:
+                self.store.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=token)
+            except OSError as exc:
+                if _precondition_failed(exc):
+                    return False
+                raise
+            return True
+        with self._locked():
+            if self.read()[1] != token:
+                return False
+            self.store.delete(self.rel)
+        return True
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    text = str(exc)
+    return "pre-condition" in text or "PreconditionFailed" in text or isinstance(exc, FileExistsError)
 
 
 def _read_body(store: Store, body: object) -> bytes:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import orjson
 
 from rollflow.tasks.storage.cas import ObjectCas
-from rollflow.tasks.storage.store import Store
+from rollflow.tasks.storage.store import StorageError, Store
 
 LEASE = "lease.json"
 T = TypeVar("T")
@@ -36,6 +36,23 @@ class LeaseLost(Exception):
     """Our lease was taken over (we were presumed dead); this run must stop writing."""
 
 
+class OutputGone(StorageError):
+    """The output itself disappeared while the run wrote it (its bucket or directory was deleted)."""
+
+
+def process_space() -> str:
+    """Where a pid means one process: this boot of this kernel and this pid namespace.
+
+    Containers or VMs that share a hostname differ here, so a pid of theirs is never looked up here.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
 @dataclass
 class LeaseInfo:
     owner: str
@@ -43,10 +60,11 @@ class LeaseInfo:
     pid: int
     acquired_at: float
     expires_at: float
+    space: str = ""  # process_space() of the owner; "" in leases written before it was recorded
 
     def owner_alive_here(self) -> bool:
-        """False only when the owner is a process of this host that no longer exists."""
-        if self.host != socket.gethostname():
+        """False only when the owner is a process of this host, boot and pid namespace that is gone."""
+        if self.host != socket.gethostname() or not self.space or self.space != process_space():
             return True
         try:
             os.kill(self.pid, 0)
@@ -78,18 +96,21 @@ class Lease:
         self.store = store
         self.ttl_s = ttl_s
         self.host = socket.gethostname()
+        self.space = process_space()
         self.pid = os.getpid()
         self.owner = f"{self.host}:{self.pid}:{secrets.token_hex(4)}"
         self.token: str | None = None
         self.acquired_at = time.time()
         self.lost = False
         self.lost_reason = ""
+        self.lost_error: Exception | None = None
         self.margin_s = ttl_s / 6
         self.valid_until = time.monotonic() + ttl_s - self.margin_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollflow-lease")
 
     def _body(self) -> bytes:
-        info = LeaseInfo(self.owner, self.host, self.pid, self.acquired_at, time.time() + self.ttl_s)
+        expires = time.time() + self.ttl_s
+        info = LeaseInfo(self.owner, self.host, self.pid, self.acquired_at, expires, self.space)
         return orjson.dumps(asdict(info))
 
     def _held_message(self, info: LeaseInfo) -> str:
@@ -120,21 +141,54 @@ class Lease:
         )
 
     def renew(self) -> None:
+        """Extend the lease; a write refused because our own earlier write landed (a resent PUT) is ours.
+
+        A lost lease raises LeaseLost; an output that vanished (bucket deleted) raises OutputGone.
+        """
         data, token = self.cas.read()
         info = _parse(data)
-        if info is None or info.owner != self.owner or not self.cas.write(self._body(), token):
+        if info is not None and info.owner == self.owner:
+            if self.cas.write(self._body(), token):
+                self.token = self.cas.read()[1]
+                return
+            data, token = self.cas.read()
+            info = _parse(data)
+            if info is not None and info.owner == self.owner:
+                self.token = token
+                return
+        if info is None and self._output_gone():
             self._lose(
-                f"This run's lease on {self.store.root_url} was taken over by "
-                f"{info.owner if info else 'nobody'}; this run stopped writing so that only one run writes "
-                f"the output. Everything it committed is kept."
+                f"The output {self.store.root_url} disappeared while this run was writing it (its bucket "
+                f"or directory was deleted): the chunks it had committed there are gone with it, and "
+                f"nothing was published. Recreate the output location and run the same command again to "
+                f"collect everything again."
             )
-            raise LeaseLost(self.lost_reason)
+            raise OutputGone(self.lost_reason)
+        self._lose(
+            f"This run's lease on {self.store.root_url} was taken over by "
+            f"{info.owner if info else 'nobody (the lease object was deleted)'}; this run stopped writing "
+            f"so that only one run writes the output. Everything it committed is kept."
+        )
+        raise LeaseLost(self.lost_reason)
+
+    def _output_gone(self) -> bool:
+        """Whether the output's location holds nothing any more (an S3 bucket gone, a directory removed)."""
+        fs = self.store.fs
+        fs.invalidate_cache()
+        root = self.store.root
+        bucket = root.split("/", 1)[0]
+        try:
+            return not fs.exists(bucket if self.cas.s3 else root) or not fs.find(root, maxdepth=None)
+        except FileNotFoundError:
+            return True
 
     def release(self) -> None:
+        """Delete the lease only while it is the version this run wrote: never a successor's lease."""
         with contextlib.suppress(Exception):
-            info = _parse(self.cas.read()[0])
+            data, token = self.cas.read()
+            info = _parse(data)
             if info is not None and info.owner == self.owner:
-                self.cas.delete()
+                self.cas.delete(token)
         self._pool.shutdown(wait=False)
 
     def _lose(self, reason: str) -> None:
@@ -164,7 +218,8 @@ class Lease:
             try:
                 started = await self._renew_within(self.valid_until - now)
                 self.valid_until = started + self.ttl_s - self.margin_s
-            except LeaseLost as exc:
+            except (LeaseLost, OutputGone) as exc:
+                self.lost_error = exc
                 self._lose(str(exc))
             except TimeoutError:
                 self._lose(self._expired_message())
@@ -178,7 +233,7 @@ class Lease:
         if not self.lost and time.monotonic() >= self.valid_until:
             self._lose(self._expired_message())
         if self.lost:
-            raise LeaseLost(self.lost_reason)
+            raise self.lost_error or LeaseLost(self.lost_reason)
 
     def _expired_message(self) -> str:
         return (
@@ -194,7 +249,7 @@ class Lease:
 
         async def keeper() -> None:
             await self.keep()
-            raise LeaseLost(self.lost_reason)
+            raise self.lost_error or LeaseLost(self.lost_reason)
 
         return await run_guarded(work, keeper())
 
@@ -208,9 +263,33 @@ async def run_guarded(work: Coroutine[Any, Any, T], watcher: Coroutine[Any, Any,
             job = group.create_task(work)
             job.add_done_callback(lambda _: watching.cancel())
     except BaseExceptionGroup as errors:
-        found = [e for e in errors.exceptions if isinstance(e, LeaseLost)] or list(errors.exceptions)
+        found = [e for e in errors.exceptions if isinstance(e, LeaseLost | OutputGone)] or list(
+            errors.exceptions
+        )
         raise found[0] from None
     return job.result()
+
+
+def _not_owner(store: Store, owner: str, info: LeaseInfo | None) -> LeaseLost | None:
+    if info is None or info.owner != owner or info.expires_at <= time.time():
+        return LeaseLost(
+            f"The lease on {store.root_url} is no longer held by the run this worker writes for "
+            f"({owner}); the chunk stopped without committing."
+        )
+    return None
+
+
+def owner_fence(store: Store, owner: str) -> Callable[[], None]:
+    """A commit fence for a process that writes for a run without holding its lease (a Dask worker):
+    reads the lease before each commit and raises LeaseLost unless `owner` still holds it."""
+    cas = ObjectCas(store, LEASE)
+
+    def fence() -> None:
+        lost = _not_owner(store, owner, _parse(cas.read()[0]))
+        if lost is not None:
+            raise lost
+
+    return fence
 
 
 async def follow(store: Store, owner: str, interval_s: float) -> None:
@@ -219,10 +298,7 @@ async def follow(store: Store, owner: str, interval_s: float) -> None:
     cas = ObjectCas(store, LEASE)
     while True:
         data, _ = await asyncio.to_thread(cas.read)
-        info = _parse(data)
-        if info is None or info.owner != owner or info.expires_at <= time.time():
-            raise LeaseLost(
-                f"The lease on {store.root_url} is no longer held by the run this worker writes for "
-                f"({owner}); the chunk stopped without committing."
-            )
+        lost = _not_owner(store, owner, _parse(data))
+        if lost is not None:
+            raise lost
         await asyncio.sleep(interval_s)

@@ -207,6 +207,8 @@ class Ledger:
         manifest.sha256 = hashlib.sha256(data).hexdigest()
         manifest.bytes = len(data)
         manifest.run_id = self.run_id
+        if self.fence is not None:
+            self.fence()
         self.store.write_bytes(self.chunk_path(i), data)
         if failures:
             self.store.write_bytes(self.failures_path(i), failures)

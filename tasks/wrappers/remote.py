@@ -18,7 +18,7 @@ from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.rows import ChunkSpec
-from rollflow.tasks.storage.lease import follow, run_guarded
+from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
 from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 SettingsResolver = Callable[[RollflowSettings], Awaitable[RollflowSettings]]
@@ -47,6 +47,8 @@ async def collect_chunk_on_worker(
         settings = await resolve(settings)
     scope = scope or WorkerScope()
     handles = open_run(spec, settings)
+    if scope.owner is not None:
+        handles.ledger.fence = owner_fence(handles.store, scope.owner)
     ctx = collect_context(handles, settings, share)
     left = None if scope.stop_at is None else max(0.0, scope.stop_at - time.time())
     try:
