@@ -26,6 +26,12 @@ def incomplete_message(summary: AuditSummary, spec: RunSpec, chunk_errors: list[
             f"committed (it no longer matches its manifest's sha256); its commit was withdrawn, so the "
             f"next run collects it again."
         )
+    if summary.lost_chunks:
+        failed_chunks += (
+            f" The data object of chunk {', '.join(map(str, summary.lost_chunks[:10]))} is gone while its "
+            f"manifest remained (deleted from the output); its commit was withdrawn, so the next run "
+            f"collects it again."
+        )
     return (
         f"The dataset was not published: the audit found {summary.missing:,} of "
         f"{summary.rows_expected:,} rollouts missing ({summary.failed:,} failed after retries, listed "

@@ -112,6 +112,25 @@ def test_a_chunk_changed_after_commit_is_never_published(run_cli, slow_sim, rows
         assert (out / "rollouts.jsonl").read_bytes() == reference
 
 
+def test_a_manifest_without_its_data_object_is_withdrawn_and_collected_again(
+    run_cli, slow_sim, rows_input, reference, tmp_path
+):
+    """The data object of a committed chunk is deleted (by hand, a lifecycle rule): the audit says so,
+    withdraws the commit, and the next run collects that chunk again instead of failing forever."""
+    out = tmp_path / "out"
+    args = run_args(rows_input, str(out), slow_sim)
+    assert run_cli(*args).returncode == 0
+    (out / "chunks" / "00004.jsonl").unlink()
+    res = run_cli(*args)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "chunk 4" in res.stderr and "gone" in res.stderr, res.stderr
+    assert not (out / "chunks" / "00004.json").exists(), "the commit must be withdrawn"
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+
+
 @pytest.mark.parametrize("blocked", ["00001.jsonl", "00001.json"])
 def test_allow_incomplete_publishes_exactly_the_committed_chunks(
     run_cli, slow_sim, rows_input, tmp_path, blocked

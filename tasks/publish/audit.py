@@ -33,6 +33,7 @@ class ChunkAudit:
     output_tokens: int = 0
     sha_matches: bool = True
     committed: bool = True
+    data_lost: bool = False
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -52,7 +53,10 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
     """
     cache_rel = f"{AUDIT_DIR}/{spec.index:05d}.json"
     store = ledger.store
-    stamp = store.stamp(ledger.chunk_path(spec.index))
+    try:
+        stamp = store.stamp(ledger.chunk_path(spec.index))
+    except FileNotFoundError:
+        return _lost_data(spec, manifest, num_repeats)
     if store.exists(cache_rel):
         cached = orjson.loads(store.read_bytes(cache_rel))
         if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256:
@@ -81,6 +85,21 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
     if audit.sha_matches:
         store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "stamp": stamp}))
     return audit
+
+
+def _lost_data(spec: ChunkSpec, manifest: ChunkManifest, num_repeats: int) -> ChunkAudit:
+    """A manifest whose data object is gone vouches for nothing: the chunk counts as never committed."""
+    return ChunkAudit(
+        chunk=spec.index,
+        expected=spec.good_rows * num_repeats,
+        failed=manifest.failed,
+        committed=False,
+        data_lost=True,
+        problems=[
+            "its data object is gone while its manifest remains: the commit was withdrawn, so the next "
+            "run of the same command collects this chunk again"
+        ],
+    )
 
 
 @dataclass
@@ -143,6 +162,7 @@ class AuditSummary:
     sha_mismatches: int = 0
     uncommitted_chunks: list[int] = field(default_factory=list)
     changed_chunks: list[int] = field(default_factory=list)
+    lost_chunks: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -171,6 +191,8 @@ class AuditSummary:
         self.chunks_committed += int(audit.committed)
         if not audit.committed:
             self.uncommitted_chunks.append(audit.chunk)
+        if audit.data_lost:
+            self.lost_chunks.append(audit.chunk)
         if not audit.sha_matches:
             self.sha_mismatches += 1
             self.changed_chunks.append(audit.chunk)
@@ -188,8 +210,8 @@ def audit_run(
 ) -> AuditSummary:
     """Audit every planned chunk; one that never committed counts wholly as missing.
 
-    A chunk whose object no longer matches its manifest loses its commit here, so resuming collects
-    it again instead of trusting (or forever refusing) bytes nobody vouches for.
+    A chunk whose object no longer matches its manifest, or is gone, loses its commit here, so resuming
+    collects it again instead of trusting (or forever refusing) bytes nobody vouches for.
     """
     summary = AuditSummary(chunks_total=len(chunks))
     for spec in chunks:
@@ -198,7 +220,7 @@ def audit_run(
             summary.add(ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, committed=False))
             continue
         audit = audit_chunk(ledger, spec, manifest, num_repeats)
-        if not audit.sha_matches:
+        if not audit.sha_matches or audit.data_lost:
             ledger.uncommit(spec.index)
         summary.add(audit)
     return summary
