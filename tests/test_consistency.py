@@ -1,9 +1,11 @@
-"""Randomized consistency: kills, restarts, changed configs, foreign or corrupt objects, concurrent runs.
+"""Randomized consistency: kills, SIGTERM, restarts, changed configs, foreign or corrupt objects,
+concurrent runs, a backend answering 200 error objects and null rewards, rows no backend can take.
 
 Each seeded schedule drives real `rollflow run` processes at one output (local disk or s3:// on moto).
 After every run that ends, the outcome must be one of two: exit 0 with a dataset byte-identical to a clean
 run of that run's configuration, or a refusal (exit 1 or 2, a `rollflow:` paragraph) that published
 nothing (the dataset object is exactly what it was before). The last run of a schedule must publish.
+No committed chunk may lack a rollout without a failure record giving its reason.
 ROLLFLOW_TEST_SCHEDULES sets how many schedules run (default 6); the seed of each is in its name.
 """
 
@@ -26,10 +28,17 @@ from cli_runs import spawn
 from rollout_data import write_rows
 
 from rollflow.infra.local import Service, spawn_simulator
+from rollflow.tasks.storage.rowjson import MAX_ROW_DEPTH
 
 ROWS, REPEATS, CHUNK = 120, 2, 20
 SCHEDULES = int(os.environ.get("ROLLFLOW_TEST_SCHEDULES", "6"))
-STEP_KINDS = ("complete", "kill", "concurrent", "foreign_part", "garbage_part", "tamper", "drop_manifest")
+STEP_KINDS = (
+    "complete", "kill", "sigterm", "concurrent", "foreign_part", "garbage_part", "tamper", "drop_manifest",
+    "failing_backend", "bad_input",
+)  # fmt: skip
+# Every request to the failing backend answers 200 with an error object or an agent reward of null.
+FAILING = ("--fault-rate", "1", "--fault-kinds", "error_object,null_reward")
+FAST_FAILURES = {"ROLLFLOW_BACKEND__MAX_RETRIES": "1", "ROLLFLOW_BACKEND__BACKOFF_BASE_S": "0.01"}
 CONFIGS = ("base", "override", "other_backend")
 SEEN: Counter[str] = Counter()
 EXE = str(Path(sys.executable).with_name("rollflow"))
@@ -43,11 +52,13 @@ class World:
     sims: dict[str, Service]
     references: dict[str, bytes] = field(default_factory=dict)
 
-    def args(self, out: str, config: str, *extra: str) -> list[str]:
-        sim = self.sims["b" if config == "other_backend" else "a"]
+    def args(
+        self, out: str, config: str, *extra: str, sim: str | None = None, inp: Path | None = None
+    ) -> list[str]:
+        url = self.sims[sim or backend(config)].url
         args = [
-            "run", "--input", str(self.inp), "--output", out, "--backend-kind", "agent",
-            "--backend-url", sim.url, "--num-repeats", str(REPEATS), "--parallelism", "8",
+            "run", "--input", str(inp or self.inp), "--output", out, "--backend-kind", "agent",
+            "--backend-url", url, "--num-repeats", str(REPEATS), "--parallelism", "8",
             "--chunk-size", str(CHUNK), "--no-progress", *extra,
         ]  # fmt: skip
         if config == "override":
@@ -61,6 +72,7 @@ def world(run_cli, tmp_path_factory: pytest.TempPathFactory) -> World:
     sims = {
         "a": spawn_simulator("--latency-ms", "15", "--slots", "8", "--seed", "1"),
         "b": spawn_simulator("--latency-ms", "15", "--slots", "8", "--seed", "2"),
+        "failing": spawn_simulator("--latency-ms", "2", "--slots", "32", *FAILING),
     }
     w = World(write_rows(root / "in.jsonl", ROWS), sims)
     for config in CONFIGS:
@@ -120,13 +132,13 @@ class Schedule:
         self.possible: set[str] = set()  # configurations the output may hold (several after a kill)
         self.log: list[str] = []
 
-    def _args(self, config: str, final: bool = False) -> list[str]:
+    def _args(self, config: str, final: bool = False, **where: object) -> list[str]:
         """--restart when the backend changes (a resume may switch URLs by design, but then the bytes
         would match no clean run), and mostly when the configuration changes (else: refused)."""
         other_backend = any(backend(p) != backend(config) for p in self.possible)
         changed = any(p != config for p in self.possible)
         restart = other_backend or (changed and (final or self.rng.random() < 0.7))
-        return self.world.args(self.out.url, config, *(("--restart",) if restart else ()))
+        return self.world.args(self.out.url, config, *(("--restart",) if restart else ()), **where)  # type: ignore[arg-type]
 
     def check(self, res: subprocess.CompletedProcess[str], config: str, before: bytes | None) -> bool:
         """The rule: published == clean run of `config`, or refused with a message and nothing published."""
@@ -136,23 +148,80 @@ class Schedule:
             self.possible = {config}
             return True
         assert res.returncode in (1, 2), f"{self.log}: exit {res.returncode}\n{res.stderr[-3000:]}"
-        assert "rollflow:" in res.stderr, f"{self.log}: no message\n{res.stderr[-3000:]}"
+        paragraphs = [line for line in res.stderr.splitlines() if line.startswith("rollflow:")]
+        assert len(paragraphs) == 1, f"{self.log}: not one paragraph\n{res.stderr[-3000:]}"
+        assert "Traceback" not in res.stderr, f"{self.log}: a traceback\n{res.stderr[-3000:]}"
         assert after == before, f"{self.log}: a refused run changed the dataset"
         return False
 
-    def run(self, config: str, final: bool = False) -> bool:
-        args, before = self._args(config, final), self.out.cat("rollouts.jsonl")
-        res = subprocess.run([EXE, *args], env=self.env, capture_output=True, text=True, timeout=180)
+    def accounted(self) -> None:
+        """Every committed chunk holds each planned rollout as a row or as a failure with its reason."""
+        for name in self.out.names("chunks", ".json"):
+            manifest = orjson.loads(self.out.cat(f"chunks/{name}") or b"{}")
+            assert manifest["rows"] + manifest["failed"] == manifest["rows_expected"], (
+                f"{self.log}: {manifest}"
+            )
+            lines = (self.out.cat(f"failures/{name}l") or b"").splitlines()
+            assert len(lines) == manifest["failed"], f"{self.log}: chunk {name} failures file"
+            for line in lines:
+                error = orjson.loads(line)["error"]
+                assert error["kind"] and error["message"], f"{self.log}: a failure without its reason"
+
+    def run(self, config: str, final: bool = False, **where: object) -> bool:
+        args, before = self._args(config, final, **where), self.out.cat("rollouts.jsonl")
+        env = {**self.env, **FAST_FAILURES} if where.get("sim") == "failing" else self.env
+        res = subprocess.run([EXE, *args], env=env, capture_output=True, text=True, timeout=180)
         if "--restart" in args and res.returncode != 0:
             self.possible = {config}
-        return self.check(res, config, before)
+        published = self.check(res, config, before)
+        self.accounted()
+        return published
 
-    def kill(self, config: str) -> None:
-        args = self._args(config)
+    def failing_backend(self, config: str) -> None:
+        """Error objects in a 200 and null rewards are failures with reasons, never reward-0 rows."""
+        published = self.run(config, sim="failing")
+        if not published:
+            failures = [f for n in self.out.names("failures", ".jsonl") for f in self._failures(n)]
+            assert all(f["error"]["kind"] in ("malformed", "no_reward") for f in failures), failures[:3]
+
+    def _failures(self, name: str) -> list[dict]:
+        return [orjson.loads(line) for line in (self.out.cat(f"failures/{name}") or b"").splitlines()]
+
+    def bad_input(self, config: str) -> None:
+        """A row too deep to store, or one chat cannot send: refused at plan time by file and line,
+        before anything of the output is touched (even with --restart)."""
+        deep = self.rng.random() < 0.5
+        bad = {"responses_create_params": {"input": ["plain", "strings"]}}
+        line = orjson.dumps(bad)
+        if deep:
+            depth = MAX_ROW_DEPTH + 5
+            line = (
+                b'{"responses_create_params": {"input": "hi"}, "meta": ' + b"[" * depth + b"]" * depth + b"}"
+            )
+        lines = self.world.inp.read_bytes().splitlines(keepends=True)
+        at = self.rng.randrange(len(lines) + 1)
+        lines.insert(at, line + b"\n")
+        inp = self.world.inp.with_name(f"bad-{self.rng.getrandbits(32)}.jsonl")
+        inp.write_bytes(b"".join(lines))
+        args = self._args(config, inp=inp)
+        if not deep:
+            args[args.index("agent")] = "chat"
+        before, run_json = self.out.cat("rollouts.jsonl"), self.out.cat("run.json")
+        res = subprocess.run([EXE, *args], env=self.env, capture_output=True, text=True, timeout=180)
+        assert res.returncode == 2, f"{self.log}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        assert f"{inp}, line {at + 1}" in res.stderr, f"{self.log}: {res.stderr[-3000:]}"
+        assert self.out.cat("rollouts.jsonl") == before and self.out.cat("run.json") == run_json
+
+    def kill(self, config: str, sig: int = signal.SIGKILL) -> None:
+        args, before = self._args(config), self.out.cat("rollouts.jsonl")
         proc = spawn(args, self.env)
         target = self.rng.choice(["run.json", "part", "manifest"])
         need = self.rng.randint(1, 4)
         deadline = time.monotonic() + 90
+        while sig == signal.SIGTERM and proc.poll() is None and time.monotonic() < deadline:
+            if orjson.loads(self.out.cat("lease.json") or b"{}").get("pid") == proc.pid:
+                break  # the command runs (a signal before its handlers exist ends the interpreter)
+            time.sleep(0.01)
         while proc.poll() is None and time.monotonic() < deadline:
             if target == "run.json" and self.out.cat("run.json") is not None:
                 break
@@ -161,9 +230,19 @@ class Schedule:
             if target == "manifest" and len(self.out.names("chunks", ".json")) >= need:
                 break
             time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        self.log.append(f"kill:{config}@{target}")
+        ended = proc.poll() is not None
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        stderr = err.decode()
+        self.log.append(f"{signal.Signals(sig).name}:{config}@{target}")
+        if sig == signal.SIGTERM and (ended or proc.returncode != 143):
+            self.check(subprocess.CompletedProcess(args, proc.returncode, "", stderr), config, before)
+            if proc.returncode == 0:
+                return
+        elif sig == signal.SIGTERM:
+            assert "Traceback" not in stderr and "terminated (SIGTERM)" in stderr, stderr[-3000:]
+            assert self.out.cat("rollouts.jsonl") == before, f"{self.log}: SIGTERM changed the dataset"
+        self.accounted()
         if "--restart" in args or not self.possible:
             self.possible.add(config)
 
@@ -222,6 +301,14 @@ class Schedule:
             self.run(config)
         elif kind == "kill":
             self.kill(config)
+        elif kind == "sigterm":
+            self.kill(config, signal.SIGTERM)
+        elif kind == "failing_backend":
+            self.log.append(f"failing_backend:{config}")
+            self.failing_backend(config)
+        elif kind == "bad_input":
+            self.log.append(f"bad_input:{config}")
+            self.bad_input(config)
         elif kind == "concurrent":
             self.log.append(f"concurrent:{config}")
             self.concurrent(config)

@@ -40,3 +40,24 @@ def test_sigterm_before_the_flow_is_one_line(cli_env, rows_input, tmp_path: Path
     _, err = proc.communicate(timeout=60)
     assert proc.returncode in (143, -signal.SIGTERM), err.decode()[-2000:]
     assert "Traceback" not in err.decode()
+
+
+def test_an_error_raised_while_a_signal_unwinds_is_still_that_stop():
+    """Prefect's crash handling of a task run the signal stopped before it existed raises ValueError
+    ("Task run is not set") from the TerminationSignal: the CLI must still say one line, exit 143."""
+    from prefect.exceptions import TerminationSignal
+
+    from rollflow.flows.cli.errors import signal_stop_in
+
+    def crash_handling() -> None:
+        try:
+            raise TerminationSignal(signal.SIGTERM)
+        except TerminationSignal:
+            raise ValueError("Task run is not set") from None
+
+    try:
+        crash_handling()
+    except ValueError as exc:
+        assert isinstance(signal_stop_in(exc), TerminationSignal)
+    wrapped = ExceptionGroup("tasks", [RuntimeError("x"), ValueError("y")])
+    assert signal_stop_in(wrapped) is None and signal_stop_in(ValueError("plain")) is None

@@ -38,13 +38,22 @@ def signal_stops() -> tuple[type[BaseException], ...]:
 
 
 def signal_stop_in(exc: BaseException) -> BaseException | None:
-    """The signal's exception, also when a task group wrapped it; None for any other error."""
-    if isinstance(exc, BaseExceptionGroup):
-        group = exc.subgroup(signal_stops())
-        while isinstance(group, BaseExceptionGroup):
-            group = group.exceptions[0]
-        return group
-    return exc if isinstance(exc, signal_stops()) else None
+    """The signal's exception, also when a task group wrapped it or an error was raised while handling
+    it (Prefect's crash handling can fail on a task run the signal stopped before it existed)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, BaseExceptionGroup):
+            group = current.subgroup(signal_stops())
+            while isinstance(group, BaseExceptionGroup):
+                group = group.exceptions[0]
+            if group is not None:
+                return group
+        elif isinstance(current, signal_stops()):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class UsageError(Exception):

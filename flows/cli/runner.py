@@ -23,14 +23,13 @@ from rollflow.flows.cli.errors import (
     Terminated,
     known_errors_quiet,
     signal_stop_in,
-    signal_stops,
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
 from rollflow.flows.cli.progress import ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
-from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
 from rollflow.tasks.publish.endpoints import endpoint_cells
 from rollflow.tasks.storage.store import Store
@@ -130,6 +129,7 @@ def run_and_print(
     # (Prefect's server modules included): 1.7 s of this machine's exit, measured, down to 0.05 s.
     atexit.register(gc.freeze)
     try:
+        redact.register(RollflowSettings())
         with (
             known_errors_quiet((*known, RunIncomplete), verbose),
             ProgressBar(console, enabled=progress and console.is_terminal),
@@ -141,11 +141,11 @@ def run_and_print(
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
         note = finish(report, spec, api)
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
     except known as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
-    except (*signal_stops(), BaseExceptionGroup) as exc:
+    except BaseException as exc:
         stop = signal_stop_in(exc)
         if stop is None:
             raise

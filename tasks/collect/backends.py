@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from rollflow.settings import BackendKind, BackendSettings
+from rollflow.settings import BackendKind, BackendSettings, redact
 from rollflow.tasks.collect.endpoints import Endpoint, EndpointPool
 from rollflow.tasks.collect.formats import chat_request
 from rollflow.tasks.collect.http import auth_headers
@@ -234,7 +234,7 @@ class BackendClient:
 
     def _scrub(self, message: str) -> str:
         """A backend that echoes the request (headers included) must not put the key into an error."""
-        return message.replace(self._secret, "***") if self._secret else message
+        return redact.redact(message.replace(self._secret, "***") if self._secret else message)
 
     def _result(self, url: str, reply: Any, latency: float, attempts: int) -> RolloutResult:
         """The reply read as its kind's shape; anything else (an error object in a 200) is malformed."""

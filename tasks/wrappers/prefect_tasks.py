@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.runtime import task_run
 
-from rollflow.settings import RunSpec
+from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
 from rollflow.tasks.collect.plan import RunPlan, plan_run
 from rollflow.tasks.collect.preflight import check_reachable
@@ -56,7 +56,10 @@ CHUNK_TASK = {
 
 @task(**CHUNK_TASK)
 async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome:
-    return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+    try:
+        return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+    except Exception as exc:
+        raise redact.redacted_error(exc) from None
 
 
 @task(**CHUNK_TASK)
@@ -68,7 +71,10 @@ async def collect_chunk_remote_task(
     resolve: SettingsResolver | None = None,
 ) -> ChunkOutcome:
     attempt = task_run.run_count or 1
-    return await collect_chunk_on_worker(spec, chunk, share, attempt, scope, resolve)
+    try:
+        return await collect_chunk_on_worker(spec, chunk, share, attempt, scope, resolve)
+    except Exception as exc:
+        raise redact.redacted_error(exc) from None
 
 
 @task(name="verify", cache_policy=NONE)

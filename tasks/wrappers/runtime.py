@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.collect.endpoints import EndpointPool, split_limit
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.rollouts import CollectContext
@@ -28,6 +28,7 @@ class RunHandles:
 
 
 def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
+    redact.register(settings)
     storage = settings.storage
     output_options = storage.storage_options(spec.output)
     store = Store(spec.output, output_options)

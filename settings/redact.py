@@ -1,0 +1,102 @@
+"""Secrets kept out of every text a run writes: one process-wide set of values, one replacement.
+
+Error texts reach failures files, reports, the console and Prefect's logs from many places and classes
+of error; registering the secrets once per process and redacting at those few exits (and in every log
+record) covers them all, instead of each error site remembering which key it might echo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+from typing import Any
+
+from pydantic import BaseModel, SecretStr
+
+MASK = "***"
+# Credentials the storage and HTTP clients read from the environment themselves.
+ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
+_lock = threading.Lock()
+_secrets: frozenset[str] = frozenset()
+_installed = False
+
+
+def _secret_values(model: BaseModel) -> set[str]:
+    found: set[str] = set()
+    for name in type(model).model_fields:
+        value: Any = getattr(model, name, None)
+        if isinstance(value, SecretStr):
+            found.add(value.get_secret_value())
+        elif isinstance(value, BaseModel):
+            found |= _secret_values(value)
+    return found
+
+
+def register(settings: BaseModel | None = None, *values: str) -> None:
+    """Add every SecretStr of `settings`, the environment's credentials and `values` to the redacted set."""
+    global _secrets
+    found = set(values) | {os.environ.get(name, "") for name in ENV_SECRETS}
+    if settings is not None:
+        found |= _secret_values(settings)
+    with _lock:
+        _secrets = _secrets | {s for s in found if s and s.strip()}
+    install_log_redaction()
+
+
+def redact(text: str) -> str:
+    """`text` with every registered secret replaced by ***, longest first (a key inside another)."""
+    for secret in sorted(_secrets, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+class _RedactedRecord(logging.LogRecord):
+    """A log record whose message and traceback text never carry a registered secret."""
+
+    def getMessage(self) -> str:
+        return redact(super().getMessage())
+
+
+def _wrap_factory(make: Any) -> Any:
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if type(record) is logging.LogRecord:
+            record.__class__ = _RedactedRecord
+        else:
+            record.msg, record.args = record.getMessage(), None
+            record.msg = redact(record.msg)
+        return _redact_traceback(record)
+
+    return factory
+
+
+def _redact_traceback(record: logging.LogRecord) -> logging.LogRecord:
+    if record.exc_info and record.exc_info[0] is not None:
+        record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+    return record
+
+
+def install_log_redaction() -> None:
+    """Every log record created from now on in this process is redacted (console, files, Prefect's API)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        logging.setLogRecordFactory(_wrap_factory(logging.getLogRecordFactory()))
+        _installed = True
+
+
+def redacted_error(exc: BaseException) -> BaseException:
+    """`exc` itself if its text holds no secret; else a RedactedError carrying its class and redacted text."""
+    text = str(exc)
+    clean = redact(text)
+    if clean == text:
+        return exc
+    return RedactedError(f"{type(exc).__name__}: {clean}")
+
+
+class RedactedError(Exception):
+    """An error whose original text held a secret; the original is dropped so nothing can print it."""

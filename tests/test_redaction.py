@@ -1,0 +1,101 @@
+"""Secrets never reach any text a run writes, whatever the error's class: failures files, reports, the
+console, Prefect's logs on its server."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import urllib.request
+from pathlib import Path
+
+import orjson
+from key_server import KeyServer
+
+from rollflow.settings import redact
+
+API_KEY = "sk-live-8f3a9c2d71e04b5a"
+S3_SECRET = "s3-secret-0b9e77aa41cd"
+LEAKY = """
+import logging, os
+
+def score(row, text):
+    key, s3 = os.environ["ROLLFLOW_BACKEND__API_KEY"], os.environ["AWS_SECRET_ACCESS_KEY"]
+    if row["n"] % 2:
+        logging.getLogger("leaky.verifier").warning("scoring with %s and %s", key, s3)
+        raise PermissionError(f"token {key} refused; storage secret {s3}")
+    return 1.0
+"""
+
+
+def _server_logs(prefect_url: str, output: str) -> str:
+    def post(path: str, body: dict) -> list:
+        req = urllib.request.Request(
+            f"{prefect_url}/api{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
+
+    runs = post("/flow_runs/filter", {"limit": 200, "sort": "START_TIME_DESC"})
+    mine = [r["id"] for r in runs if r["parameters"].get("spec", {}).get("output") == output]
+    assert mine, "the run's flow run is on the server"
+    logs = post("/logs/filter", {"logs": {"flow_run_id": {"any_": mine}}, "limit": 200})
+    assert logs, "the run logged to the server"
+    states = [r["state"]["message"] or "" for r in runs if r["id"] in mine]
+    tasks = post("/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
+    states += [t["state"]["message"] or "" for t in tasks if t.get("state")]
+    return "\n".join([log["message"] for log in logs] + states)
+
+
+def test_secrets_in_a_verifiers_errors_and_logs_are_written_nowhere(run_cli, cli_env, tmp_path: Path):
+    (tmp_path / "leaky.py").write_text(LEAKY)
+    inp = tmp_path / "in.jsonl"
+    rows = (orjson.dumps({"responses_create_params": {"input": "hi"}, "n": i}) + b"\n" for i in range(20))
+    inp.write_bytes(b"".join(rows))
+    out = tmp_path / "out"
+    env = {
+        "ROLLFLOW_BACKEND__API_KEY": API_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }  # fmt: skip
+    with KeyServer(API_KEY) as server:
+        res = run_cli(
+            "run", "--input", str(inp), "--output", str(out), "--backend-kind", "responses",
+            "--backend-url", server.url, "--verifier", "leaky:score", "--no-progress", "--verbose", env=env,
+        )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    failures = [
+        orjson.loads(line) for f in (out / "failures").glob("*.jsonl") for line in f.read_bytes().splitlines()
+    ]
+    assert len(failures) == 10 and all(
+        "PermissionError: token ***" in f["error"]["message"] for f in failures
+    )
+    texts = {
+        "stderr": res.stderr,
+        "stdout": res.stdout,
+        "server logs": _server_logs(cli_env["PREFECT_API_URL"].removesuffix("/api"), str(out)),
+    }
+    texts |= {str(p): p.read_bytes().decode(errors="replace") for p in out.rglob("*") if p.is_file()}
+    for secret in (API_KEY, S3_SECRET):
+        leaked = [where for where, text in texts.items() if secret in text]
+        assert not leaked, f"{secret} written to {leaked}"
+
+
+def test_log_records_and_tracebacks_are_redacted_in_process() -> None:
+    redact.register(None, "tok-unit-5521")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("rollflow.test.redaction")
+    logger.addHandler(handler)
+    try:
+        try:
+            raise ValueError("bad token tok-unit-5521")
+        except ValueError:
+            logger.exception("request with %s failed", "tok-unit-5521")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    assert "ValueError: bad token ***" in text and "request with *** failed" in text, text
+    assert "tok-unit-5521" not in text
+    error = redact.redacted_error(RuntimeError("tok-unit-5521 expired"))
+    assert str(error) == "RuntimeError: *** expired"
+    plain = OSError("no secret here")
+    assert redact.redacted_error(plain) is plain
