@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.settings import RunSpec
+from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.endpoints import split_limit
+from rollflow.tasks.collect.endpoints import scale_limits, split_limit
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 from rollflow.tasks.wrappers.remote import WorkerScope
@@ -48,10 +48,15 @@ def worker_share(parallelism: int, worker_threads: int) -> int:
 
 
 def endpoint_shares(spec: RunSpec, parallelism: int | dict[str, int], threads: int) -> dict[str, int]:
-    """Each chunk's share of every endpoint's limit: a worker spreads over all endpoints, like one process."""
+    """Each chunk's share of every endpoint's limit: a worker spreads over all endpoints, like one process.
+
+    The shares sum to the chunk's share of the total, not to one slot per endpoint at least: an endpoint
+    may get 0 fixed slots and is still used as the chunk's slots free up.
+    """
     urls = spec.backend.urls
     limits = split_limit(parallelism, urls) if isinstance(parallelism, int) else parallelism
-    return {url: worker_share(limits[url], threads) for url in urls}
+    limits = {url: limits[url] for url in urls}
+    return scale_limits(limits, worker_share(sum(limits.values()), threads))
 
 
 def _collect_blocking(
@@ -75,7 +80,7 @@ def _collect_blocking(
                 try:
                     result.outcomes.append(future.result())
                 except Exception as exc:
-                    result.errors.append(f"{type(exc).__name__}: {exc}")
+                    result.errors.append(redact.redact(f"{type(exc).__name__}: {exc}"))
         if pending:
             runner.client.cancel([f.wrapped_future for f in pending])
             result.stopped = True

@@ -15,7 +15,7 @@ from rollflow.flows.artifacts import chunk_progress, dataset_link, endpoints_tab
 from rollflow.flows.dask_runner import CollectResult, collect_on_dask
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec
+from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.engine_metrics import sample_endpoints
 from rollflow.tasks.collect.http import auth_headers, close_loop_session
@@ -81,7 +81,7 @@ async def collect_stage(
         stopped = True
     return CollectResult(
         outcomes=[r for r in results if isinstance(r, ChunkOutcome)],
-        errors=[f"{type(e).__name__}: {e}" for e in results if isinstance(e, Exception)],
+        errors=[redact.redact(f"{type(e).__name__}: {e}") for e in results if isinstance(e, Exception)],
         stopped=stopped,
     )
 
@@ -254,12 +254,13 @@ async def report_step(
         metrics=metrics,
         published=published,
         bad_rows=plan.scan.bad_rows,
-        adopted=sum(o.adopted for o in result.outcomes),
+        adopted=sum(o.probe_sessions.get(handles.ledger.session, 0) for o in result.outcomes),
         extra={
             **collected.extra,
             "chunk_errors": result.errors[:20],
             "stopped_at_deadline": result.stopped,
             "ignored_parts": ignored[:20],
+            "parts_not_deleted": [o.parts_left for o in result.outcomes if o.parts_left][:20],
             "run_id": handles.ledger.run_id,
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,13 @@ from tuning_support import setup_run
 
 from rollflow.infra.local import Service, spawn_simulator
 from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.preflight import BackendUnreachable
-from rollflow.tasks.collect.rollouts import RolloutBatch, run_rollouts
+from rollflow.tasks.collect.rollouts import CollectContext, RolloutBatch, WorkItem, run_rollouts
 from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
 from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.tuning.diagnose import TuningError
+from rollflow.tasks.tuning.per_endpoint import SharedFeed, for_each_endpoint
 from rollflow.tasks.tuning.probe import ProbeFeed
 
 # slots of each replica and the band the one-endpoint tests accept for that many slots; 100 ms per
@@ -223,6 +228,56 @@ async def test_one_endpoint_failing_to_tune_names_it_and_stops_the_others() -> N
     with pytest.raises(TuningError, match=r"Endpoint http://127\.0\.0\.1:1: too few rows"):
         await asyncio.wait_for(for_each_endpoint(["http://127.0.0.1:1", "http://127.0.0.1:2"], work), 10)
     assert cancelled == ["http://127.0.0.1:2"]
+
+
+class GatedFeed(SharedFeed):
+    """A SharedFeed whose input read blocks until `gate` opens: a slow read (S3, a big chunk) under way."""
+
+    def __init__(self, ctx: CollectContext, plan: RunPlan) -> None:
+        self.reading, self.gate = threading.Event(), threading.Event()
+        super().__init__(ctx, plan)
+
+    def _generate(self) -> Iterator[WorkItem]:
+        self.reading.set()
+        self.gate.wait(30)
+        yield from super()._generate()
+
+
+async def _tune_two(feed: GatedFeed, error: BaseException | None) -> None:
+    """flows/tuning.py's shape: :1 reads the feed, :2 fails (or the stage is cancelled), then close."""
+
+    async def work(url: str) -> object:
+        if url.endswith(":1"):
+            return await feed.next(5)
+        await asyncio.to_thread(feed.reading.wait, 10)
+        if error is not None:
+            raise error
+        return await asyncio.sleep(30)
+
+    try:
+        await for_each_endpoint(["http://127.0.0.1:1", "http://127.0.0.1:2"], work)
+    finally:
+        try:
+            feed.close()
+        finally:
+            feed.gate.set()
+
+
+@pytest.mark.parametrize("how", ["tuning_error", "ctrl_c"])
+async def test_closing_the_feed_keeps_the_error_that_stopped_tuning(tmp_path: Path, how: str) -> None:
+    """close() during a cancelled read raised "generator already executing" over the real error."""
+    s = setup_run(tmp_path, "http://127.0.0.1:1", rows=20, chunk_size=10)
+    feed = GatedFeed(s.ctx, s.plan)
+    if how == "tuning_error":
+        with pytest.raises(TuningError, match="too few rows"):
+            await _tune_two(feed, TuningError("too few rows"))
+    else:
+        stage = asyncio.create_task(_tune_two(feed, None))
+        await asyncio.to_thread(feed.reading.wait, 10)
+        stage.cancel()  # what Ctrl-C does to the flow's task
+        with pytest.raises(asyncio.CancelledError):
+            await stage
+    assert await feed.next(5) == []  # the read under way closed the input when it ended
 
 
 def _diagnosis() -> dict[str, Any]:

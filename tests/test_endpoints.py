@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from rollflow.flows.dask_runner import endpoint_shares
 from rollflow.settings import BackendParams, BackendSettings, RunSpec
 from rollflow.tasks.collect import endpoints as ep_module
-from rollflow.tasks.collect.endpoints import EndpointPool, split_limit
+from rollflow.tasks.collect.endpoints import EndpointPool, scale_limits, split_limit
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptLog
 from rollflow.tasks.publish.endpoints import merge_rows
@@ -42,6 +42,23 @@ def test_for_url_keeps_the_key_and_points_at_one_endpoint():
 def test_split_limit_gives_the_remainder_to_the_first():
     assert split_limit(10, [A, B, C]) == {A: 4, B: 3, C: 3}
     assert sum(split_limit(64, [A, B, C]).values()) == 64
+
+
+def test_fewer_slots_than_endpoints_keep_the_total_and_use_every_endpoint():
+    """--parallelism 2 with 3 URLs gave each URL 1 slot, so 3 went out; every URL must still serve."""
+    assert split_limit(2, [A, B, C]) == {A: 1, B: 1, C: 0}
+    pool = EndpointPool.even([A, B, C], ConcurrencyLimit(2))
+    assert pool.total.limit == 2
+    used = []
+    for _ in range(6):  # two in flight at a time, the older one finishing first
+        ep = pool.choose()
+        pool.begin(ep)
+        used.append(ep.url)
+        if len(used) >= 2:
+            pool.end(pool.endpoint(used[-2]))
+    assert set(used) == {A, B, C}
+    pool.failed(pool.endpoint(A), "connection", refused=True)
+    assert pool.total.limit == 2  # B and C can still carry the two slots
 
 
 def test_choice_follows_free_capacity_in_proportion_to_limits():
@@ -150,7 +167,15 @@ def test_dask_workers_take_their_share_of_each_endpoint():
     spec = RunSpec(input="in.jsonl", output="out", backend={"url": f"{A},{B}"})
     assert endpoint_shares(spec, {A: 32, B: 8}, 4) == {A: 8, B: 2}
     assert endpoint_shares(spec, 17, 2) == {A: 4, B: 4}
-    assert endpoint_shares(spec, 2, 8) == {A: 1, B: 1}
+    assert endpoint_shares(spec, 2, 8) == {A: 1, B: 0}  # a chunk's one slot, not one per endpoint
+
+
+def test_dask_shares_sum_to_the_chunks_share_of_the_total():
+    """Per-endpoint flooring at 1 made each chunk hold one slot per endpoint, above its share."""
+    spec = RunSpec(input="in.jsonl", output="out", backend={"url": f"{A},{B},{C}"})
+    assert endpoint_shares(spec, 2, 1) == {A: 1, B: 1, C: 0}
+    assert sum(endpoint_shares(spec, {A: 1, B: 1, C: 1}, 2).values()) == 1
+    assert scale_limits({A: 8, B: 16, C: 32}, 7) == {A: 1, B: 2, C: 4}
 
 
 def test_dask_rows_are_summed_over_the_workers_pools():

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiohttp import web
+from local_http import AGENT, ScriptedServer
 from rollout_data import assert_complete, write_rows
 
 from rollflow.infra.local import Service, spawn_simulator
@@ -43,15 +46,19 @@ def _spec(tmp_path: Path, urls: list[str], rows: int, repeats: int, max_retries:
 
 
 async def _collect(
-    spec: RunSpec, limits: dict[str, int], ready: asyncio.Future[CollectContext]
+    spec: RunSpec, limits: int | dict[str, int], ready: asyncio.Future[CollectContext]
 ) -> AuditSummary:
-    """The chunks of the run, collected and committed the way the flow does, then audited."""
+    """The chunks of the run, collected and committed the way the flow does, then audited.
+
+    `limits` is each endpoint's limit, or the run's total as --parallelism gives it.
+    """
     settings = RollflowSettings()
     handles = open_run(spec, settings)
     plan = await asyncio.to_thread(plan_run, spec, handles.store, handles.ledger, handles.input_options, None)
     ctx = collect_context(handles, settings, limits)
     ready.set_result(ctx)
-    gate = asyncio.Semaphore(default_chunks_in_flight(sum(limits.values()), 100, spec.collection.num_repeats))
+    total = limits if isinstance(limits, int) else sum(limits.values())
+    gate = asyncio.Semaphore(default_chunks_in_flight(total, 100, spec.collection.num_repeats))
 
     async def one(chunk: object) -> ChunkOutcome:
         async with gate:
@@ -134,3 +141,42 @@ def test_replica_killed_and_restarted(replicas, tmp_path):
     assert ins[-1] <= times["returned"] + BACK_WITHIN_S, (ins, times)
     assert ep.in_rotation and ep.rollouts > times["served_at_return"] + 100, (ep.rollouts, times)
     assert ep.out_of_rotation_s >= 1.0 and ep.errors > 0
+
+
+@dataclass
+class InFlight:
+    """Requests under way across several servers at once, and the most seen together."""
+
+    now: int = 0
+    peak: int = 0
+
+    def handler(self, latency_s: float) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            try:
+                await asyncio.sleep(latency_s)
+            finally:
+                self.now -= 1
+            return web.json_response(AGENT)
+
+        return handle
+
+
+async def test_a_total_below_the_endpoints_is_never_exceeded(tmp_path):
+    """--parallelism 2 with 3 URLs gave each URL a slot: 3 requests in flight. Every URL must still serve."""
+    servers = [ScriptedServer() for _ in range(3)]
+    gauge = InFlight()
+    urls = [await srv.start(gauge.handler(0.02)) for srv in servers]
+    rows = 60
+    spec = _spec(tmp_path, urls, rows, repeats=1, max_retries=0)
+    ready: asyncio.Future[CollectContext] = asyncio.get_running_loop().create_future()
+    try:
+        summary = await _collect(spec, 2, ready)
+    finally:
+        for srv in servers:
+            await srv.stop()
+    assert summary.ok and summary.failed == 0, summary.problems
+    assert gauge.peak == 2, gauge.peak
+    assert all(srv.seen for srv in servers), [len(srv.seen) for srv in servers]
+    assert sum(row["rollouts"] for row in ready.result().pool.rows()) == rows

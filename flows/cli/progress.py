@@ -18,7 +18,7 @@ from rich.progress import (
 )
 
 from rollflow.settings import RunSpec
-from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
 
 
 class ProgressBar:
@@ -27,9 +27,7 @@ class ProgressBar:
     def __init__(self, console: Console, enabled: bool = True) -> None:
         self.console = console
         self.enabled = enabled
-        self.total = 0
-        self.done = 0
-        self.failed = 0
+        self.count = RolloutCount()
         self._lock = threading.Lock()
         self._progress = Progress(
             TextColumn("[bold]collect"),
@@ -51,26 +49,22 @@ class ProgressBar:
         self._thread = threading.Thread(target=self._refresh, daemon=True)
 
     def _on_event(self, event: ProgressEvent) -> None:
-        if event.kind == "rollouts":
-            self.done += event.done
-            self.failed += event.failed
-        elif event.kind == "plan":
-            self.total = event.total
+        self.count.add(event)
 
     def _refresh(self) -> None:
         while not self._stop.wait(0.25):
             self._update()
 
     def _update(self) -> None:
-        task = self._progress.tasks[0]
+        task, count = self._progress.tasks[0], self.count
         elapsed = task.elapsed or 0.0
-        rate = f"{self.done / elapsed:,.0f}" if elapsed > 0 else "-"
+        rate = f"{count.done / elapsed:,.0f}" if elapsed > 0 else "-"
         self._progress.update(
             self._task,
-            total=self.total or None,
-            completed=self.done + self.failed,
+            total=count.total or None,
+            completed=count.finished,
             rate=rate,
-            failed=self.failed,
+            failed=count.failed,
         )
 
     def __enter__(self) -> ProgressBar:
@@ -96,7 +90,8 @@ class ProgressLines:
 
     def __init__(self, spec: RunSpec, enabled: bool = True, every_s: float = 10.0, steps: int = 20) -> None:
         self.spec, self.enabled, self.every_s, self.steps = spec, enabled, every_s, steps
-        self.total = self.done = self.failed = self.shown = 0
+        self.count = RolloutCount()
+        self.shown = 0
         self.t0 = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -108,30 +103,31 @@ class ProgressLines:
         sys.stderr.flush()
 
     def _on_event(self, event: ProgressEvent) -> None:
+        count = self.count
+        if not count.add(event):
+            return
         if event.kind == "plan":
-            self.total, self.t0 = event.total, time.monotonic()
+            self.t0 = time.monotonic()
             self._say(f"{event.total:,} rollouts planned")
-        elif event.kind == "rollouts":
-            self.done += event.done
-            self.failed += event.failed
-            if self.total and (self.done + self.failed) * self.steps // self.total > self.shown:
-                self._line()
+        elif count.total and count.finished * self.steps // count.total > self.shown:
+            self._line()
 
     def _line(self) -> None:
         with self._lock:
-            finished, elapsed = self.done + self.failed, time.monotonic() - self.t0
-            share = finished / self.total if self.total else 0.0
-            self.shown = finished * self.steps // self.total if self.total else 0
-            rate = self.done / elapsed if elapsed > 0 else 0.0
-            eta = f", ETA {(self.total - finished) / rate:,.0f} s" if rate > 0 and self.total else ""
+            count, elapsed = self.count, time.monotonic() - self.t0
+            finished, total = count.finished, count.total
+            share = finished / total if total else 0.0
+            self.shown = finished * self.steps // total if total else 0
+            rate = count.done / elapsed if elapsed > 0 else 0.0
+            eta = f", ETA {max(0, total - finished) / rate:,.0f} s" if rate > 0 and total else ""
             self._say(
-                f"collect {finished:,}/{self.total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
-                f"failed {self.failed:,}, elapsed {elapsed:,.0f} s{eta}"
+                f"collect {finished:,}/{total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
+                f"failed {count.failed:,}, elapsed {elapsed:,.0f} s{eta}"
             )
 
     def _tick(self) -> None:
         while not self._stop.wait(self.every_s):
-            if self.total:
+            if self.count.total:
                 self._line()
 
     def __enter__(self) -> ProgressLines:

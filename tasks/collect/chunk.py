@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.collect.heap import tune_gc_for_collection
-from rollflow.tasks.collect.parts import chunk_parts, delete_parts, write_part
+from rollflow.tasks.collect.parts import chunk_part_rollouts, delete_parts, part_dir, write_part
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import (
     CollectContext,
@@ -26,16 +28,41 @@ from rollflow.tasks.collect.rollouts import (
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class ChunkOutcome:
+    """What a chunk committed; each committed rollout is in exactly one of collected, adopted, resumed.
+
+    collected: requested by this run's chunk attempts (saved parts of a stalled or killed attempt too);
+    adopted: saved by tuning's probes and taken over (`probe_sessions`: how many per probing command);
+    resumed: already in the chunk's earlier, partly failed commit.
+    """
+
     manifest: ChunkManifest
     skipped: bool
     collected: int = 0
     adopted: int = 0
+    resumed: int = 0
+    probe_sessions: dict[str, int] = field(default_factory=dict)
+    parts_left: str | None = None  # committed, but its parts could not be deleted (why)
     core_s: float = 0.0
     task_s: float = 0.0
     endpoints: list[dict[str, Any]] = field(default_factory=list)  # set on Dask workers: pool.rows()
+
+
+@dataclass
+class Adoptable:
+    """Rollouts a chunk already holds before asking the backend, by where they came from."""
+
+    kept: dict[RolloutKey, bytes] = field(default_factory=dict)
+    probes: dict[RolloutKey, str] = field(default_factory=dict)  # probe-saved keys -> probing session
+    resumed: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def probe_sessions(self) -> dict[str, int]:
+        return dict(Counter(self.probes.values()))
 
 
 class ChunkStalled(Exception):
@@ -113,16 +140,32 @@ def committed_rows(ledger: Ledger, manifest: ChunkManifest) -> tuple[dict[Rollou
     return kept, []
 
 
-def _adoptable(
-    ctx: CollectContext, chunk: ChunkSpec, previous: ChunkManifest | None
-) -> tuple[dict[RolloutKey, bytes], list[str]]:
+def _adoptable(ctx: CollectContext, chunk: ChunkSpec, previous: ChunkManifest | None) -> Adoptable:
     """Rollouts already done for this chunk (this run's parts, a partly failed commit) and ignored parts."""
-    kept, problems = chunk_parts(ctx.ledger, chunk, ctx.collection.num_repeats)
+    parts = chunk_part_rollouts(ctx.ledger, chunk, ctx.collection.num_repeats)
+    found = Adoptable(parts.kept, parts.probes, 0, parts.problems)
     if previous is not None:
         rows, notes = committed_rows(ctx.ledger, previous)
-        kept.update(rows)
-        problems += notes
-    return kept, problems
+        found.kept.update(rows)
+        found.problems += notes
+        found.resumed = len(rows)
+        for key in rows:  # counted when that commit landed, not again as a probe
+            found.probes.pop(key, None)
+    return found
+
+
+async def _delete_parts(ctx: CollectContext, chunk: int) -> str | None:
+    """Parts are litter once the commit landed: failing to delete them must not undo the commit."""
+    try:
+        await asyncio.to_thread(delete_parts, ctx.ledger.store, chunk)
+    except Exception as exc:
+        note = ctx.scrub(
+            f"chunk {chunk} is committed, but its parts under {part_dir(chunk)} could not be deleted "
+            f"({type(exc).__name__}: {exc}); they are no longer needed and may be deleted by hand"
+        )
+        log.warning("%s", note)
+        return note
+    return None
 
 
 async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1) -> ChunkOutcome:
@@ -132,7 +175,8 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     previous = await asyncio.to_thread(ctx.ledger.manifest, chunk.index)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
-    kept, problems = await asyncio.to_thread(_adoptable, ctx, chunk, previous)
+    found = await asyncio.to_thread(_adoptable, ctx, chunk, previous)
+    kept = found.kept
     kind = ctx.backend.kind.value
     rows = await asyncio.to_thread(
         lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options, kind))
@@ -147,8 +191,8 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         for r in range(k)
         if (task_index, r) not in kept
     )
-    hub.emit(ProgressEvent("rollouts", done=len(kept)))
-    runner = asyncio.create_task(run_rollouts(ctx, todo, batch))
+    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept)))  # restarts the chunk's count
+    runner = asyncio.create_task(run_rollouts(ctx, todo, batch, chunk=chunk.index))
     await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
     keys = [(task_index, r) for task_index, _ in rows for r in range(k)]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
@@ -166,15 +210,23 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         committed_at="",
         wall_s=round(time.perf_counter() - t0, 6),
         attempt=attempt,
-        stats={**batch.stats.as_dict(), "adopted": len(kept), "ignored_parts": problems},
+        stats={
+            **batch.stats.as_dict(),
+            "adopted": len(found.probes),
+            "resumed": found.resumed,
+            "ignored_parts": found.problems,
+        },
     )
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
-    await asyncio.to_thread(delete_parts, ctx.ledger.store, chunk.index)
+    parts_left = await _delete_parts(ctx, chunk.index)
     hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=len(batch.results), failed=len(batch.failures)))
     return ChunkOutcome(
         manifest,
         skipped=False,
-        collected=len(batch.results) - len(kept),
-        adopted=len(kept),
+        collected=len(batch.results) - len(found.probes) - found.resumed,
+        adopted=len(found.probes),
+        resumed=found.resumed,
+        probe_sessions=found.probe_sessions(),
+        parts_left=parts_left,
         core_s=time.perf_counter() - t_core,
     )

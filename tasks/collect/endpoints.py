@@ -41,10 +41,17 @@ class Endpoint:
     backoff_s: float = 0.0
     retry_at: float = 0.0
     out_since: float | None = None
+    # When it last got an attempt (a pool-wide count): ties go to the least recently used endpoint.
+    last_begun: int = 0
     # ("out" | "in", epoch seconds): when the endpoint left and rejoined rotation.
     events: list[tuple[str, float]] = field(default_factory=list)
     observers: list[AttemptObserver] = field(default_factory=list)
     engine: Callable[[], dict[str, Any] | None] | None = None
+
+    @property
+    def weight(self) -> int:
+        """Its share in dispatch: its limit, and 1 for an endpoint with no fixed slots (limit 0)."""
+        return max(1, self.limit)
 
     def out_for(self, now: float) -> float:
         """Seconds out of rotation so far, the current spell included."""
@@ -53,9 +60,26 @@ class Endpoint:
 
 
 def split_limit(total: int, urls: list[str]) -> dict[str, int]:
-    """`total` split evenly across `urls`, the remainder to the first ones; at least 1 each."""
+    """`total` split evenly across `urls`, the remainder to the first ones; the sum is always `total`.
+
+    With fewer slots than endpoints, the last ones get 0 fixed slots: they still take attempts as slots
+    free up (the pool's total is the cap), so every endpoint is used and the user's total holds.
+    """
     base, extra = divmod(total, len(urls))
-    return {url: max(1, base + (1 if i < extra else 0)) for i, url in enumerate(urls)}
+    return {url: base + (1 if i < extra else 0) for i, url in enumerate(urls)}
+
+
+def scale_limits(limits: dict[str, int], total: int) -> dict[str, int]:
+    """`total` split in proportion to `limits` (largest remainders first); the sum is exactly `total`."""
+    weights = sum(limits.values())
+    if weights <= 0:
+        return split_limit(total, list(limits))
+    exact = {url: total * n / weights for url, n in limits.items()}
+    shares = {url: int(x) for url, x in exact.items()}
+    by_remainder = sorted(limits, key=lambda url: shares[url] - exact[url])
+    for url in by_remainder[: total - sum(shares.values())]:
+        shares[url] += 1
+    return shares
 
 
 class EndpointPool:
@@ -69,6 +93,7 @@ class EndpointPool:
         self._by_url = {ep.url: ep for ep in self.endpoints}
         self.started: float | None = None
         self.last: float | None = None
+        self._begun = 0
         self._sync_total()
 
     @classmethod
@@ -95,11 +120,13 @@ class EndpointPool:
         live = [ep for ep in self.endpoints if ep.in_rotation]
         allowed = [ep for ep in live if ep.url not in exclude] or live
         allowed = allowed or [ep for ep in self.endpoints if ep.url not in exclude] or self.endpoints
-        return min(allowed, key=lambda ep: (ep.outstanding / ep.limit, -ep.limit))
+        return min(allowed, key=lambda ep: (ep.outstanding / ep.weight, -ep.weight, ep.last_begun))
 
     def begin(self, ep: Endpoint) -> int:
         """Count an attempt in flight; the token tells `caused_by_rotation` what rotation it started in."""
         ep.outstanding += 1
+        self._begun += 1
+        ep.last_begun = self._begun
         return ep.ejections if ep.in_rotation else OUT_AT_START
 
     def end(self, ep: Endpoint, abandoned: bool = False) -> None:
@@ -192,8 +219,10 @@ class EndpointPool:
         self._sync_total()
 
     def _sync_total(self) -> None:
-        """The shared limit is the in-rotation endpoints' sum (all of them when none is in rotation)."""
-        live = sum(ep.limit for ep in self.endpoints if ep.in_rotation)
-        target = live or sum(ep.limit for ep in self.endpoints)
+        """The shared limit is the in-rotation endpoints' weights (all limits when none is in rotation),
+        never above the sum of the limits: endpoints with 0 fixed slots never add to the user's total."""
+        cap = max(1, sum(ep.limit for ep in self.endpoints))
+        live = sum(ep.weight for ep in self.endpoints if ep.in_rotation)
+        target = min(live, cap) if live else cap
         if self.total.limit != target:
             self.total.set_limit(target)

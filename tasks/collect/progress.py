@@ -13,11 +13,54 @@ Listener = Callable[["ProgressEvent"], None]
 
 @dataclass(slots=True)
 class ProgressEvent:
-    kind: str  # "plan", "rollouts", "chunk"
+    kind: str  # "plan", "attempt" (a chunk attempt starts with `done` adopted), "rollouts", "chunk"
     total: int = 0
     done: int = 0
     failed: int = 0
     chunk: int | None = None
+
+
+@dataclass
+class RolloutCount:
+    """Planned rollouts finished, each counted once: the count every progress display shows.
+
+    Only chunks' rollouts count (a probe's counts when its chunk adopts it). A chunk's new attempt
+    restarts its count from what it adopted, so a retried chunk never counts a rollout twice: its
+    saved rollouts come back as adopted, its failures are asked again. A committed chunk is final.
+    """
+
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    chunks: dict[int, list[int]] = field(default_factory=dict)  # running chunk -> [done, failed]
+
+    def add(self, event: ProgressEvent) -> bool:
+        """Apply one event; True when the count changed."""
+        if event.kind == "plan":
+            self.total = event.total
+            return True
+        if event.chunk is None:
+            return False
+        if event.kind == "attempt":
+            old = self.chunks.get(event.chunk, [0, 0])
+            self.done += event.done - old[0]
+            self.failed -= old[1]
+            self.chunks[event.chunk] = [event.done, 0]
+            return True
+        if event.kind == "rollouts":
+            mine = self.chunks.setdefault(event.chunk, [0, 0])
+            mine[0] += event.done
+            mine[1] += event.failed
+            self.done += event.done
+            self.failed += event.failed
+            return True
+        if event.kind == "chunk":
+            self.chunks.pop(event.chunk, None)
+        return False
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
 
 
 @dataclass

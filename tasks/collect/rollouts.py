@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.settings import BackendSettings, CollectionSettings
+from rollflow.settings import BackendSettings, CollectionSettings, redact
 from rollflow.tasks.collect.backends import BackendClient, BackendError, RolloutResult
 from rollflow.tasks.collect.endpoints import EndpointPool
 from rollflow.tasks.collect.http import session_for_loop
@@ -30,8 +30,9 @@ WorkItem = tuple[int, dict[str, Any], int]
 class CollectContext:
     """Per-process state every chunk of a run shares: the ledger, the limit, the backend and verifier.
 
-    `pool` holds the backend's endpoints; its in-rotation limits sum to `limit`, the one bound workers
-    take. Left out, it is built with `limit` split evenly over the backend's URLs.
+    `pool` holds the backend's endpoints; it keeps `limit`, the one bound workers take, at the in-rotation
+    limits' sum, never above all limits' sum. Left out, it is built with `limit` split evenly over the
+    backend's URLs (0 fixed slots for some when there are fewer slots than URLs).
     """
 
     ledger: Ledger
@@ -49,13 +50,11 @@ class CollectContext:
         if self.pool is None:
             self.pool = EndpointPool.even(self.backend.urls, self.limit)
         key = self.backend.api_key.get_secret_value() if self.backend.api_key is not None else ""
-        self.secrets: tuple[str, ...] = (key,) if key else ()
+        redact.register(None, key)
 
     def scrub(self, text: str) -> str:
-        """Every secret the context holds replaced, whatever error produced the text."""
-        for secret in self.secrets:
-            text = text.replace(secret, "***")
-        return text
+        """Every secret of the process replaced, whatever error produced the text."""
+        return redact.redact(text)
 
 
 @dataclass(slots=True)
@@ -117,9 +116,16 @@ def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str
 
 
 async def run_rollouts(
-    ctx: CollectContext, items: Iterable[WorkItem], batch: RolloutBatch, limit: ConcurrencyLimit | None = None
+    ctx: CollectContext,
+    items: Iterable[WorkItem],
+    batch: RolloutBatch,
+    limit: ConcurrencyLimit | None = None,
+    *,
+    chunk: int | None = None,
 ) -> None:
     """Run every (task, row, rollout) of `items` with at most `limit` (default ctx.limit) in flight.
+
+    Progress events name `chunk`; probes pass none, since their rollouts count when a chunk adopts them.
 
     Each permit drives a worker that takes the next item as soon as its rollout ends, so a slot never
     waits for another task to be scheduled; a worker gives its permit back when the items run out or
@@ -136,12 +142,12 @@ async def run_rollouts(
         key = (task_index, rollout)
         try:
             batch.results[key] = await _rollout_line(ctx, client, row, task_index, rollout, batch.stats)
-            hub.emit(ProgressEvent("rollouts", done=1))
+            hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk))
         except Exception as exc:
             failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
             error = failure.kind
             batch.failures[key] = _failure_line(ctx, row, task_index, rollout, failure)
-            hub.emit(ProgressEvent("rollouts", failed=1))
+            hub.emit(ProgressEvent("rollouts", failed=1, chunk=chunk))
         batch.records.append(RequestRecord(start, time.perf_counter(), error))
 
     async def worker(item: WorkItem) -> None:

@@ -26,6 +26,8 @@ def run_metrics(
         wall_s=wall_s,
         collect_s=collect_s,
         collected=collected,
+        adopted=sum(o.adopted for o in ran),
+        resumed=sum(o.resumed for o in ran),
         output_tokens=sum(s.get("output_tokens", 0) for _, s in weights),
         retries=sum(s.get("retries", 0) for _, s in weights),
         parallelism=ctx.limit.limit,

@@ -16,7 +16,12 @@ from rollflow.tasks.storage.store import Store
 
 @dataclass
 class RunMetrics:
-    """What this invocation did (resumed chunks are counted, not timed)."""
+    """What this invocation did (resumed chunks are counted, not timed).
+
+    Each rollout its chunks committed is in one of `collected` (requested by this run's chunk attempts,
+    saved parts of a stalled or killed attempt included), `adopted` (saved by tuning's probes, this
+    command's or an earlier one's) and `resumed` (already in a partly failed commit of the chunk).
+    """
 
     wall_s: float
     collect_s: float
@@ -35,17 +40,19 @@ class RunMetrics:
     peak_rss_mb: float = 0.0
     prefect_overhead_share: float | None = None
     stages: dict[str, float] = field(default_factory=dict)
+    adopted: int = 0
+    resumed: int = 0
 
 
 def probe_accounting(tuning: dict[str, Any], adopted: int) -> dict[str, Any]:
     """Probe rollouts requested minus those chunks adopted at commit: what tuning cost the dataset.
 
-    `adopted` is the manifests' count of saved rollouts taken over by this run's chunks; a failed probe
-    is never saved, and a part no chunk committed is not adopted, so either shows as discarded.
+    `adopted` counts this command's own probe rollouts (its session's parts) that its chunks committed,
+    so neither an earlier command's probes nor a chunk's own saved rollouts inflate it; a failed probe is
+    never saved, and a part no chunk committed is not adopted, so either shows as discarded.
     """
     requested = tuning["total_probe_rollouts"]
-    kept = min(adopted, requested)
-    return {**tuning, "adopted": kept, "discarded": requested - kept}
+    return {**tuning, "adopted": adopted, "discarded": requested - adopted}
 
 
 def build_report(
@@ -63,7 +70,7 @@ def build_report(
 ) -> dict[str, Any]:
     collect_s = metrics.collect_s or 0.0
     tuning = probe_accounting(extra["tuning"], adopted) if extra and extra.get("tuning") else None
-    produced = metrics.collected + (tuning["adopted"] if tuning else 0)
+    produced = metrics.collected + metrics.adopted
     report: dict[str, Any] = {
         "generated_at": datetime.now(UTC).isoformat(),
         "input": input_url,

@@ -101,6 +101,8 @@ class Ledger:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._run_id: str | None = None
+        # This command's own id: its probe parts carry it, so its report counts only its own probes.
+        self.session = secrets.token_hex(4)
         # Called before every commit; the run's lease sets it, so a run that lost the output commits nothing.
         self.fence: Callable[[], None] | None = None
 

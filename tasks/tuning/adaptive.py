@@ -106,7 +106,7 @@ def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple
         return change(math.floor(limit * opts.backoff), f"errors {dict(sample.errors)}")
     if state.prev_limit is not None and state.prev_rate is not None:
         grew = sample.rate >= state.prev_rate * (1 + opts.min_gain)
-        prev = state.prev_limit
+        prev = max(1, state.prev_limit)  # an endpoint can start with 0 fixed slots (split_limit)
         if grew:
             state.probing = False
             linear = sample.rate >= state.prev_rate * (1 + opts.linear * (limit / prev - 1))

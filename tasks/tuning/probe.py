@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -22,7 +24,7 @@ from rollflow.tasks.collect.chunk import committed_rows
 from rollflow.tasks.collect.engine_metrics import EngineSampler
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptLog, rate_limited
-from rollflow.tasks.collect.parts import chunk_parts, write_part
+from rollflow.tasks.collect.parts import PROBE, chunk_parts, write_part
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import (
     CollectContext,
@@ -34,9 +36,11 @@ from rollflow.tasks.collect.rollouts import (
     run_rollouts,
 )
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
-from rollflow.tasks.storage.store import Store
+from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.tuning.engine import EngineStep, engine_step, fed_window, sample_mid_step
 from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,15 +145,16 @@ def chunk_of(chunks: Sequence[ChunkSpec], task_index: int) -> ChunkSpec:
 
 
 def save_parts(
-    store: Store, run_id: str, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str
+    ledger: Ledger, chunks: Sequence[ChunkSpec], results: dict[RolloutKey, bytes], label: str
 ) -> int:
-    """Write the rollouts as one part per owning chunk; returns how many were saved."""
+    """Write the rollouts as one probe part per owning chunk (marked with this command's session)."""
     by_chunk: dict[int, list[tuple[RolloutKey, bytes]]] = {}
     for key, line in results.items():
         by_chunk.setdefault(chunk_of(chunks, key[0]).index, []).append((key, line))
     name = f"{label}-{uuid.uuid4().hex[:8]}"
     for index, entries in by_chunk.items():
-        write_part(store, run_id, index, name, [line for _, line in sorted(entries)])
+        lines = [line for _, line in sorted(entries)]
+        write_part(ledger.store, ledger.run_id, index, name, lines, PROBE, ledger.session)
     return len(results)
 
 
@@ -185,8 +190,7 @@ async def probe_step(
             await asyncio.gather(watch, return_exceptions=True)
             engine.release()
         results = dict(batch.results)
-        ledger = ctx.ledger
-        saved = await asyncio.to_thread(save_parts, ledger.store, ledger.run_id, chunks, results, label)
+        saved = await asyncio.to_thread(save_parts, ctx.ledger, chunks, results, label)
     seen = None
     if watch is not None and engine is not None:
         seen = engine_step(fed_window(engine, batch.records, started, sample_delay_s))
@@ -216,6 +220,10 @@ class ProbeFeed:
         self.plan = plan
         self.handed_out = 0
         self._items = self._generate()
+        # `next` reads in a worker thread that outlives a cancelled await: the generator is touched only
+        # under this lock, and `close` never waits for it (see `close`).
+        self._reading = threading.Lock()
+        self._closed = False
 
     def _generate(self) -> Iterator[WorkItem]:
         k = self.ctx.collection.num_repeats
@@ -232,8 +240,11 @@ class ProbeFeed:
                         yield task_index, prepared, r
 
     def take(self, n: int) -> list[WorkItem]:
-        items = list(islice(self._items, max(0, n)))
-        self.handed_out += len(items)
+        with self._reading:
+            items = [] if self._closed else list(islice(self._items, max(0, n)))
+            self.handed_out += len(items)
+        if self._closed:
+            self._close_if_idle()
         return items
 
     async def next(self, n: int) -> list[WorkItem]:
@@ -241,7 +252,25 @@ class ProbeFeed:
         return await asyncio.to_thread(self.take, n)
 
     def close(self) -> None:
-        self._items.close()
+        """Stop reading; never raises for a read still running (a cancelled `next`'s thread).
+
+        It is called in `finally` blocks while another error propagates, so it must not replace that
+        error: a read under way closes the generator itself when it ends.
+        """
+        self._closed = True
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        # Whichever of `close` and the last `take` finds the lock free closes the generator (idempotent).
+        # A failure to release the input is logged, not raised: it would hide the error being handled.
+        if not self._reading.acquire(blocking=False):
+            return
+        try:
+            self._items.close()
+        except Exception:
+            log.warning("closing the probe feed's input failed", exc_info=True)
+        finally:
+            self._reading.release()
 
 
 async def probe_next(
