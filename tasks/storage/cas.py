@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rollflow.tasks.storage.store import Store
 
@@ -54,19 +54,10 @@ class ObjectCas:
     def write(self, data: bytes, token: str | None) -> bool:
         """Create (token None) or replace the object we read as `token`; False if someone beat us."""
         if self.s3:
-            bucket, key = self._bucket_key()
             cond = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
-            try:
-                self.store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
-            except (FileExistsError, OSError) as exc:
-                if _precondition_failed(exc):
-                    return False
-                raise
-            return True
-        with self._locked():
-            if self.read()[1] != token:
-                return False
-            self.store.write_bytes(self.rel, data)
+            return self._s3_conditional("put_object", Body=data, **cond)
+        if not self._if_unchanged(token, lambda: self.store.write_bytes(self.rel, data)):
+            return False
         if not self.store.local:
             return self.read()[0] == data
         return True
@@ -74,18 +65,25 @@ class ObjectCas:
     def delete(self, token: str | None) -> bool:
         """Delete the object only if it is still the version we read as `token`; False if it changed."""
         if self.s3:
-            bucket, key = self._bucket_key()
-            try:
-                self.store.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=token)
-            except OSError as exc:
-                if _precondition_failed(exc):
-                    return False
-                raise
-            return True
+            return self._s3_conditional("delete_object", IfMatch=token)
+        return self._if_unchanged(token, lambda: self.store.delete(self.rel))
+
+    def _s3_conditional(self, operation: str, **params: object) -> bool:
+        """One conditional S3 request; False when its precondition failed (someone changed the object)."""
+        bucket, key = self._bucket_key()
+        try:
+            self.store.fs.call_s3(operation, Bucket=bucket, Key=key, **params)
+        except (FileExistsError, OSError) as exc:
+            if _precondition_failed(exc):
+                return False
+            raise
+        return True
+
+    def _if_unchanged(self, token: str | None, change: Callable[[], None]) -> bool:
         with self._locked():
             if self.read()[1] != token:
                 return False
-            self.store.delete(self.rel)
+            change()
         return True
 
 
