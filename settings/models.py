@@ -191,7 +191,9 @@ class TuningSettings(Settings):
     max_parallelism: int = Field(4096, ge=1, le=65536, description="Never search above this")
 
 
-BuiltinVerifier = Annotated[Literal["exact_match", "math", "http", "none"], Field(title="built-in")]
+BuiltinVerifier = Annotated[
+    Literal["exact_match", "math", "math_fast", "http", "none"], Field(title="built-in")
+]
 # A typed union rather than a free string, so the Prefect run form offers the built-ins as choices.
 CallableVerifier = Annotated[
     str,
@@ -204,8 +206,8 @@ class VerifySettings(Settings):
 
     verifier: BuiltinVerifier | CallableVerifier = Field(
         "exact_match",
-        description="Reward for responses/chat backends: a built-in (exact_match, math, http, none) or "
-        "module:function, your Python callable (row, text) -> float",
+        description="Reward for responses/chat backends: a built-in (exact_match, math, math_fast, http, "
+        "none) or module:function, your Python callable (row, text) -> float",
     )
     url: str | None = Field(None, description="NeMo Gym resources server for the http verifier")
     timeout_s: float = Field(

@@ -1,0 +1,84 @@
+"""`--verifier math` end to end over HTTP: answer pairs whose equivalence is settled, each reward right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+from key_server import KeyServer
+from local_http import RESPONSE
+
+from rollflow.tasks.collect.verifiers import math_match
+
+# (expected_answer, the reply's final answer, equal?)
+PAIRS = [
+    ("x^2+2x+1", r"(x+1)^2", True),
+    (r"\frac{\sqrt{2}}{2}", r"\sqrt{2}/2", True),
+    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", True),
+    ("0.5", r"\frac12", True),
+    ("0.5", r"\frac{1}{2}", True),
+    (r"2\sqrt{3}", r"\sqrt{12}", True),
+    ("1,000", "1000", True),
+    ("1000", "1,000", True),
+    ("12", "12.0", True),
+    ("-3", "-3", True),
+    (r"\frac{3}{4}", "0.75", True),
+    (r"\pi", r"\pi", True),
+    ("[1,2)", "[1,2)", True),
+    (r"(0,\infty)", r"(0, \infty)", True),
+    (r"\{1,2,3\}", r"\{3,2,1\}", True),
+    ("2x+2", "2(x+1)", True),
+    ("3", "4", False),
+    ("0.5", "0.25", False),
+    (r"\sqrt{2}", r"\sqrt{3}", False),
+    ("x^2-1", "(x-1)^2", False),
+    ("[1,2)", "[1,2]", False),
+    (r"\{1,2\}", r"\{1,3\}", False),
+    ("1,000", "100", False),
+    (r"\frac{1}{3}", "0.3", False),
+]
+
+
+class EchoServer(KeyServer):
+    """A Responses backend whose reply text is the request's input: each row says what the model answers."""
+
+    def __init__(self) -> None:
+        super().__init__(key="")
+
+    async def _reply(self, request: web.Request) -> web.Response:
+        text = (await request.json())["input"]
+        message = {**RESPONSE["output"][1], "content": [{"type": "output_text", "text": text}]}
+        return web.json_response({**RESPONSE, "output": [message]})
+
+
+def test_math_verifier_scores_every_settled_pair_right(run_cli, tmp_path: Path):
+    inp = tmp_path / "in.jsonl"
+    rows = (
+        {
+            "responses_create_params": {"input": f"The answer is $\\boxed{{{answer}}}$."},
+            "expected_answer": gold,
+        }
+        for gold, answer, _ in PAIRS
+    )
+    inp.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    out = tmp_path / "out"
+    with EchoServer() as server:
+        res = run_cli(
+            "run", "--input", str(inp), "--output", str(out), "--backend-kind", "responses",
+            "--backend-url", server.url, "--verifier", "math", "--parallelism", "4", "--no-progress",
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    published = [orjson.loads(line) for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
+    wrong = [
+        (gold, answer, row["reward"])
+        for (gold, answer, equal), row in zip(PAIRS, published, strict=True)
+        if row["reward"] != float(equal)
+    ]
+    assert not wrong, f"{len(wrong)} of {len(PAIRS)} rewards wrong: {wrong}"
+
+
+def test_math_fast_keeps_the_numeric_comparator():
+    """`math_fast` is the old comparator: numbers and strings, no algebra."""
+    assert math_match({"expected_answer": "0.5"}, r"\boxed{1/2}") == 1.0
+    assert math_match({"expected_answer": "x^2+2x+1"}, r"\boxed{(x+1)^2}") == 0.0
