@@ -22,6 +22,7 @@ from rollflow.tasks.collect.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.verify_pool import close_pools
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.publish.endpoints import endpoint_rows
@@ -283,7 +284,10 @@ async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, An
     settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
     handles.clock = clock
-    return await run_collection(spec, settings, handles)
+    try:
+        return await run_collection(spec, settings, handles)
+    finally:
+        close_pools()  # this process's verifier processes; a Dask worker's close when it exits
 
 
 @flow(name="rollflow-run", log_prints=False)

@@ -210,6 +210,20 @@ class VerifySettings(Settings):
         "none) or module:function, your Python callable (row, text) -> float",
     )
     url: str | None = Field(None, description="NeMo Gym resources server for the http verifier")
+    processes: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="Processes running math and synchronous module:function checks (0: a thread of the "
+        "collecting process); default from the cores",
+    )
+    check_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="Longest one check may run in a verifier process; past it the rollout fails as "
+        "verifier_timeout",
+    )
     timeout_s: float = Field(
         60.0, gt=0, le=MAX_SECONDS, description="Per-request timeout of the http verifier"
     )

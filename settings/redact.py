@@ -7,6 +7,7 @@ record) covers them all, instead of each error site remembering which key it mig
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import threading
@@ -43,6 +44,25 @@ def register(settings: BaseModel | None = None, *values: str) -> None:
     with _lock:
         _secrets = _secrets | {s for s in found if s and s.strip()}
     install_log_redaction()
+
+
+def registered() -> frozenset[str]:
+    """The secrets of this process, to hand to a helper process it starts (never through argv or env)."""
+    return _secrets
+
+
+class RedactedStream(io.TextIOBase):
+    """A text stream that redacts what is written to it (a helper process's stdout and stderr)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def redact(text: str) -> str:

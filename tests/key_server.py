@@ -8,7 +8,7 @@ import threading
 
 import orjson
 from aiohttp import web
-from local_http import DEFAULT_REPLY, ScriptedServer
+from local_http import DEFAULT_REPLY, RESPONSE, ScriptedServer
 
 
 class KeyServer:
@@ -36,3 +36,15 @@ class KeyServer:
 
     def keys_seen(self) -> set[str | None]:
         return {seen.headers.get("Authorization") for seen in list(self.server.seen)}
+
+
+class EchoServer(KeyServer):
+    """A Responses backend whose reply text is the request's input: each row says what the model answers."""
+
+    def __init__(self) -> None:
+        super().__init__(key="")
+
+    async def _reply(self, request: web.Request) -> web.Response:
+        text = (await request.json())["input"]
+        message = {**RESPONSE["output"][1], "content": [{"type": "output_text", "text": text}]}
+        return web.json_response({**RESPONSE, "output": [message]})

@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
-from aiohttp import web
-from key_server import KeyServer
-from local_http import RESPONSE
+from key_server import EchoServer
 
 from rollflow.tasks.collect.verifiers import math_match
 
@@ -38,18 +36,6 @@ PAIRS = [
     ("1,000", "100", False),
     (r"\frac{1}{3}", "0.3", False),
 ]
-
-
-class EchoServer(KeyServer):
-    """A Responses backend whose reply text is the request's input: each row says what the model answers."""
-
-    def __init__(self) -> None:
-        super().__init__(key="")
-
-    async def _reply(self, request: web.Request) -> web.Response:
-        text = (await request.json())["input"]
-        message = {**RESPONSE["output"][1], "content": [{"type": "output_text", "text": text}]}
-        return web.json_response({**RESPONSE, "output": [message]})
 
 
 def test_math_verifier_scores_every_settled_pair_right(run_cli, tmp_path: Path):

@@ -148,7 +148,7 @@ async def test_module_function_verifiers(tmp_path: Path, monkeypatch: pytest.Mon
         "async def async_score(row, text):\n    calls.append(text)\n    return row['bonus'] + 1\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    sync_v = make_verifier(VerifySettings(verifier="rf_test_rewards:sync_score"))
+    sync_v = make_verifier(VerifySettings(verifier="rf_test_rewards:sync_score", processes=0))  # in-thread
     async_v = make_verifier(VerifySettings(verifier="rf_test_rewards:async_score"))
     assert sync_v is not None and async_v is not None
     assert await sync_v({}, result("abcde")) == 0.5

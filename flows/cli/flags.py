@@ -66,6 +66,8 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "verify": (
         ("verifier", "verify", "verifier"),
         ("verifier-url", "verify", "url"),
+        ("verify-processes", "verify", "processes"),
+        ("verify-timeout-s", "verify", "check_timeout_s"),
     ),
 }
 TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {

@@ -57,3 +57,8 @@ def math_verify_match(row: dict[str, Any], text: str) -> float:
     if not answer:
         return 0.0
     return 1.0 if verify(gold, answer, timeout_seconds=_timeout(VERIFY_TIMEOUT_S)) else 0.0
+
+
+def warm_up() -> None:
+    """Import math-verify and SymPy and run one check, so a process's first real check is not the slow one."""
+    math_verify_match({"expected_answer": "x^2+1"}, r"\boxed{1+x^2}")

@@ -21,6 +21,7 @@ from rollflow.tasks.collect.backends import BackendError, RolloutResult
 from rollflow.tasks.collect.http import session_for_loop
 from rollflow.tasks.collect.math_verifier import math_verify_match
 from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.tasks.collect.verify_pool import default_processes, shared_pool
 
 Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000
@@ -145,7 +146,22 @@ def _sync(fn: Callable[[dict[str, Any], str], Any]) -> Verifier:
     return verify
 
 
-def _callable(spec: str) -> Verifier:
+def _pooled(spec: str, settings: VerifySettings, whole_row: bool) -> Verifier | None:
+    """The check run in this process's verifier pool, or None when --verify-processes is 0."""
+    processes = settings.processes if settings.processes is not None else default_processes()
+    if processes == 0:
+        return None
+
+    async def verify(row: dict[str, Any], result: RolloutResult) -> float:
+        pool = shared_pool(spec, processes, settings.check_timeout_s)
+        sent = row if whole_row else {k: row[k] for k in ("expected_answer",) if k in row}
+        return await pool.check(sent, result.text)
+
+    return verify
+
+
+def _callable(spec: str) -> Callable[..., Any]:
+    """The function module:function names, imported here so a bad spec fails before any request."""
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -154,8 +170,11 @@ def _callable(spec: str) -> Verifier:
             f"Cannot import verifier {spec!r} ({type(exc).__name__}: {exc}). Expected module:function, a "
             f"callable (row, text) -> float importable from the current environment."
         ) from exc
-    if not inspect.iscoroutinefunction(fn):
-        return _sync(fn)
+    return fn  # type: ignore[no-any-return]
+
+
+def _async(fn: Callable[[dict[str, Any], str], Awaitable[Any]]) -> Verifier:
+    """An async reward function stays on the event loop (it waits on I/O; it does not burn a core)."""
 
     async def verify(row: dict[str, Any], result: RolloutResult) -> float:
         return float(await fn(row, result.text))
@@ -238,13 +257,16 @@ def make_verifier(settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY
     if spec == "exact_match":
         return CachedVerifier(spec, _sync(exact_match))
     if spec == "math":
-        return CachedVerifier(spec, _sync(math_verify_match))
+        return CachedVerifier(spec, _pooled(spec, settings, whole_row=False) or _sync(math_verify_match))
     if spec == "math_fast":
         return CachedVerifier(spec, _sync(math_match))
     if spec == "http":
         return CachedVerifier(f"http:{settings.url}", _http(settings, policy), whole_row=True)
     if ":" in spec:
-        return CachedVerifier(spec, _callable(spec), whole_row=True)
+        fn = _callable(spec)
+        if inspect.iscoroutinefunction(fn):
+            return CachedVerifier(spec, _async(fn), whole_row=True)
+        return CachedVerifier(spec, _pooled(spec, settings, whole_row=True) or _sync(fn), whole_row=True)
     raise VerifierError(
         f"Unknown verifier {spec!r}. Use exact_match, math, math_fast, http (with --verifier-url), none, or "
         f"module:function."
