@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/million.py
 	$(PY) bench/startup.py
 	$(PY) bench/end_to_end.py
+	$(PY) bench/verify.py
 
 clean:
 	rm -rf $(VENV) demo-out

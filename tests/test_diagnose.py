@@ -85,3 +85,23 @@ async def test_verdicts_against_the_simulator(tmp_path, sim_args, extra, kind, e
         len(chunk_parts(s.handles.ledger, c, s.plan.identity.num_repeats)[0]) for c in s.plan.scan.chunks
     )
     assert saved == d.low.saved + d.high.saved == d.low.measure.ok + d.high.measure.ok
+
+
+async def test_a_cpu_bound_verifier_is_named_with_its_figures_and_the_processes_flag(tmp_path) -> None:
+    """Checks in one thread of the collecting process cap a zero-latency backend: the verdict says so,
+    with the verification time, its share and where it runs, and names --verify-processes."""
+    sim = spawn_simulator("--slots", "64", "--latency-ms", "0")
+    try:
+        s = setup_run(
+            tmp_path, sim.url, rows=400, kind="responses", chunk_size=100,
+            verifier="busy_verifier:score", verify_processes=0,
+        )  # fmt: skip
+        d = await diagnose(s.ctx, s.plan, low=5, high=20, rows=100)
+        await close_loop_session()
+    finally:
+        sim.stop()
+    assert d.verdict == "verifier-bound", (d.verdict, d.reason)
+    assert "--verify-processes" in d.next_step, d.next_step
+    assert "ms per rollout" in d.reason and "of each rollout's time" in d.reason, d.reason
+    figures = d.as_dict()["verification"]
+    assert figures["verify_processes"] == 0 and figures["verify_share"] >= 0.5, figures

@@ -30,6 +30,7 @@ def setup_run(
     kind: str = "agent",
     chunk_size: int = 500,
     verifier: str = "math",
+    verify_processes: int | None = None,
     **backend: Any,
 ) -> Setup:
     inp = write_rows(tmp_path / "in.jsonl", rows)
@@ -38,7 +39,7 @@ def setup_run(
         output=str(tmp_path / "out"),
         backend={"kind": kind, "url": url, "model": "sim", **backend},
         collection={"chunk_size": chunk_size},
-        verify={"verifier": verifier},
+        verify={"verifier": verifier, "processes": verify_processes},
     )
     return _setup(spec)
 

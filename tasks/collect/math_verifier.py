@@ -1,45 +1,46 @@
 """`--verifier math`: Hugging Face's math-verify, the checker verl, TRL and open-r1 reward functions use.
 
 The gold answer is parsed as LaTeX (or a plain expression) and the reply's final answer is extracted the
-way math-verify does, the last \\boxed{} first; SymPy then decides equivalence, so `(x+1)^2` scores for
-`x^2+2x+1` and `\\frac12` for `0.5`. math-verify's own timeouts use SIGALRM, which works only in a
-process's main thread: elsewhere (a verifier thread of the collecting process) they are left off rather
-than failing every check.
+way math-verify does for model output, the last \\boxed{} first (first match); SymPy then decides
+equivalence, so `(x+1)^2` scores for `x^2+2x+1` and `\\frac12` for `0.5`. math-verify's own timeouts
+(SIGALRM, main thread only, 0.4 ms a check) are left off: in the verifier pool, --verify-timeout-s stops
+a check that runs too long by stopping its process.
 """
 
 from __future__ import annotations
 
-import threading
+import logging
 from functools import lru_cache
 from typing import Any
 
-PARSE_TIMEOUT_S = 5
-VERIFY_TIMEOUT_S = 5
+
+@lru_cache(maxsize=1)
+def _library() -> Any:
+    import math_verify
+
+    # It warns on every call that its timeouts are off; the pool's timeout is the one that applies.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return math_verify
 
 
 @lru_cache(maxsize=1)
 def _configs() -> tuple[list[Any], list[Any]]:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig
-
-    gold = [LatexExtractionConfig(), ExprExtractionConfig()]
-    answer = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    mv = _library()
+    gold = [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()]
+    answer = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
     return gold, answer
 
 
-def _timeout(seconds: int) -> int | None:
-    return seconds if threading.current_thread() is threading.main_thread() else None
-
-
-def parse_gold(expected: Any) -> list[Any]:
-    """The gold answer as math-verify reads it: in $...$ first (bare LaTeX), else as written."""
-    from math_verify import parse
-
+@lru_cache(maxsize=4096)
+def parse_gold(expected: str) -> list[Any]:
+    """The gold answer as math-verify reads it: in $...$ first (bare LaTeX), else as written; cached,
+    since every rollout of a task shares it."""
+    mv = _library()
     gold_configs, _ = _configs()
-    text = str(expected).strip()
-    timeout = _timeout(PARSE_TIMEOUT_S)
+    text = expected.strip()
     wrapped = text if text.startswith("$") or "\\boxed" in text else f"${text}$"
-    return parse(wrapped, gold_configs, parsing_timeout=timeout) or parse(
-        text, gold_configs, parsing_timeout=timeout
+    return mv.parse(wrapped, gold_configs, parsing_timeout=None) or mv.parse(
+        text, gold_configs, parsing_timeout=None
     )
 
 
@@ -47,16 +48,15 @@ def math_verify_match(row: dict[str, Any], text: str) -> float:
     """1.0 when the reply's final answer is mathematically equal to expected_answer, else 0.0."""
     if "expected_answer" not in row:
         return 0.0
-    from math_verify import parse, verify
-
-    gold = parse_gold(row["expected_answer"])
+    gold = parse_gold(str(row["expected_answer"]))
     if not gold:
         return 0.0
+    mv = _library()
     _, answer_configs = _configs()
-    answer = parse(text, answer_configs, parsing_timeout=_timeout(PARSE_TIMEOUT_S))
+    answer = mv.parse(text, answer_configs, extraction_mode="first_match", parsing_timeout=None)
     if not answer:
         return 0.0
-    return 1.0 if verify(gold, answer, timeout_seconds=_timeout(VERIFY_TIMEOUT_S)) else 0.0
+    return 1.0 if mv.verify(gold, answer, timeout_seconds=None) else 0.0
 
 
 def warm_up() -> None:

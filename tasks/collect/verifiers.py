@@ -118,6 +118,7 @@ class CachedVerifier:
         self.size = size
         self.cache: OrderedDict[bytes, float] = OrderedDict()
         self.hits = 0
+        self.processes: int | None = None  # CPU-bound checks: verifier processes (0: a thread)
 
     async def __call__(self, row: dict[str, Any], result: RolloutResult) -> float:
         key = verifier_cache_key(self.name, row, result.text, self.whole_row)
@@ -146,18 +147,20 @@ def _sync(fn: Callable[[dict[str, Any], str], Any]) -> Verifier:
     return verify
 
 
-def _pooled(spec: str, settings: VerifySettings, whole_row: bool) -> Verifier | None:
-    """The check run in this process's verifier pool, or None when --verify-processes is 0."""
+def _cpu_bound(
+    spec: str, settings: VerifySettings, fn: Callable[[dict[str, Any], str], Any], whole_row: bool
+) -> CachedVerifier:
+    """A CPU-bound check: in this process's verifier pool, or in a thread when --verify-processes is 0."""
     processes = settings.processes if settings.processes is not None else default_processes()
-    if processes == 0:
-        return None
 
-    async def verify(row: dict[str, Any], result: RolloutResult) -> float:
+    async def pooled(row: dict[str, Any], result: RolloutResult) -> float:
         pool = shared_pool(spec, processes, settings.check_timeout_s)
         sent = row if whole_row else {k: row[k] for k in ("expected_answer",) if k in row}
         return await pool.check(sent, result.text)
 
-    return verify
+    verifier = CachedVerifier(spec, pooled if processes else _sync(fn), whole_row=whole_row)
+    verifier.processes = processes
+    return verifier
 
 
 def _callable(spec: str) -> Callable[..., Any]:
@@ -257,7 +260,7 @@ def make_verifier(settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY
     if spec == "exact_match":
         return CachedVerifier(spec, _sync(exact_match))
     if spec == "math":
-        return CachedVerifier(spec, _pooled(spec, settings, whole_row=False) or _sync(math_verify_match))
+        return _cpu_bound(spec, settings, math_verify_match, whole_row=False)
     if spec == "math_fast":
         return CachedVerifier(spec, _sync(math_match))
     if spec == "http":
@@ -266,7 +269,7 @@ def make_verifier(settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY
         fn = _callable(spec)
         if inspect.iscoroutinefunction(fn):
             return CachedVerifier(spec, _async(fn), whole_row=True)
-        return CachedVerifier(spec, _pooled(spec, settings, whole_row=True) or _sync(fn), whole_row=True)
+        return _cpu_bound(spec, settings, fn, whole_row=True)
     raise VerifierError(
         f"Unknown verifier {spec!r}. Use exact_match, math, math_fast, http (with --verifier-url), none, or "
         f"module:function."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import os
 import queue
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import IO, Any
 
 from rollflow.settings import redact
@@ -39,7 +40,7 @@ def default_processes() -> int:
 
 
 class _Worker:
-    """One verifier process and its pipes; `call` sends one check and waits at most `timeout_s`."""
+    """One verifier process and its pipes."""
 
     def __init__(self, spec: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -47,6 +48,7 @@ class _Worker:
             [sys.executable, "-m", "rollflow.tasks.collect.verify_worker", spec],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a reply read ahead into a buffer would hide from select()
             env=env,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -54,19 +56,12 @@ class _Worker:
         self.outbox: IO[bytes] = self.proc.stdout
         send(self.inbox, sorted(redact.registered()))
 
-    def wait_ready(self) -> None:
-        if self._wait(START_TIMEOUT_S) != READY:
-            raise EOFError("the verifier process did not start")
-
-    def _wait(self, timeout_s: float) -> Any:
-        ready, _, _ = select.select([self.outbox], [], [], timeout_s)
+    def wait(self, timeout_s: float) -> Any:
+        """The next message, TimeoutError after `timeout_s`, EOFError if the process died."""
+        ready, _, _ = select.select([self.outbox], [], [], max(0.0, timeout_s))
         if not ready:
             raise TimeoutError
         return receive(self.outbox)
-
-    def call(self, row: dict[str, Any], text: str, timeout_s: float) -> Any:
-        send(self.inbox, (row, text))
-        return self._wait(timeout_s)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -77,102 +72,174 @@ class _Worker:
                 stream.close()
 
 
+@dataclass
+class _Job:
+    row: dict[str, Any]
+    text: str
+    future: asyncio.Future[float]
+    loop: asyncio.AbstractEventLoop
+
+    def settle(self, value: float | None = None, error: BaseException | None = None) -> None:
+        def apply() -> None:
+            if self.future.done():
+                return  # the rollout was cancelled (deadline, Ctrl-C) while its check ran
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)  # type: ignore[arg-type]
+
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(apply)
+
+
 class VerifyPool:
-    """`processes` verifier processes behind one async `check`; started on the first check."""
+    """`processes` verifier processes behind one async `check`; started on the first check.
+
+    Each process has a thread that keeps `DEPTH` checks in its pipe, so the process never waits for a
+    round trip between two checks; a check's timeout runs from when the process begins it.
+    """
+
+    DEPTH = 2
 
     def __init__(self, spec: str, processes: int, timeout_s: float) -> None:
         self.spec, self.processes, self.timeout_s = spec, processes, timeout_s
-        self._idle: queue.Queue[_Worker | None] = queue.Queue()
-        self._threads = ThreadPoolExecutor(processes, thread_name_prefix="rollflow-verify")
-        self._start_lock = threading.Lock()
-        self._started = False
-        self._closed = False
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
         self._workers: set[_Worker] = set()
-        self.checks = 0
-        self.busy_s = 0.0
-        self.timeouts = 0
-        self.crashes = 0
+        self.closed = False
+        self.checks = self.timeouts = self.crashes = 0
 
     async def check(self, row: dict[str, Any], text: str) -> float:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, self._run, row, text)
+        job = _Job(row, text, loop.create_future(), loop)
+        with self._lock:  # a job queued before close() is settled by it or by a dispatcher
+            if self.closed:
+                raise BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
+            if not self._threads:
+                for i in range(self.processes):
+                    thread = threading.Thread(target=self._serve, name=f"rollflow-verify-{i}", daemon=True)
+                    self._threads.append(thread)
+                    thread.start()
+            self._jobs.put(job)
+        return await job.future
 
-    def _start(self) -> None:
-        with self._start_lock:
-            if self._started:
-                return
-            workers = [self._spawn_unready() for _ in range(self.processes)]
-            for worker in workers:
-                self._ready(worker)
-            self._started = True
-
-    def _spawn_unready(self) -> _Worker:
+    def _spawn(self) -> _Worker | None:
+        """A started worker, None when the pool closed or the process cannot start (jobs then fail)."""
         worker = _Worker(self.spec)
-        self._workers.add(worker)
-        return worker
-
-    def _ready(self, worker: _Worker) -> None:
+        with self._lock:
+            self._workers.add(worker)
         try:
-            worker.wait_ready()
-        except (EOFError, TimeoutError, OSError) as exc:
-            worker.kill()
-            raise BackendError(
-                f"verifier {self.spec!r}: its process did not start ({type(exc).__name__}); see the "
-                f"lines it printed above",
-                kind="verifier_crash",
-            ) from None
-        self._idle.put(worker)
+            if worker.wait(START_TIMEOUT_S) == READY:
+                return worker
+        except (EOFError, TimeoutError, OSError):
+            pass
+        self._retire(worker)
+        return None
 
-    def _replace(self, worker: _Worker) -> None:
+    def _retire(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers.discard(worker)
-        if not self._closed:
-            self._ready(self._spawn_unready())
+        with self._lock:
+            self._workers.discard(worker)
 
-    def _run(self, row: dict[str, Any], text: str) -> float:
-        if self._closed:
-            raise BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
-        self._start()
-        worker = self._idle.get()
-        if worker is None:
-            raise BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
-        started = time.perf_counter()
-        try:
-            reply = worker.call(row, text, self.timeout_s)
-        except TimeoutError:
-            self.timeouts += 1
-            self._replace(worker)
-            raise BackendError(
-                f"verifier {self.spec!r} took longer than --verify-timeout-s {self.timeout_s:g}s on this "
-                f"rollout; its process was stopped",
-                kind="verifier_timeout",
-            ) from None
-        except (EOFError, OSError) as exc:
-            self.crashes += 1
-            code = worker.proc.poll()
-            self._replace(worker)
-            raise BackendError(
-                f"verifier {self.spec!r}: its process died on this rollout (exit {code}, "
-                f"{type(exc).__name__})",
-                kind="verifier_crash",
-            ) from None
-        finally:
-            self.busy_s += time.perf_counter() - started
-        self.checks += 1
-        self._idle.put(worker)
-        status, value = reply
-        if status != "ok":
-            raise BackendError(f"verifier failed: {value}", kind="verifier", retryable=False)
-        return float(value)
+    def _serve(self) -> None:
+        """One worker process's dispatcher: feed it, read its replies, replace it when it fails."""
+        pending: collections.deque[_Job] = collections.deque()
+        while not self.closed:
+            worker = self._spawn()
+            if worker is None:
+                self._fail_all(pending, "its process did not start; see the lines it printed above")
+                if self.closed:
+                    return
+                time.sleep(1.0)
+                continue
+            try:
+                self._drive(worker, pending)
+            except Exception as exc:  # a pipe broke mid-send: the process is gone
+                self.crashes += 1
+                self._fail_all(pending, f"its process failed ({type(exc).__name__}: {exc})")
+            self._retire(worker)
+        self._fail_all(pending, "the run is stopping")
+
+    def _drive(self, worker: _Worker, pending: collections.deque[_Job]) -> None:
+        for job in pending:  # checks a failed process held, minus the one that failed it
+            send(worker.inbox, (job.row, job.text))
+        began = time.monotonic()
+        while not self.closed:
+            idle = not pending
+            if not self._fill(worker, pending, block=idle):
+                return
+            if idle:  # the process waited for work: its check begins now
+                began = time.monotonic()
+            try:
+                status, value = worker.wait(began + self.timeout_s - time.monotonic())
+            except TimeoutError:
+                self.timeouts += 1
+                pending.popleft().settle(error=self._timeout_error())
+                return
+            except (EOFError, OSError) as exc:
+                self.crashes += 1
+                pending.popleft().settle(error=self._crash_error(worker, exc))
+                return
+            began = time.monotonic()
+            self.checks += 1
+            job = pending.popleft()
+            if status == "ok":
+                job.settle(float(value))
+            else:
+                job.settle(error=BackendError(f"verifier failed: {value}", kind="verifier", retryable=False))
+
+    def _fill(self, worker: _Worker, pending: collections.deque[_Job], block: bool) -> bool:
+        """Send checks until DEPTH are in the pipe; False when the pool closed."""
+        while len(pending) < self.DEPTH:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            pending.append(job)
+            send(worker.inbox, (job.row, job.text))
+            block = False
+        return True
+
+    def _fail_all(self, pending: collections.deque[_Job], why: str) -> None:
+        while pending:
+            error = BackendError(f"verifier {self.spec!r}: {why}", kind="verifier_crash")
+            pending.popleft().settle(error=error)
+
+    def _timeout_error(self) -> BackendError:
+        return BackendError(
+            f"verifier {self.spec!r} took longer than --verify-timeout-s {self.timeout_s:g}s on this "
+            f"rollout; its process was stopped",
+            kind="verifier_timeout",
+        )
+
+    def _crash_error(self, worker: _Worker, exc: BaseException) -> BackendError:
+        code = worker.proc.wait()
+        return BackendError(
+            f"verifier {self.spec!r}: its process died on this rollout (exit {code}, {type(exc).__name__})",
+            kind="verifier_crash",
+        )
 
     def close(self) -> None:
         """Stop every worker process; checks still waiting fail (the run is stopping)."""
-        self._closed = True
-        for worker in list(self._workers):
+        with self._lock:
+            self.closed = True
+            workers = list(self._workers)
+            for _ in self._threads:
+                self._jobs.put(None)
+        for worker in workers:
             worker.kill()
-        for _ in range(self.processes):
-            self._idle.put(None)
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.settle(
+                    error=BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
+                )
 
 
 _pools: dict[tuple[str, int, float], VerifyPool] = {}
@@ -184,7 +251,7 @@ def shared_pool(spec: str, processes: int, timeout_s: float) -> VerifyPool:
     key = (spec, processes, timeout_s)
     with _pools_lock:
         pool = _pools.get(key)
-        if pool is None or pool._closed:
+        if pool is None or pool.closed:
             pool = _pools[key] = VerifyPool(spec, processes, timeout_s)
         return pool
 

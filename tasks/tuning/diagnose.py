@@ -15,6 +15,7 @@ from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.engine import engine_clause, engine_sampler
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
+from rollflow.tasks.tuning.verify_load import VerifyLoad, verify_next_step
 
 PARALLELISM_BOUND = 2.0
 NO_GAIN = 1.2
@@ -70,6 +71,7 @@ class Diagnosis:
                 str(self.high.parallelism): self.high.errors,
             },
             "time_split": self.figures.get("time_split", {}),
+            "verification": self.figures.get("verification", {}),
             "probe_rollouts": self.probe_rollouts,
             **({"engine": self.engine} if self.engine is not None else {}),
         }
@@ -103,12 +105,15 @@ def overloaded(low: StepResult, high: StepResult) -> bool:
     return hi_att > 2 * ERROR_RATE and hi_att > 2 * lo_att + ERROR_RATE
 
 
-def verdict(low: StepResult, high: StepResult) -> Diagnosis:
-    """What limits throughput, judged from a low and a high step (see the module docstring)."""
+def verdict(low: StepResult, high: StepResult, verify_processes: int | None = None) -> Diagnosis:
+    """What limits throughput, judged from a low and a high step (see the module docstring).
+
+    `verify_processes`: where checks run (verifier processes; 0, a thread; None, the event loop)."""
     lo_p, hi_p = low.parallelism, high.parallelism
     lo_r, hi_r = low.rollouts_per_s, high.rollouts_per_s
     speedup = hi_r / lo_r if lo_r > 0 else (float("inf") if hi_r > 0 else 0.0)
-    figures: dict[str, Any] = {"time_split": time_split(low, high)}
+    load = VerifyLoad.of(high, verify_processes)
+    figures: dict[str, Any] = {"time_split": time_split(low, high), "verification": load.as_dict()}
     rates = f"{lo_r:,.1f} rollouts/s at {lo_p} in flight, {hi_r:,.1f} at {hi_p} (x{speedup:.2f})"
     if high.engine is not None:
         rates = f"{engine_clause(high.engine, hi_p)}; {rates}"
@@ -163,9 +168,8 @@ def verdict(low: StepResult, high: StepResult) -> Diagnosis:
             return done(
                 "verifier-bound",
                 f"Verification is the bottleneck: the time to score a rollout grows with load while the "
-                f"backend keeps up. Give the verifier more capacity (more /verify workers, a cheaper "
-                f"verifier); more parallelism will not help. Keep parallelism near {lo_p}.",
-                f"{rates}; {split}.",
+                f"backend keeps up. {verify_next_step(verify_processes)} Keep parallelism near {lo_p}.",
+                f"{rates}; {split}; at {hi_p} in flight {load.clause()}.",
             )
         return done(
             "backend-bound",
@@ -215,4 +219,4 @@ async def diagnose(
             f"The input has too few rows left to diagnose ({feed.handed_out} rollouts available, "
             f"{2 * rows} needed); lower --diagnose-rows or skip diagnosis with a fixed --parallelism."
         )
-    return verdict(lo, hi)
+    return verdict(lo, hi, getattr(ctx.verifier, "processes", None))

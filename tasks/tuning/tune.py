@@ -53,6 +53,7 @@ from rollflow.tasks.tuning.tune_rules import (
     step_rollouts,
     utilisation,
 )
+from rollflow.tasks.tuning.verify_load import VerifyLoad, verification_limits, verify_next_step
 
 __all__ = [
     "TuneOptions",
@@ -114,6 +115,8 @@ class Tuning:
     seed_rollouts: int = 0
     notes: list[str] = field(default_factory=list)
     engine: dict[str, Any] | None = None
+    limited_by: str = "backend"  # or "verification": the checks, not the backend, capped the curve
+    verification: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +130,8 @@ class Tuning:
             "base_latency_s": None if self.base_latency_s is None else round(self.base_latency_s, 6),
             "stable": self.stable,
             "notes": self.notes,
+            "limited_by": self.limited_by,
+            "verification": self.verification,
             **({"engine": self.engine} if self.engine is not None else {}),
         }
 
@@ -191,6 +196,12 @@ async def tune(
         if own:
             run.feed.close()
     latency0 = base_latency(run.valid())
+    limited, load = _verification_limit(run.valid(), getattr(ctx.verifier, "processes", None))
+    if limited and load is not None:
+        run.notes.append(
+            f"throughput stopped growing because verification limits it, not the backend "
+            f"({load.clause()}). {verify_next_step(load.processes)}"
+        )
     return Tuning(
         steps=[_row(phase, s, latency0, note) for phase, s, note in run.history],
         knee=knee,
@@ -203,4 +214,14 @@ async def tune(
         seed_rollouts=sum(s.rollouts for s in seeds),
         notes=run.notes,
         engine=None if figures is None else {**figures, "knee_from_engine": stop == ENGINE_QUEUE},
+        limited_by="verification" if limited else "backend",
+        verification=load.as_dict() if load is not None else {},
     )
+
+
+def _verification_limit(valid: list[StepResult], processes: int | None) -> tuple[bool, VerifyLoad | None]:
+    """Whether the top of the curve was held by verification (the two highest good levels), and its load."""
+    top = sorted(valid, key=lambda s: s.parallelism)[-2:]
+    if not top:
+        return False, None
+    return len(top) == 2 and verification_limits(top[0], top[1]), VerifyLoad.of(top[-1], processes)
