@@ -220,8 +220,15 @@ async def tune(
 
 
 def _verification_limit(valid: list[StepResult], processes: int | None) -> tuple[bool, VerifyLoad | None]:
-    """Whether the top of the curve was held by verification (the two highest good levels), and its load."""
-    top = sorted(valid, key=lambda s: s.parallelism)[-2:]
-    if not top:
+    """Whether verification held the curve (from its lowest level to its highest), and its load at the top.
+
+    At each level the step with the most rollouts stands for it: repeats of one level are no slope."""
+    levels: dict[int, StepResult] = {}
+    for step in valid:
+        best = levels.get(step.parallelism)
+        if best is None or step.rollouts > best.rollouts:
+            levels[step.parallelism] = step
+    if not levels:
         return False, None
-    return len(top) == 2 and verification_limits(top[0], top[1]), VerifyLoad.of(top[-1], processes)
+    low, high = levels[min(levels)], levels[max(levels)]
+    return low is not high and verification_limits(low, high), VerifyLoad.of(high, processes)
