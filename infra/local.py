@@ -5,7 +5,9 @@ Shared by the tests, the benchmarks and `infra/local-up.sh`, so each starts serv
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,6 +23,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """The first of `n` consecutive free ports, below Linux's ephemeral range (32768 up), so no
+    outgoing connection takes one of them between this check and the server's bind."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 32_000 - n)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no block of {n} free ports found below 32000")
 
 
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:

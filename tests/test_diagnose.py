@@ -104,4 +104,5 @@ async def test_a_cpu_bound_verifier_is_named_with_its_figures_and_the_processes_
     assert "--verify-processes" in d.next_step, d.next_step
     assert "ms per rollout" in d.reason and "of each rollout's time" in d.reason, d.reason
     figures = d.as_dict()["verification"]
-    assert figures["verify_processes"] == 0 and figures["verify_share"] >= 0.5, figures
+    assert figures["verify_processes"] == 0 and figures["verify_capacity_per_s"], figures
+    assert "sustains" in d.reason, d.reason

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from rollflow.infra.local import free_port, spawn_replicas, spawn_simulator, wait_http
+from rollflow.infra.local import free_port_block, spawn_replicas, spawn_simulator, wait_http
 
 ROW = {"responses_create_params": {"input": [{"role": "user", "content": "hi"}], "model": "m"}}
 LISTENING = re.compile(r"rollflow simulator listening on (http://\S+)")
@@ -89,7 +89,7 @@ async def timed_batch(url: str, n: int) -> float:
 
 
 async def test_replicas_in_one_process_on_consecutive_ports() -> None:
-    port = free_port()
+    port = free_port_block(2)  # the replica takes the next port: both must be free
     cmd = [sys.executable, "-m", "rollflow.infra.simulator", "--port", str(port)]
     proc = subprocess.Popen(
         [*cmd, "--replica", "2x200", "--replica", "8x200"], stdout=subprocess.PIPE, text=True

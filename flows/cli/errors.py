@@ -89,8 +89,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-# Prefect's words for a task or flow that a Ctrl-C or SIGTERM cancelled; the CLI says it in one line.
-STOPPED_BY_SIGNAL = "cancelled by the runtime environment"
+# Prefect's words for a task or flow that a Ctrl-C or SIGTERM stopped (which it says depends on where the
+# signal found the task); the CLI says it in one line.
+STOPPED_BY_SIGNAL = ("cancelled by the runtime environment", "aborted by a termination signal")
 
 
 class HideKnownErrors(logging.Filter):
@@ -111,7 +112,7 @@ class HideKnownErrors(logging.Filter):
         if not record.name.startswith("prefect"):
             return True
         message = record.getMessage().replace("exception: ", "exception ")
-        if STOPPED_BY_SIGNAL in message:
+        if any(phrase in message for phrase in STOPPED_BY_SIGNAL):
             return False
         return not any(name in message for name in self.names)
 

@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import inspect
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from fractions import Fraction
@@ -21,7 +22,7 @@ from rollflow.tasks.collect.backends import BackendError, RolloutResult
 from rollflow.tasks.collect.http import session_for_loop
 from rollflow.tasks.collect.math_verifier import math_verify_match
 from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
-from rollflow.tasks.collect.verify_pool import default_processes, shared_pool
+from rollflow.tasks.collect.verify_pool import VerifyMeter, default_processes, shared_pool
 
 Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000
@@ -119,6 +120,12 @@ class CachedVerifier:
         self.cache: OrderedDict[bytes, float] = OrderedDict()
         self.hits = 0
         self.processes: int | None = None  # CPU-bound checks: verifier processes (0: a thread)
+        self.meter: VerifyMeter | None = None
+
+    def usage(self) -> tuple[float, float, int]:
+        """CPU and busy seconds the checks have taken so far, and how many (CPU-bound verifiers)."""
+        meter = self.meter
+        return (meter.cpu_s, meter.busy_s, meter.checks) if meter is not None else (0.0, 0.0, 0)
 
     async def __call__(self, row: dict[str, Any], result: RolloutResult) -> float:
         key = verifier_cache_key(self.name, row, result.text, self.whole_row)
@@ -134,12 +141,20 @@ class CachedVerifier:
         return reward
 
 
-def _sync(fn: Callable[[dict[str, Any], str], Any]) -> Verifier:
+def _sync(fn: Callable[[dict[str, Any], str], Any], meter: VerifyMeter | None = None) -> Verifier:
     """A synchronous reward function, run on a thread: a slow one must not stall the event loop (and
     with it the output lease's renewals and every other rollout)."""
 
+    def timed(row: dict[str, Any], text: str) -> Any:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return fn(row, text)
+        finally:
+            if meter is not None:
+                meter.add(time.thread_time() - cpu, time.perf_counter() - wall)
+
     async def verify(row: dict[str, Any], result: RolloutResult) -> float:
-        value = await asyncio.to_thread(fn, row, result.text)
+        value = await asyncio.to_thread(timed, row, result.text)
         if inspect.isawaitable(value):
             value = await value
         return float(value)
@@ -152,14 +167,15 @@ def _cpu_bound(
 ) -> CachedVerifier:
     """A CPU-bound check: in this process's verifier pool, or in a thread when --verify-processes is 0."""
     processes = settings.processes if settings.processes is not None else default_processes()
+    meter = VerifyMeter()
 
     async def pooled(row: dict[str, Any], result: RolloutResult) -> float:
         pool = shared_pool(spec, processes, settings.check_timeout_s)
         sent = row if whole_row else {k: row[k] for k in ("expected_answer",) if k in row}
-        return await pool.check(sent, result.text)
+        return await pool.check(sent, result.text, meter)
 
-    verifier = CachedVerifier(spec, pooled if processes else _sync(fn), whole_row=whole_row)
-    verifier.processes = processes
+    verifier = CachedVerifier(spec, pooled if processes else _sync(fn, meter), whole_row=whole_row)
+    verifier.processes, verifier.meter = processes, meter
     return verifier
 
 

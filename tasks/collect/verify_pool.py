@@ -72,12 +72,30 @@ class _Worker:
                 stream.close()
 
 
+class VerifyMeter:
+    """What checks took, summed over the threads or processes that ran them: CPU seconds, and busy
+    seconds (from a process beginning a check to its reply), which stay honest when cores are short."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.busy_s = 0.0
+        self.checks = 0
+        self._lock = threading.Lock()
+
+    def add(self, cpu_s: float, busy_s: float) -> None:
+        with self._lock:
+            self.cpu_s += cpu_s
+            self.busy_s += busy_s
+            self.checks += 1
+
+
 @dataclass
 class _Job:
     row: dict[str, Any]
     text: str
     future: asyncio.Future[float]
     loop: asyncio.AbstractEventLoop
+    meter: VerifyMeter | None
 
     def settle(self, value: float | None = None, error: BaseException | None = None) -> None:
         def apply() -> None:
@@ -99,7 +117,7 @@ class VerifyPool:
     round trip between two checks; a check's timeout runs from when the process begins it.
     """
 
-    DEPTH = 2
+    DEPTH = 8
 
     def __init__(self, spec: str, processes: int, timeout_s: float) -> None:
         self.spec, self.processes, self.timeout_s = spec, processes, timeout_s
@@ -110,9 +128,9 @@ class VerifyPool:
         self.closed = False
         self.checks = self.timeouts = self.crashes = 0
 
-    async def check(self, row: dict[str, Any], text: str) -> float:
+    async def check(self, row: dict[str, Any], text: str, meter: VerifyMeter | None = None) -> float:
         loop = asyncio.get_running_loop()
-        job = _Job(row, text, loop.create_future(), loop)
+        job = _Job(row, text, loop.create_future(), loop, meter)
         with self._lock:  # a job queued before close() is settled by it or by a dispatcher
             if self.closed:
                 raise BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
@@ -172,7 +190,7 @@ class VerifyPool:
             if idle:  # the process waited for work: its check begins now
                 began = time.monotonic()
             try:
-                status, value = worker.wait(began + self.timeout_s - time.monotonic())
+                status, value, cpu = worker.wait(began + self.timeout_s - time.monotonic())
             except TimeoutError:
                 self.timeouts += 1
                 pending.popleft().settle(error=self._timeout_error())
@@ -181,9 +199,11 @@ class VerifyPool:
                 self.crashes += 1
                 pending.popleft().settle(error=self._crash_error(worker, exc))
                 return
+            job = pending.popleft()
+            if job.meter is not None:
+                job.meter.add(cpu, time.monotonic() - began)
             began = time.monotonic()
             self.checks += 1
-            job = pending.popleft()
             if status == "ok":
                 job.settle(float(value))
             else:

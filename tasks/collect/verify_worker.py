@@ -12,6 +12,7 @@ import pickle
 import signal
 import struct
 import sys
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -74,11 +75,12 @@ def serve(spec: str) -> None:
             row, text = receive(inbox)
         except EOFError:
             return
+        cpu = time.process_time()
         try:
-            reply: tuple[str, Any] = ("ok", float(check(row, text)))
+            status, value = "ok", float(check(row, text))
         except Exception as exc:
-            reply = ("error", redact.redact(f"{type(exc).__name__}: {exc}"))
-        send(outbox, reply)
+            status, value = "error", redact.redact(f"{type(exc).__name__}: {exc}")
+        send(outbox, (status, value, time.process_time() - cpu))
 
 
 if __name__ == "__main__":

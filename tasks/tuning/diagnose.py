@@ -15,7 +15,7 @@ from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.engine import engine_clause, engine_sampler
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
-from rollflow.tasks.tuning.verify_load import VerifyLoad, verify_next_step
+from rollflow.tasks.tuning.verify_load import VerifyLoad, verification_limits, verify_next_step
 
 PARALLELISM_BOUND = 2.0
 NO_GAIN = 1.2
@@ -161,6 +161,8 @@ def verdict(low: StepResult, high: StepResult, verify_processes: int | None = No
         v_lo, v_hi = low.per_rollout(low.verify_s), high.per_rollout(high.verify_s)
         verify_grew, backend_grew = v_hi - v_lo, b_hi - b_lo
         verifier = verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else v_hi > b_hi
+        if verify_processes is not None:  # CPU-bound checks: judged by what they used
+            verifier = verification_limits(low, high, verify_processes)
         if high.engine is not None:  # the engine says whether it is the one that queues
             verifier = not high.engine.saturated
         split = f"per rollout: backend {_ms(b_lo)} -> {_ms(b_hi)}, verification {_ms(v_lo)} -> {_ms(v_hi)}"

@@ -57,6 +57,8 @@ class StepResult:
     saved: int = 0
     records: list[RequestRecord] = field(default_factory=list, repr=False)
     engine: EngineStep | None = None
+    # What the checks took (CPU, busy time) and the collecting process's CPU, over the step's wall time.
+    usage: VerifyUsage = field(default_factory=lambda: VerifyUsage())
 
     @property
     def rollouts_per_s(self) -> float:
@@ -132,6 +134,7 @@ def merge_steps(steps: Sequence[StepResult]) -> StepResult:
         saved=sum(st.saved for st in steps),
         records=records,
         engine=steps[-1].engine,
+        usage=VerifyUsage.total([st.usage for st in steps]),
     )
 
 
@@ -176,6 +179,7 @@ async def probe_step(
     """
     log = AttemptLog()
     step_ctx = dataclasses.replace(ctx, observers=(*ctx.observers, log))
+    usage = VerifyUsage.start(ctx.verifier)
     batch = RolloutBatch()
     saved = 0
     watch: asyncio.Task[None] | None = None
@@ -185,6 +189,7 @@ async def probe_step(
     try:
         await run_rollouts(step_ctx, items, batch, ConcurrencyLimit(parallelism))
     finally:
+        usage = usage.stop(ctx.verifier)  # the rollouts only: saving parts is no verification time
         if watch is not None and engine is not None:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
@@ -205,7 +210,45 @@ async def probe_step(
         saved=saved,
         records=batch.records,
         engine=seen,
+        usage=usage,
     )
+
+
+@dataclass
+class VerifyUsage:
+    """What a step's checks took (CPU and busy seconds of the processes or threads running them, and how
+    many) and the collecting process's CPU, over the step's rollouts: what tells a verification limit
+    from the backend's."""
+
+    verify_cpu_s: float = 0.0
+    verify_busy_s: float = 0.0
+    checks: int = 0
+    process_cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+    @classmethod
+    def start(cls, verifier: Any) -> VerifyUsage:
+        return cls(*_checks(verifier), time.process_time(), time.perf_counter())
+
+    def stop(self, verifier: Any) -> VerifyUsage:
+        cpu, busy, checks = _checks(verifier)
+        return VerifyUsage(
+            cpu - self.verify_cpu_s,
+            busy - self.verify_busy_s,
+            checks - self.checks,
+            time.process_time() - self.process_cpu_s,
+            time.perf_counter() - self.wall_s,
+        )
+
+    @classmethod
+    def total(cls, parts: Sequence[VerifyUsage]) -> VerifyUsage:
+        fields = ("verify_cpu_s", "verify_busy_s", "checks", "process_cpu_s", "wall_s")
+        return cls(*(sum(getattr(p, f) for p in parts) for f in fields))
+
+
+def _checks(verifier: Any) -> tuple[float, float, int]:
+    usage = getattr(verifier, "usage", None)
+    return usage() if callable(usage) else (0.0, 0.0, 0)
 
 
 class ProbeFeed:

@@ -231,4 +231,4 @@ def _verification_limit(valid: list[StepResult], processes: int | None) -> tuple
     if not levels:
         return False, None
     low, high = levels[min(levels)], levels[max(levels)]
-    return low is not high and verification_limits(low, high), VerifyLoad.of(high, processes)
+    return low is not high and verification_limits(low, high, processes), VerifyLoad.of(high, processes)

@@ -14,23 +14,30 @@ from typing import Any
 
 from rollflow.tasks.tuning.probe import StepResult
 
-# Verification is the limit when it is at least this share of a rollout's time at the higher level.
+# Verifiers on the event loop: verification is the limit when it is at least this share of a rollout's
+# time at the higher level and grew with load at least as fast as the backend's part.
 VERIFY_SHARE = 0.5
+# CPU-bound checks: the limit when the step ran at this share of what verification can sustain.
+AT_CAPACITY = 0.8
 
 
 @dataclass
 class VerifyLoad:
-    """Verification at one step: per rollout, as a share of each rollout's time, and where it ran."""
+    """Verification at one step: per rollout, as a share of each rollout's time, where it ran, and (for
+    CPU-bound checks) the rollouts/s it can sustain there beside the step's rate."""
 
     ms_per_rollout: float
     share: float
     processes: int | None  # verifier processes; 0: a thread of the collecting process; None: on the loop
+    capacity: float | None = None
+    rate: float = 0.0
 
     @classmethod
     def of(cls, step: StepResult, processes: int | None) -> VerifyLoad:
         backend, verify = step.per_rollout(step.backend_s), step.per_rollout(step.verify_s)
         total = backend + verify
-        return cls(verify * 1000, verify / total if total > 0 else 0.0, processes)
+        share = verify / total if total > 0 else 0.0
+        return cls(verify * 1000, share, processes, capacity(step, processes), step.rollouts_per_s)
 
     def where(self) -> str:
         if self.processes is None:
@@ -40,9 +47,15 @@ class VerifyLoad:
         return f"in {self.processes} verifier process{'es' if self.processes > 1 else ''}"
 
     def clause(self) -> str:
+        sustain = ""
+        if self.capacity is not None:
+            sustain = (
+                f"; verification sustains {self.capacity:,.0f} rollouts/s there, the run made "
+                f"{self.rate:,.0f}"
+            )
         return (
             f"verification {self.ms_per_rollout:,.1f} ms per rollout, {self.share:.0%} of each rollout's "
-            f"time, {self.where()}"
+            f"time, {self.where()}{sustain}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -50,11 +63,32 @@ class VerifyLoad:
             "verify_ms_per_rollout": round(self.ms_per_rollout, 3),
             "verify_share": round(self.share, 3),
             "verify_processes": self.processes,
+            "verify_capacity_per_s": None if self.capacity is None else round(self.capacity, 1),
         }
 
 
-def verification_limits(lower: StepResult, upper: StepResult) -> bool:
-    """Whether verification, not the backend, held throughput back between two levels."""
+def capacity(step: StepResult, processes: int | None) -> float | None:
+    """Rollouts/s that CPU-bound verification can sustain, from what the step's checks took.
+
+    In a pool: its processes over the busy time per check. In a thread: one core (the GIL) over the
+    collecting process's CPU per rollout, when the checks are most of that CPU (else the process's own
+    work is the limit, not verification). None for verifiers on the event loop or without checks.
+    """
+    u = step.usage
+    if processes is None or u.checks == 0:
+        return None
+    if processes > 0:
+        return processes * u.checks / u.verify_busy_s if u.verify_busy_s > 0 else None
+    if u.process_cpu_s <= 0 or u.verify_cpu_s < 0.5 * u.process_cpu_s:
+        return None
+    return u.checks / u.process_cpu_s
+
+
+def verification_limits(lower: StepResult, upper: StepResult, processes: int | None) -> bool:
+    """Whether verification, not the backend, held throughput back at `upper` (from `lower` up)."""
+    if processes is not None:
+        sustain = capacity(upper, processes)
+        return sustain is not None and upper.rollouts_per_s >= AT_CAPACITY * sustain
     b_lo, b_hi = lower.per_rollout(lower.backend_s), upper.per_rollout(upper.backend_s)
     v_lo, v_hi = lower.per_rollout(lower.verify_s), upper.per_rollout(upper.verify_s)
     share = VerifyLoad.of(upper, None).share
