@@ -117,7 +117,7 @@ class VerifyPool:
     round trip between two checks; a check's timeout runs from when the process begins it.
     """
 
-    DEPTH = 8
+    DEPTH = 2
 
     def __init__(self, spec: str, processes: int, timeout_s: float) -> None:
         self.spec, self.processes, self.timeout_s = spec, processes, timeout_s
