@@ -158,6 +158,18 @@ async def test_module_function_verifiers(tmp_path: Path, monkeypatch: pytest.Mon
     assert sys.modules["rf_test_rewards"].calls == ["abcde", "z", "z"]
 
 
+async def test_an_object_with_an_async_call_stays_on_the_event_loop(tmp_path: Path, monkeypatch) -> None:
+    """Not a coroutine function, yet awaitable: never sent to a verifier process (it cannot await there)."""
+    (tmp_path / "rf_test_obj.py").write_text(
+        "class Scorer:\n    async def __call__(self, row, text):\n        return len(text) / 10\n"
+        "score = Scorer()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    verify = make_verifier(VerifySettings(verifier="rf_test_obj:score", processes=2))
+    assert verify is not None and verify.processes is None  # type: ignore[attr-defined]
+    assert await verify({}, result("abcd")) == 0.4
+
+
 def test_bad_specs_fail_at_make_time() -> None:
     with pytest.raises(VerifierError, match=r"'no_such_module_xyz:f'.*module:function"):
         make_verifier(VerifySettings(verifier="no_such_module_xyz:f"))

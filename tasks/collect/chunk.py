@@ -43,13 +43,16 @@ class ChunkOutcome:
     manifest: ChunkManifest
     skipped: bool
     collected: int = 0
-    adopted: int = 0
     resumed: int = 0
     probe_sessions: dict[str, int] = field(default_factory=dict)
     parts_left: str | None = None  # committed, but its parts could not be deleted (why)
     core_s: float = 0.0
     task_s: float = 0.0
     endpoints: list[dict[str, Any]] = field(default_factory=list)  # set on Dask workers: pool.rows()
+
+    @property
+    def adopted(self) -> int:
+        return sum(self.probe_sessions.values())
 
 
 @dataclass
@@ -224,7 +227,6 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         manifest,
         skipped=False,
         collected=len(batch.results) - len(found.probes) - found.resumed,
-        adopted=len(found.probes),
         resumed=found.resumed,
         probe_sessions=found.probe_sessions(),
         parts_left=parts_left,

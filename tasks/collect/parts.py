@@ -102,21 +102,13 @@ def read_part_rollouts(store: Store, run_id: str, chunk: int, keys: range, repea
     return parts
 
 
-def read_parts(
-    store: Store, run_id: str, chunk: int, keys: range, repeats: int
-) -> tuple[dict[RolloutKey, bytes], list[str]]:
-    """Rollouts held by this run's parts of `chunk` (tasks in `keys`), and a note per ignored part."""
-    parts = read_part_rollouts(store, run_id, chunk, keys, repeats)
-    return parts.kept, parts.problems
-
-
 def chunk_part_rollouts(ledger: Ledger, chunk: ChunkSpec, repeats: int) -> PartRollouts:
     """read_part_rollouts for `chunk` under the ledger's current run."""
     return read_part_rollouts(ledger.store, ledger.run_id, chunk.index, chunk.task_range, repeats)
 
 
 def chunk_parts(ledger: Ledger, chunk: ChunkSpec, repeats: int) -> tuple[dict[RolloutKey, bytes], list[str]]:
-    """read_parts for `chunk` under the ledger's current run."""
+    """The rollouts this run's parts hold for `chunk`, and a note per ignored part."""
     parts = chunk_part_rollouts(ledger, chunk, repeats)
     return parts.kept, parts.problems
 

@@ -283,7 +283,7 @@ def make_verifier(settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY
         return CachedVerifier(f"http:{settings.url}", _http(settings, policy), whole_row=True)
     if ":" in spec:
         fn = _callable(spec)
-        if inspect.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
             return CachedVerifier(spec, _async(fn), whole_row=True)
         return _cpu_bound(spec, settings, fn, whole_row=True)
     raise VerifierError(

@@ -29,14 +29,19 @@ from rollflow.tasks.collect.verify_worker import READY, receive, send
 START_TIMEOUT_S = 120.0  # a worker's import and warm-up (SymPy), never counted against a check
 
 
-def default_processes() -> int:
-    """The cores this process may use, the collecting process counted: it keeps one where there are
-    more than two (it needs about 0.3 ms a rollout, so on smaller machines every core also verifies)."""
+def cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
-    return cores if cores <= 2 else cores - 1
+        return os.cpu_count() or 1
+
+
+def default_processes() -> int:
+    """The cores, the collecting process counted: it keeps one where there are more than two (it needs
+    about 0.3 ms a rollout, so on smaller machines every core also verifies)."""
+    have = cores()
+    return have if have <= 2 else have - 1
 
 
 class _Worker:
@@ -126,7 +131,6 @@ class VerifyPool:
         self._threads: list[threading.Thread] = []
         self._workers: set[_Worker] = set()
         self.closed = False
-        self.checks = self.timeouts = self.crashes = 0
 
     async def check(self, row: dict[str, Any], text: str, meter: VerifyMeter | None = None) -> float:
         loop = asyncio.get_running_loop()
@@ -174,7 +178,6 @@ class VerifyPool:
             try:
                 self._drive(worker, pending)
             except Exception as exc:  # a pipe broke mid-send: the process is gone
-                self.crashes += 1
                 self._fail_all(pending, f"its process failed ({type(exc).__name__}: {exc})")
             self._retire(worker)
         self._fail_all(pending, "the run is stopping")
@@ -192,18 +195,15 @@ class VerifyPool:
             try:
                 status, value, cpu = worker.wait(began + self.timeout_s - time.monotonic())
             except TimeoutError:
-                self.timeouts += 1
                 pending.popleft().settle(error=self._timeout_error())
                 return
             except (EOFError, OSError) as exc:
-                self.crashes += 1
                 pending.popleft().settle(error=self._crash_error(worker, exc))
                 return
             job = pending.popleft()
             if job.meter is not None:
                 job.meter.add(cpu, time.monotonic() - began)
             began = time.monotonic()
-            self.checks += 1
             if status == "ok":
                 job.settle(float(value))
             else:

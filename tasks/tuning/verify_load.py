@@ -8,10 +8,10 @@ processes can, up to the machine's cores.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from rollflow.tasks.collect.verify_pool import cores
 from rollflow.tasks.tuning.probe import StepResult
 
 # Verifiers on the event loop: verification is the limit when it is at least this share of a rollout's
@@ -93,13 +93,6 @@ def verification_limits(lower: StepResult, upper: StepResult, processes: int | N
     v_lo, v_hi = lower.per_rollout(lower.verify_s), upper.per_rollout(upper.verify_s)
     share = VerifyLoad.of(upper, None).share
     return share >= VERIFY_SHARE and v_hi - v_lo >= b_hi - b_lo
-
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def verify_next_step(processes: int | None) -> str:
