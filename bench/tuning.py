@@ -12,6 +12,11 @@ Engine metrics: the same profiles with the simulator's vLLM /metrics on and off 
 diagnose+tune's probe rollouts and its choice's share of capacity (1500-rollout run), median of ENGINE_RUNS.
 Goal: at most half the probe rollouts at the same share. The recipe rows above run without /metrics.
 
+Batching engines: the simulator's continuous-batching profiles (`--profile batching|kv-limited|preempting`:
+each decode step slows as the batch grows, so throughput rises gradually to a compute limit, flattens at
+a KV-cache limit, or falls past a point). The best of a fixed-parallelism sweep is the reference; the
+recipe's and rollflow's choices are measured as a share of it. Goal: rollflow >= 0.90 of the best.
+
 Adaptive: a simulator whose slots change mid-run (POST /admin/config); adaptive mode's steady rate in each
 phase against the best of several fixed settings in that phase. Goal: within 15%.
 """
@@ -41,6 +46,8 @@ from rollflow.tasks.tuning.tune import TuneOptions, tune
 from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 PROFILES = [(8, 50.0), (32, 50.0), (48, 100.0), (128, 400.0)]
+ENGINE_PROFILES = ["batching", "kv-limited", "preempting"]
+SWEEP = (16, 32, 48, 64, 96, 128, 192, 256)
 REPEATS = 10
 ENGINE_RUNS = 3
 
@@ -160,6 +167,33 @@ async def engine_rows(slots: int, latency_ms: float) -> None:
     )
 
 
+async def batching_row(profile: str) -> None:
+    """The recipe and rollflow on a continuous-batching profile, against its best fixed parallelism."""
+    sim = spawn_simulator("--profile", profile, "--metrics-format", "none")
+    try:
+        work = Path(tempfile.mkdtemp(prefix="rollflow-bench-batching-"))
+        ctx, plan = _context(sim.url, work, 60_000)
+        feed = ProbeFeed(ctx, plan)
+        curve = {p: await measure(ctx, plan, feed, p, n=max(1000, 4 * p)) for p in SWEEP}
+        best = max(curve, key=lambda p: curve[p])
+        r_spent, r_chosen = await recipe(ctx, plan, feed)
+        d, t = await diagnose_and_tune(ctx, plan, feed)
+        shares = []
+        for chosen in (r_chosen, t.chosen_parallelism):
+            rate = await measure(ctx, plan, feed, chosen)
+            shares.append(rate / await measure(ctx, plan, feed, best))
+        feed.close()
+        await close_loop_session()
+    finally:
+        sim.stop()
+    f_spent = d.probe_rollouts + t.probe_rollouts
+    print(
+        f"  {profile:<10} best fixed {best:>4} ({curve[best]:>5,.0f}/s) | recipe {r_spent:>5,} rollouts, "
+        f"chose {r_chosen:>4}, {shares[0]:>5.2f} of best | rollflow {f_spent:>5,} rollouts, chose "
+        f"{t.chosen_parallelism:>4} ({t.stop_reason}; {t.choice_rule}), {shares[1]:>5.2f} of best"
+    )
+
+
 def _admin(url: str, changes: dict[str, object]) -> None:
     req = urllib.request.Request(f"{url}/admin/config", data=orjson.dumps(changes), method="POST")
     urllib.request.urlopen(req, timeout=10).close()
@@ -225,12 +259,19 @@ async def main() -> None:
     ap.add_argument("--phase-s", type=float, default=15.0)
     ap.add_argument("--skip-adaptive", action="store_true")
     ap.add_argument("--only-engine", action="store_true", help="only the engine-metrics rows")
+    ap.add_argument("--only-batching", action="store_true", help="only the batching-engine rows")
     args = ap.parse_args()
-    if not args.only_engine:
+    if not (args.only_engine or args.only_batching):
         print("tune-parallelism: recipe vs rollflow (probe rollouts; choice measured on 1500 rollouts)")
         for slots, latency in PROFILES:
             await compare(slots, latency)
         print("  goal: rollflow >= 0.90 of capacity with <= 0.5 of the recipe's rollouts, none discarded")
+    print("batching engines: recipe vs rollflow against the best of a fixed sweep (1500-rollout pairs)")
+    for profile in ENGINE_PROFILES:
+        await batching_row(profile)
+    print("  goal: rollflow >= 0.90 of the best fixed parallelism")
+    if args.only_batching:
+        return
     print(f"engine metrics: diagnose+tune with and without /metrics (median of {ENGINE_RUNS} runs each)")
     for slots, latency in PROFILES:
         await engine_rows(slots, latency)

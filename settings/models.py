@@ -184,10 +184,18 @@ class TuningSettings(Settings):
     )
     tune_step_rollouts: int = Field(100, ge=10, le=MAX_COUNT, description="Fewest rollouts per search step")
     plateau_gain: float = Field(
-        0.10, gt=0, le=100, description="A doubling that gains less than this is a plateau"
+        0.05, gt=0, le=100, description="A doubling that gains less than this is a plateau"
     )
     max_error_rate: float = Field(0.02, ge=0, le=1, description="Failure rate that stops the search")
-    headroom: float = Field(0.8, gt=0, le=1, description="Chosen value is at least headroom x knee")
+    headroom: float = Field(
+        0.8, gt=0, le=1, description="Back-off factor when the chosen value fails its stability stretch"
+    )
+    target_share: float = Field(
+        0.97,
+        gt=0,
+        le=1,
+        description="The choice is the smallest parallelism reaching this share of the best throughput",
+    )
     max_parallelism: int = Field(4096, ge=1, le=65536, description="Never search above this")
 
 

@@ -74,9 +74,11 @@ async def test_the_search_stops_at_the_engine_queue_on_short_steps(tmp_path) -> 
     assert on.stop_reason == "engine queue" and on.engine is not None and on.engine["knee_from_engine"]
     assert on.knee == 32 and on.chosen_parallelism == 40 and on.stable  # 25% over: a short queue
     assert on.steps[-1].phase == "stability" and on.steps[-1].note == "engine confirmation"
-    # one short search step above the diagnosis (20 -> 40 queues) and one short confirmation at the choice
+    # short search steps above the diagnosis (20 -> 40 queues while throughput still grew, 80 queues with
+    # none gained) and one short confirmation at the choice
     opts = TuneOptions()
-    short = engine_step_rollouts(40, opts) + engine_step_rollouts(40, opts, confirm=True)
+    short = engine_step_rollouts(40, opts) + engine_step_rollouts(80, opts)
+    short += engine_step_rollouts(40, opts, confirm=True)
     assert on.probe_rollouts == short < step_rollouts(40, opts) + step_rollouts(40, opts, stability=True)
     assert d_on.probe_rollouts + on.probe_rollouts < d_off.probe_rollouts + off.probe_rollouts
     assert off.stop_reason != "engine queue" and off.engine is None

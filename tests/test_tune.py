@@ -16,7 +16,7 @@ from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
 from rollflow.tasks.tuning.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
-from rollflow.tasks.tuning.throughput import measure_step
+from rollflow.tasks.tuning.throughput import StepMeasure, measure_step
 from rollflow.tasks.tuning.tune import (
     TuneOptions,
     choose,
@@ -26,6 +26,7 @@ from rollflow.tasks.tuning.tune import (
     step_rollouts,
     tune,
 )
+from rollflow.tasks.tuning.tune_rules import choice_rule, to_extend
 
 
 def step(p: int, slots: int, latency: float = 0.05, n: int | None = None) -> StepResult:
@@ -33,30 +34,66 @@ def step(p: int, slots: int, latency: float = 0.05, n: int | None = None) -> Ste
     return StepResult(f"p{p}", p, measure_step(closed_loop(n, p, slots, latency), p))
 
 
-def test_search_stops_and_choice_on_a_sharp_knee() -> None:
+def curve_step(p: int, rate: float, rel_err: float = 0.01) -> StepResult:
+    """A step read off a curve: `rate` rollouts/s at `p` in flight, Little's law for its latency."""
+    m = StepMeasure(p, 300, 300, rate, p / rate, 1.5 * p / rate, rate_err=rel_err * rate)
+    return StepResult(f"p{p}", p, m)
+
+
+def test_search_goes_on_while_throughput_grows_and_chooses_at_a_sharp_knee() -> None:
     opts = TuneOptions()
-    s5, s20, s40 = step(5, 32), step(20, 32), step(40, 32)
+    s5, s20, s40, s80 = step(5, 32), step(20, 32), step(40, 32), step(80, 32)
     assert search_stop([s5], s20, s5, opts) is None
-    assert search_stop([s5, s20], s40, s5, opts) == "latency-knee"
-    assert search_stop([s5, s20, s40], step(80, 32), s5, opts) == "plateau"
-    knee = knee_estimate([s5, s20, s40])
-    assert 32 <= knee <= 34  # Little's law on a 100-rollout step overshoots a deterministic queue a little
-    assert refine_target([s5, s20, s40], knee, opts) == knee
-    s32 = step(knee, 32)
-    assert refine_target([s5, s20, s40, s32], knee, opts) is None
-    # 0.8 x knee would give 80% of capacity: the P95 floor keeps the choice at the knee
-    assert choose([s5, s20, s40, s32], knee, opts) == knee
-
-
-def test_choice_trims_a_soft_knee_only_where_throughput_is_kept() -> None:
-    opts = TuneOptions()
-    steps = [step(5, 100), step(20, 100), step(40, 100), step(80, 100), step(160, 100)]
+    # 40 in flight on 32 slots: latency grew by a quarter, throughput by 60%: no reason to stop
+    assert search_stop([s5, s20], s40, s5, opts) is None
+    assert search_stop([s5, s20, s40], s80, s5, opts) == "plateau"
+    steps = [s5, s20, s40, s80]
     knee = knee_estimate(steps)
-    assert 100 <= knee <= 110
-    chosen = choose([*steps, step(100, 100)], knee, opts)
-    assert 95 <= chosen <= 110
-    assert step_rollouts(8, opts) == 100 and step_rollouts(200, opts) == 600
-    assert step_rollouts(200, opts, stability=True) == 800
+    assert 32 <= knee <= 34  # Little's law on a 100-rollout step overshoots a deterministic queue a little
+    assert refine_target(steps, knee, opts) == knee
+    s_knee = step(knee, 32)
+    assert refine_target([*steps, s_knee], knee, opts) is None  # nothing under the knee can reach the peak
+    assert choose([*steps, s_knee], opts) == knee
+    assert choice_rule([*steps, s_knee], knee, opts).startswith("smallest")
+
+
+def gradual(p: int) -> float:
+    """A continuous-batching engine's curve: half its compute limit at 12 in flight."""
+    return 60.0 * p / (p + 12)
+
+
+def test_a_gradual_curve_is_searched_past_the_latency_growth_and_chosen_near_its_best() -> None:
+    """The old rules stopped this curve at 40 ('latency-knee') and chose about 0.7 of its best."""
+    opts = TuneOptions()
+    steps = [curve_step(p, gradual(p)) for p in (5, 20)]
+    for p in (40, 80, 160):
+        assert search_stop(steps, curve_step(p, gradual(p)), steps[0], opts) is None, p
+        steps.append(curve_step(p, gradual(p)))
+    assert search_stop(steps, curve_step(320, gradual(320)), steps[0], opts) == "plateau"
+    steps.append(curve_step(320, gradual(320)))
+    knee = knee_estimate(steps)
+    assert choose(steps, opts) == 320
+    target = refine_target(steps, knee, opts)
+    assert target == 240  # between the choice and the level below it, not the bandwidth-delay knee
+    steps.append(curve_step(target, gradual(target)))
+    assert choose(steps, opts) == 240
+    assert refine_target(steps, knee, opts) == 200
+    steps.append(curve_step(200, gradual(200)))
+    chosen = choose(steps, opts)
+    assert chosen == 200 and gradual(chosen) >= opts.target_share * gradual(320)
+    assert "0.97" in choice_rule(steps, chosen, opts)
+
+
+def test_a_noisy_level_below_the_choice_is_measured_again_before_choosing() -> None:
+    opts = TuneOptions()
+    steps = [curve_step(40, 46.0, 0.06), curve_step(80, 52.0), curve_step(160, 53.0)]
+    assert choose(steps, opts) == 80
+    assert to_extend(steps, opts) is steps[0]  # 46 + 2 x 2.8 could reach 0.97 x 53
+    steps[0] = curve_step(40, 46.0, 0.01)
+    assert to_extend(steps, opts) is None
+    # within the uncertainty of the best but short of the target share: the choice itself is re-measured
+    steps = [curve_step(40, 50.0, 0.03), curve_step(80, 53.0)]
+    assert choose(steps, opts) == 40 and to_extend(steps, opts) is steps[0]
 
 
 def test_adaptive_decisions() -> None:

@@ -76,6 +76,7 @@ TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("diagnose-high", "tuning", "diagnose_high"),
         ("diagnose-rows", "tuning", "diagnose_rows"),
         ("headroom", "tuning", "headroom"),
+        ("target-share", "tuning", "target_share"),
     ),
 }
 

@@ -51,7 +51,8 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
             f"{'in all ' if len(tuning_parts(t)) > 1 else ''}"
-            f"({t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
+            + (f"({t['choice_rule']}; " if t.get("choice_rule") else "(")
+            + f"{t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
             f"plot: {output.rstrip('/')}/throughput.png",
             highlight=False,
         )

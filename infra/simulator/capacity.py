@@ -14,6 +14,7 @@ import heapq
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rollflow.infra.simulator.config import SimConfig
 
@@ -34,6 +35,20 @@ class Counters:
     max_served_seen: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     endpoints: dict[str, int] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the server needs of a capacity model (Capacity here, BatchingEngine in batching.py)."""
+
+    async def serve(self, output_tokens: int) -> None: ...
+
+    def busy_now(self) -> int: ...
+
+    def resize(self) -> None: ...
+
+    def kv_use(self) -> float: ...
+
+    def nominal_latency_s(self) -> float: ...
 
 
 class Capacity:
@@ -60,6 +75,14 @@ class Capacity:
         """Slots occupied at this instant according to the model (each slot's bookings are back to back)."""
         now = time.monotonic()
         return sum(1 for f in self.free_at if f > now)
+
+    def kv_use(self) -> float:
+        """KV-cache use as an engine would report it, modelled as busy slots / slots."""
+        return min(1.0, min(self.counters.in_flight, self.busy_now()) / self.config.slots)
+
+    def nominal_latency_s(self) -> float:
+        """The base service time (what /metrics' latency sum assumes)."""
+        return self.config.latency_ms / 1000.0
 
     def service_s(self, output_tokens: int, busy: int) -> float:
         """latency + per-token time, stretched by contention (busy slots) and jitter."""

@@ -1,5 +1,7 @@
 """The simulator's command line (`python -m rollflow.infra.simulator`, `rollflow simulate`): one backend, or
 several replicas of unequal slots and latency in one process (`--replica 16x100 --replica 64x100`).
+
+`--profile` picks the capacity model and its defaults (profiles.py); explicit flags override a profile's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from rollflow.infra.simulator.config import METRICS_FORMATS, SimConfig, parse_fault_kinds
+from rollflow.infra.simulator.profiles import PROFILES
 from rollflow.infra.simulator.server import RunningSimulator, start_simulator
 
 
@@ -29,21 +32,45 @@ def parse_replica(text: str) -> tuple[int, float]:
         ) from None
 
 
+BATCHING_FLAGS: dict[str, tuple[type, str]] = {
+    "step_ms": (float, "decode step's base cost; a step takes step_ms + seq_step_ms * running"),
+    "seq_step_ms": (float, "decode step's cost per running sequence"),
+    "max_num_seqs": (int, "at most this many sequences run at once; the rest wait"),
+    "kv_tokens": (int, "KV-cache size; each request reserves its output + kv_prompt_tokens while it runs"),
+    "kv_prompt_tokens": (int, "KV tokens a request's prompt holds"),
+    "prefill_tokens": (int, "extra decode-step work per request, as for prefilling its prompt"),
+    "preempt_after": (int, "past this many running, preemption divides each sequence's rate further"),
+    "recompute": (float, "rate / (1 + recompute * (running - preempt_after) / preempt_after)"),
+}
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The CLI of `python -m rollflow.infra.simulator` and `rollflow simulate`; defaults from SimConfig."""
     d = SimConfig()
     p = argparse.ArgumentParser(prog="rollflow simulate", description="The simulated inference backend.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
-    p.add_argument("--slots", type=int, default=d.slots, help="requests served at once; the rest queue FIFO")
-    p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="base service time")
-    p.add_argument("--per-token-ms", type=float, default=d.per_token_ms, help="added per output token")
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="sharp",
+        help="capacity model and its defaults: "
+        + "; ".join(f"{name}: {profile.summary}" for name, profile in PROFILES.items()),
+    )
+    p.add_argument(
+        "--slots", type=int, default=d.slots, help="sharp: requests served at once; the rest queue FIFO"
+    )
+    p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="sharp: base service time")
+    p.add_argument("--per-token-ms", type=float, default=d.per_token_ms, help="sharp: added per output token")
     p.add_argument(
         "--contention",
         type=float,
         default=d.contention,
-        help="service time x (1 + contention * (busy - 1) / slots)",
+        help="sharp: service time x (1 + contention * (busy - 1) / slots)",
     )
+    for name, (kind, text) in BATCHING_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=kind, default=None, help=f"batching profiles: {text}")
     p.add_argument(
         "--jitter", type=float, default=d.jitter, help="service time varies uniformly by +-this fraction"
     )
@@ -63,8 +90,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--retry-after-s", type=float, default=d.retry_after_s, help="Retry-After of injected 429s"
     )
     p.add_argument("--hang-s", type=float, default=d.hang_s, help="how long an injected hang holds a request")
-    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--min-tokens", type=int, default=None, help=f"default {d.min_tokens}, 16 when batching")
+    p.add_argument("--max-tokens", type=int, default=None, help=f"default {d.max_tokens}, 48 when batching")
     p.add_argument(
         "--metrics-format",
         choices=METRICS_FORMATS,
@@ -77,27 +104,49 @@ def make_parser() -> argparse.ArgumentParser:
         type=parse_replica,
         default=[],
         metavar="SLOTSxLATENCY_MS",
-        help="serve one more replica with these slots and latency, on the next port (repeatable)",
+        help="serve one more replica with these slots and latency, on the next port (repeatable); "
+        "with a batching profile, SLOTS is its max_num_seqs and LATENCY_MS its step_ms",
     )
     return p
 
 
+def profile_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The profile's settings with explicit flags laid over them; batching flags refused for `sharp`."""
+    settings = dict(PROFILES[args.profile].settings)
+    given = {name: getattr(args, name) for name in BATCHING_FLAGS if getattr(args, name) is not None}
+    if given and settings.get("model") != "batching":
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(
+            f"{flags} apply to the batching profiles (batching, kv-limited, preempting), not sharp"
+        )
+    settings.update(given)
+    for name in ("min_tokens", "max_tokens"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    return settings
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """SimConfig from parsed CLI flags; ValueError names a bad one."""
+    """SimConfig from parsed CLI flags over the profile's defaults; ValueError names a bad one."""
     return SimConfig(
         slots=args.slots, latency_ms=args.latency_ms, per_token_ms=args.per_token_ms,
         contention=args.contention, jitter=args.jitter, max_queue=args.max_queue, seed=args.seed,
         correct_rate=args.correct_rate, fault_rate=args.fault_rate,
         fault_kinds=parse_fault_kinds(args.fault_kinds), retry_after_s=args.retry_after_s,
-        hang_s=args.hang_s, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-        metrics_format=args.metrics_format,
+        hang_s=args.hang_s, metrics_format=args.metrics_format,
+        **profile_settings(args),  # type: ignore[arg-type]
     )  # fmt: skip
 
 
 def replica_configs(base: SimConfig, replicas: list[tuple[int, float]]) -> list[SimConfig]:
-    """One config per replica (the base alone without --replica); each replica has its own copy."""
+    """One config per replica (the base alone without --replica); each replica has its own copy (and engine).
+
+    SLOTSxLATENCY_MS means slots and latency_ms for the slots model, max_num_seqs and step_ms for batching.
+    """
     if not replicas:
         return [base]
+    if base.model == "batching":
+        return [dataclasses.replace(base, max_num_seqs=n, step_ms=step) for n, step in replicas]
     return [dataclasses.replace(base, slots=slots, latency_ms=latency) for slots, latency in replicas]
 
 

@@ -7,12 +7,20 @@ from dataclasses import dataclass, field
 FAULT_KINDS = ("429", "500", "503", "reset", "hang", "malformed", "error_object", "null_reward")
 DEFAULT_FAULT_KINDS = ("429", "500", "503", "reset", "malformed")
 METRICS_FORMATS = ("vllm", "sglang", "none", "garbage")
+MODELS = ("slots", "batching")
 
 
 @dataclass
 class SimConfig:
-    """Capacity, content and fault settings; the fields in LIVE may change while serving."""
+    """Capacity, content and fault settings; the fields in LIVE may change while serving.
 
+    `model` picks the capacity model: "slots" (capacity.py: fixed slots, a sharp knee) uses slots,
+    latency_ms, per_token_ms and contention; "batching" (batching.py: a continuous-batching engine, a
+    gradual curve) uses step_ms, seq_step_ms, max_num_seqs, kv_tokens, kv_prompt_tokens, prefill_tokens,
+    preempt_after and recompute.
+    """
+
+    model: str = "slots"
     slots: int = 64
     latency_ms: float = 50.0
     per_token_ms: float = 0.0
@@ -28,6 +36,14 @@ class SimConfig:
     min_tokens: int = 16
     max_tokens: int = 256
     metrics_format: str = "vllm"
+    step_ms: float = 1.0
+    seq_step_ms: float = 0.08
+    max_num_seqs: int = 256
+    kv_tokens: int | None = None
+    kv_prompt_tokens: int = 64
+    prefill_tokens: int = 0
+    preempt_after: int | None = None
+    recompute: float = 0.0
 
     LIVE = (
         "slots",
@@ -39,6 +55,14 @@ class SimConfig:
         "fault_rate",
         "fault_kinds",
         "metrics_format",
+        "step_ms",
+        "seq_step_ms",
+        "max_num_seqs",
+        "kv_tokens",
+        "kv_prompt_tokens",
+        "prefill_tokens",
+        "preempt_after",
+        "recompute",
     )
 
     def __post_init__(self) -> None:
@@ -46,8 +70,11 @@ class SimConfig:
 
     def validate(self) -> None:
         """Refuse values the capacity model cannot honour, so a typo fails loudly instead of hanging a run."""
-        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if not _is_int(self.slots) or self.slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {self.slots!r}")
+        self._validate_batching()
         for name in ("latency_ms", "per_token_ms", "contention", "jitter", "retry_after_s", "hang_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
@@ -65,6 +92,25 @@ class SimConfig:
             raise ValueError(
                 f"metrics_format must be one of {', '.join(METRICS_FORMATS)}, got {self.metrics_format!r}"
             )
+
+    def _validate_batching(self) -> None:
+        """The batching model's knobs; a decode step must cost something, or the engine is infinitely fast."""
+        for name in ("step_ms", "seq_step_ms", "recompute"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.step_ms + self.seq_step_ms <= 0:
+            raise ValueError("step_ms and seq_step_ms cannot both be 0: a decode step must take some time")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        for name in ("kv_prompt_tokens", "prefill_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("kv_tokens", "preempt_after"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or null, got {value!r}")
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a live change atomically: on any bad value nothing changes."""
@@ -85,6 +131,14 @@ class SimConfig:
         except (ValueError, TypeError):
             self.__dict__.update(before)
             raise
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def parse_fault_kinds(text: str) -> tuple[str, ...]:

@@ -46,14 +46,14 @@ sglang:e2e_request_latency_seconds_sum{{model_name="{model}"}} {latency_sum}
 GARBAGE = "<html><body>metrics moved</body></html>\n{not prometheus at all\n"
 
 
-def exposition(fmt: str, running: int, waiting: int, slots: int, completed: int, latency_s: float) -> str:
-    """The /metrics body for `fmt` ('vllm' or 'sglang'); KV cache use is modelled as running / slots."""
+def exposition(fmt: str, running: int, waiting: int, kv: float, completed: int, latency_s: float) -> str:
+    """The /metrics body for `fmt` ('vllm' or 'sglang'); `kv` is the capacity model's KV-cache use, 0..1."""
     template = _VLLM if fmt == "vllm" else _SGLANG
     return template.format(
         model="sim",
         running=running,
         waiting=waiting,
-        kv=round(min(1.0, running / slots), 4),
+        kv=round(min(1.0, kv), 4),
         completed=completed,
         latency_sum=round(completed * latency_s, 3),
     )

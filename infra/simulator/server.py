@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from rollflow.infra.simulator.capacity import Capacity, Counters, QueueFull
+from rollflow.infra.simulator.batching import BatchingEngine
+from rollflow.infra.simulator.capacity import Capacity, Counters, Engine, QueueFull
 from rollflow.infra.simulator.config import SimConfig
 from rollflow.infra.simulator.content import (
     ContentModel,
@@ -29,6 +30,13 @@ from rollflow.infra.simulator.faults import REPLY_FAULTS, Faults
 JSON = "application/json"
 SIMULATOR_KEY = web.AppKey("simulator", "Simulator")
 ROLLOUT_HEADER = "X-Rollflow-Rollout-Index"
+MODEL_FIELDS = {
+    "slots": ("slots", "latency_ms", "per_token_ms", "contention"),
+    "batching": (
+        "max_num_seqs", "step_ms", "seq_step_ms", "kv_tokens", "kv_prompt_tokens", "prefill_tokens",
+        "preempt_after", "recompute",
+    ),
+}  # fmt: skip
 
 
 _LONG_DIGITS = re.compile(rb"\d{19}")
@@ -62,7 +70,11 @@ class Simulator:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.counters = Counters()
-        self.capacity = Capacity(config, self.counters)
+        self.capacity: Engine = (
+            BatchingEngine(config, self.counters)
+            if config.model == "batching"
+            else Capacity(config, self.counters)
+        )
         self.faults = Faults(config, self.counters)
         self.content = ContentModel(config.seed, config.correct_rate, config.min_tokens, config.max_tokens)
 
@@ -142,11 +154,12 @@ class Simulator:
         return min(self.counters.in_flight, self.capacity.busy_now())
 
     async def stats(self, request: web.Request) -> web.Response:
-        """GET /stats: the counters plus the live capacity settings."""
+        """GET /stats: the counters plus the capacity model's name and live settings."""
         cfg = self.config
         counters = asdict(self.counters)
         counters["in_flight"] = self._in_flight()
-        return _json({**counters, "slots": cfg.slots, "latency_ms": cfg.latency_ms})
+        model = {name: getattr(cfg, name) for name in MODEL_FIELDS[cfg.model]}
+        return _json({**counters, "model": cfg.model, **model, "kv_cache_usage": self.capacity.kv_use()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: an engine's Prometheus gauges (running, waiting, KV cache), or 404 / garbage."""
@@ -159,9 +172,9 @@ class Simulator:
             cfg.metrics_format,
             self._in_flight(),
             self.counters.queued,
-            cfg.slots,
+            self.capacity.kv_use(),
             self.counters.completed,
-            cfg.latency_ms / 1000,
+            self.capacity.nominal_latency_s(),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -169,7 +182,8 @@ class Simulator:
         """POST /stats/reset: zero the counters (requests under way stay counted as under way)."""
         c = self.counters
         fresh = Counters(in_flight=c.in_flight, queued=c.queued, max_in_flight_seen=c.in_flight + c.queued)
-        fresh.max_served_seen = min(c.in_flight, self.config.slots)
+        cfg = self.config
+        fresh.max_served_seen = min(c.in_flight, cfg.slots if cfg.model == "slots" else cfg.max_num_seqs)
         c.__dict__.update(fresh.__dict__)
         return _json({"status": "reset"})
 
@@ -213,8 +227,17 @@ class RunningSimulator:
 
 
 async def start_simulator(config: SimConfig, host: str = "127.0.0.1", port: int = 0) -> RunningSimulator:
-    """Serve in the running event loop (for `rollflow demo` and in-process tests); port 0 picks a free one."""
-    runner = web.AppRunner(build_app(config), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+    """Serve in the running event loop (for `rollflow demo` and in-process tests); port 0 picks a free one.
+
+    The batching engine aborts a request whose client disconnects, as vLLM does, freeing its sequence.
+    """
+    runner = web.AppRunner(
+        build_app(config),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=0.5,
+        handler_cancellation=config.model == "batching",
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     await site.start()

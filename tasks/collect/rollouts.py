@@ -64,6 +64,7 @@ class RequestRecord:
     start: float
     end: float
     error: str | None
+    tokens: int = 0  # output tokens of a successful rollout, when the backend reports them
 
 
 @dataclass
@@ -139,16 +140,19 @@ async def run_rollouts(
     async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:
         start = time.perf_counter()
         error: str | None = None
+        tokens = 0
         key = (task_index, rollout)
         try:
-            batch.results[key] = await _rollout_line(ctx, client, row, task_index, rollout, batch.stats)
+            batch.results[key], tokens = await _rollout_line(
+                ctx, client, row, task_index, rollout, batch.stats
+            )
             hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk))
         except Exception as exc:
             failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
             error = failure.kind
             batch.failures[key] = _failure_line(ctx, row, task_index, rollout, failure)
             hub.emit(ProgressEvent("rollouts", failed=1, chunk=chunk))
-        batch.records.append(RequestRecord(start, time.perf_counter(), error))
+        batch.records.append(RequestRecord(start, time.perf_counter(), error, tokens))
 
     async def worker(item: WorkItem) -> None:
         try:
@@ -184,8 +188,8 @@ async def _rollout_line(
     task_index: int,
     rollout: int,
     stats: RolloutStats,
-) -> bytes:
-    """One rollout, verified, as its output JSONL line (bytes, no newline)."""
+) -> tuple[bytes, int]:
+    """One rollout, verified, as its output JSONL line (bytes, no newline), and its output tokens."""
     t0 = time.perf_counter()
     result: RolloutResult = await client.rollout(row, task_index, rollout)
     t1 = time.perf_counter()
@@ -208,7 +212,7 @@ async def _rollout_line(
     if ctx.collection.record_latency:
         rf["latency_s"] = round(result.latency_s, 6)
     out["_rf"] = rf
-    return rowjson.dumps(out)
+    return rowjson.dumps(out), result.output_tokens
 
 
 async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult) -> float:

@@ -176,8 +176,8 @@ def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> st
         "## Tuning",
         "",
         f"Knee **{tuning['knee']}**, chosen parallelism **{tuning['chosen_parallelism']}** "
-        f"(stopped on {tuning['stop_reason']}; peak {tuning['peak_rollouts_per_s']:,.1f} rollouts/s). "
-        + _cost(tuning),
+        f"(stopped on {tuning['stop_reason']}; peak {tuning['peak_rollouts_per_s']:,.1f} rollouts/s; "
+        f"choice: {tuning.get('choice_rule') or 'best measured throughput'}). " + _cost(tuning),
         "",
         *_steps_lines(tuning),
     ]

@@ -2,8 +2,9 @@
 confirm, refine, extend, check stability). The rules each move applies live in tune_rules.
 
 With the engine's signal (vLLM/SGLang /metrics), the doubling takes short steps and stops where the
-engine's waiting queue stays non-empty; the running count there is the knee, confirmed by one short
-step at it instead of refinement and a statistical stability stretch."""
+engine's waiting queue stays non-empty and throughput stopped growing with it; the running count where
+requests first waited is the knee, confirmed by one short step instead of refinement and a statistical
+stability stretch. A queue that appears while throughput still grows does not stop it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from rollflow.tasks.tuning.tune_rules import (
     TuneOptions,
     base_latency,
     engine_step_rollouts,
+    grew,
     knee_estimate,
+    normalised_gain,
     refine_target,
     search_stop,
     step_rollouts,
@@ -180,17 +183,18 @@ class Search:
         return knee
 
     async def stability(self, chosen: int, measured: StepResult | None) -> tuple[bool, int]:
-        """Run the chosen value for a longer stretch; back off x opts.backoff while it is unstable."""
+        """Run the chosen value for a longer stretch; while it fails (errors, timeouts, 429s) back off by
+        the headroom (x opts.headroom), the only place headroom applies."""
         step = measured if measured is not None and measured.parallelism == chosen else None
         for attempt in range(self.opts.max_backoffs + 1):
             if step is None:
                 step = await self._stretch(chosen)
                 if step is None:
                     return False, chosen
-            why = await self._unstable(chosen, step)
+            why = unstable(step, self.valid(), self.opts)
             if why is None:
                 return True, chosen
-            lower = max(1, math.floor(chosen * self.opts.backoff))
+            lower = max(1, math.floor(chosen * self.opts.headroom))
             self.history[-1] = (self.history[-1][0], self.history[-1][1], f"unstable: {why}")
             if lower == chosen or attempt == self.opts.max_backoffs:
                 self.notes.append(f"still unstable at {chosen}: {why}")
@@ -210,24 +214,15 @@ class Search:
         self.history.append(("stability", step, ""))
         return step
 
-    async def _unstable(self, chosen: int, step: StepResult) -> str | None:
-        """Why `step` is unstable, else None. A latency spike without errors may be the client's own (a
-        loaded machine): a second stretch confirms it before backing off; both are real, both kept."""
-        why = unstable(step, self.valid(), self.opts)
-        if why is None or not why.startswith("latency spread") or self.out_of_budget():
-            return why
-        again = await self.measure(chosen, "stability", stability=True)
-        if again is None:
-            return why
-        self.history.append(("stability", again, ""))
-        return None if unstable(again, self.valid(), self.opts) is None else why
-
     async def engine_search(self) -> str:
-        """Doubling on short steps until the engine's waiting queue stays non-empty through a step
-        (ENGINE_QUEUE); errors, a lost signal or the rate rules end it as the plain search would."""
+        """Doubling on short steps until the engine's waiting queue stays non-empty through a step while
+        throughput stopped growing (ENGINE_QUEUE); errors, a lost signal, requests that no longer reach
+        the engine, or throughput that stopped growing without a queue end it as the plain search would."""
         good = self.valid()
-        if any(s.engine is not None and s.engine.saturated for s in good):
-            return ENGINE_QUEUE
+        if good:
+            top = max(good, key=lambda s: s.parallelism)
+            if self.engine_stop([s for s in good if s is not top], top) == ENGINE_QUEUE:
+                return ENGINE_QUEUE
         parallelism = max(max(s.parallelism for s in good) * 2, self.opts.start) if good else self.opts.start
         while True:
             if self.out_of_budget():
@@ -238,34 +233,49 @@ class Search:
             if step is None:
                 return "input exhausted"
             earlier = self.valid()
-            saturated = step.engine is not None and step.engine.saturated
-            reason = ENGINE_QUEUE if saturated else self.engine_stop(earlier, step)
+            reason = self.engine_stop(earlier, step)
             if reason == "errors" and not earlier and parallelism > 1:
                 self.history.append(("search", step, reason))
                 parallelism = max(1, parallelism // 2)
                 continue
-            note = "waiting queue stays non-empty" if saturated else reason or ""
-            self.history.append(("search", step, note))
+            self.history.append(("search", step, self._engine_note(step, reason)))
+            if reason in ("plateau", "degradation"):
+                reason = await self.confirm(earlier, step, reason)
             if reason is not None:
                 return reason
             if step.engine is None:
                 return NO_SIGNAL  # the plain search goes on from here
             parallelism *= 2
 
+    @staticmethod
+    def _engine_note(step: StepResult, reason: str | None) -> str:
+        if reason == ENGINE_QUEUE:
+            return "waiting queue stays non-empty"
+        if reason is None and step.engine is not None and step.engine.saturated:
+            return "queue, throughput still growing"
+        return reason or ""
+
     def engine_stop(self, earlier: list[StepResult], step: StepResult) -> str | None:
-        """Why to stop at a step whose engine does not queue: errors, or requests that no longer reach the
-        engine (its running count stopped growing with parallelism: the client or verifier is the limit).
-        A short step's rate is too rough for the plateau rules; without engine figures they apply."""
+        """Why to stop at a step read with the engine's figures: errors; a waiting queue while throughput
+        stopped growing (ENGINE_QUEUE); requests that no longer reach the engine (its running count stopped
+        growing with parallelism: the client or verifier is the limit); else the rate rules."""
         if step.engine is None:
             return search_stop(earlier, step, self.baseline(), self.opts)
         if too_many_errors(step, self.baseline(), self.opts):
             return "errors"
-        below = [s for s in earlier if s.engine is not None and s.parallelism < step.parallelism]
-        if below and step.engine.running_max is not None:
-            prev = max(below, key=lambda s: s.parallelism).engine
-            if prev is not None and prev.running_max and step.engine.running_max < 1.2 * prev.running_max:
+        below = [s for s in earlier if s.parallelism < step.parallelism]
+        prev = max(below, key=lambda s: s.parallelism) if below else None
+        if step.engine.saturated:
+            growing = prev is not None and (
+                grew(prev, step, self.opts) and normalised_gain(prev, step) >= 1 + self.opts.plateau_gain
+            )
+            return None if growing else ENGINE_QUEUE
+        engines = [s for s in below if s.engine is not None]
+        if engines and step.engine.running_max is not None:
+            last = max(engines, key=lambda s: s.parallelism).engine
+            if last is not None and last.running_max and step.engine.running_max < 1.2 * last.running_max:
                 return "engine not filling"
-        return None
+        return search_stop(earlier, step, self.baseline(), self.opts)
 
     def engine_knee(self) -> int:
         """The engine's running count while requests waited, at the lowest parallelism where they did."""

@@ -1,33 +1,34 @@
-"""tune-parallelism: find the knee of throughput against parallelism with few, real rollouts.
+"""tune-parallelism: the parallelism that gives the backend's best throughput, with few, real rollouts.
+
+For dataset generation throughput is the objective; latency matters only through timeouts and errors.
+A continuous-batching engine (vLLM, SGLang) buys throughput with latency: its decode step slows as the
+batch grows, so its curve rises gradually to a compute or KV-cache limit. No rule here stops on latency.
 
 Search. Doubling from the baseline (the diagnosis' high level, or `start`), each step long enough to
-measure a steady rate (`step_rollouts`: at least `cycles` x P rollouts). It stops on
-- errors: more failures (or failed attempts) than the threshold and than at the lowest level;
+measure a steady rate (`step_rollouts`: at least `cycles` x P rollouts), while throughput grows beyond its
+uncertainty. It stops on
+- errors: more failures (failed rollouts, or failed attempts: timeouts, 429s) than the threshold and than
+  at the lowest level;
 - degradation: throughput fell below (1 - degrade) x the best so far;
-- plateau: the gain, normalised to one doubling, is under `plateau_gain` (10%);
-- latency knee: utilisation u = throughput x base latency / P (the share of requests in flight that the
-  backend actually serves, Little's law) fell under `knee_utilisation` while the gain was already
-  sub-linear; this sees a saturated backend one doubling earlier than the plateau does.
+- plateau: the gain, normalised to one doubling, is under `plateau_gain` (5%), or not beyond `z`
+  standard errors of the two rates' difference.
+A stop read off one step, or one that hangs on a rate's uncertainty, is confirmed by extending that step.
 
-Knee. The bandwidth-delay product: knee = peak throughput x base latency (the unloaded p50), the fewest
-requests in flight that keep the backend's peak rate busy. With N slots and latency L it is N exactly.
-Refinement measures the knee estimate itself (and, if that falls short of `peak_fraction` of the peak,
-bisects once toward the nearest measured point above it), so the knee is known far closer than 2x.
-
-Choice. chosen = max(ceil(headroom x knee), P_floor), P_floor = the smallest measured parallelism whose
-throughput reached `peak_fraction` (92%) of the peak, a rate within `z` standard errors of that counting
-as reaching it (each step's rate carries its uncertainty; the smaller parallelism wins a tie). When the
-floor or the peak stands where it does only within that uncertainty, that step is extended (up to
-`max_extensions` times) before the choice is made. Headroom (0.8) trims parallelism that buys almost
-nothing on a soft knee; it never cuts into throughput: on a sharp knee (fixed slots) 0.8 x knee gives
-only 80% of capacity, and the floor keeps the choice at the knee.
+Choice. The smallest measured parallelism as good as the best: its rate within `z` standard errors of
+the best measured, or at least `target_share` (0.97) of it. Refinement measures where the choice could
+come down: the bandwidth-delay knee (peak x unloaded latency, where fixed slots peak) when it lies below
+the choice, then the middle between the choice and the level below it. Steps the choice hangs on while
+their rates are uncertain (the choice, the level below, a noisy peak) are extended before choosing.
 
 Stability. The chosen value runs for a longer stretch (`stability_rollouts`, >= `stability_cycles` x P);
-if errors or a latency spread (p95/p50) well beyond the unloaded one appear, it backs off x `backoff`.
+only errors or timeouts there apply the headroom (x `headroom`, up to `max_backoffs` times).
 
 Engine signal. When the backend publishes vLLM's or SGLang's gauges at /metrics, the search steps are
-short (`engine_cycles` x P), it stops at the first step whose waiting queue stays non-empty, the knee is
-the engine's running count there, and one short step at the knee confirms it (search.py).
+short (`engine_cycles` x P); it stops at the first step whose waiting queue stays non-empty once
+throughput stopped growing, the knee is the engine's running count where requests first waited, and one
+short step a little above it confirms it (search.py). Without a queue the rate rules above apply.
+
+The report says which rule decided (`choice_rule`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from rollflow.tasks.tuning.search import ENGINE_QUEUE, Search
 from rollflow.tasks.tuning.tune_rules import (
     TuneOptions,
     base_latency,
+    choice_rule,
     choose,
     knee_estimate,
     refine_target,
@@ -117,6 +119,7 @@ class Tuning:
     engine: dict[str, Any] | None = None
     limited_by: str = "backend"  # or "verification": the checks, not the backend, capped the curve
     verification: dict[str, Any] = field(default_factory=dict)
+    choice_rule: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,6 +129,7 @@ class Tuning:
             "probe_rollouts": self.probe_rollouts,
             "seed_rollouts": self.seed_rollouts,
             "stop_reason": self.stop_reason,
+            "choice_rule": self.choice_rule,
             "peak_rollouts_per_s": round(self.peak_rollouts_per_s, 3),
             "base_latency_s": None if self.base_latency_s is None else round(self.base_latency_s, 6),
             "stable": self.stable,
@@ -187,10 +191,15 @@ async def tune(
             if stop == ENGINE_QUEUE:
                 knee = run.engine_knee()
                 stable, chosen = await run.engine_confirm(knee)
+                rule = f"engine queue: running when requests waited ({knee}) + {opts.engine_queue_share:g}"
             else:
                 knee, refined = await run.refine()
                 knee = await run.extend_ambiguous(knee)
-                stable, chosen = await run.stability(choose(run.valid(), knee, opts), refined)
+                measured = choose(run.valid(), opts)
+                rule = choice_rule(run.valid(), measured, opts)
+                stable, chosen = await run.stability(measured, refined)
+                if chosen < measured:
+                    rule = f"headroom x{opts.headroom:g} after errors at {measured} ({rule})"
             figures = sampler.summary(since=run.t0_perf)
     finally:
         if own:
@@ -216,6 +225,7 @@ async def tune(
         engine=None if figures is None else {**figures, "knee_from_engine": stop == ENGINE_QUEUE},
         limited_by="verification" if limited else "backend",
         verification=load.as_dict() if load is not None else {},
+        choice_rule=rule,
     )
 
 

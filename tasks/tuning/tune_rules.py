@@ -25,25 +25,19 @@ class TuneOptions:
     cycles: float = 3.0
     stability_rollouts: int = 200
     stability_cycles: float = 4.0
-    plateau_gain: float = 0.10
+    plateau_gain: float = 0.05
     degrade: float = 0.10
     max_error_rate: float = 0.02
-    knee_utilisation: float = 0.90
-    knee_gain: float = 1.7
-    saturated_utilisation: float = 0.75
     headroom: float = 0.8
-    peak_fraction: float = 0.92
+    target_share: float = 0.97
     z: float = 2.0
-    over_knee: float = 1.25
     extend_rel_err: float = 0.015
     max_extensions: int = 3
     refine_steps: int = 2
     near: float = 0.05
-    backoff: float = 0.75
     max_backoffs: int = 2
-    spread_jump: float = 1.5
     max_parallelism: int = 4096
-    max_steps: int = 12
+    max_steps: int = 14
     time_budget_s: float = 900.0
     # With the engine's signal a step only needs to hold P in flight past one mid-step sample.
     engine_cycles: float = 1.5
@@ -62,6 +56,7 @@ class TuneOptions:
             plateau_gain=params.plateau_gain,
             max_error_rate=params.max_error_rate,
             headroom=params.headroom,
+            target_share=params.target_share,
             max_parallelism=params.max_parallelism,
         )
 
@@ -114,10 +109,19 @@ def normalised_gain(lower: StepResult, upper: StepResult) -> float:
     return ratio ** (1 / octaves) if octaves > 0 else ratio
 
 
+def grew(lower: StepResult, upper: StepResult, opts: TuneOptions) -> bool:
+    """Whether `upper` is faster than `lower` beyond `z` standard errors of their difference."""
+    sigma = math.hypot(lower.measure.rate_err, upper.measure.rate_err)
+    return upper.rollouts_per_s - lower.rollouts_per_s > opts.z * sigma
+
+
 def search_stop(
     valid: Sequence[StepResult], latest: StepResult, baseline: StepResult | None, opts: TuneOptions
 ) -> str | None:
-    """Why the doubling search stops after `latest` (None: keep doubling). `valid`: earlier good steps."""
+    """Why the doubling search stops after `latest` (None: keep doubling). `valid`: earlier good steps.
+
+    Only throughput and failures stop it: latency that grows with the batch is how a continuous-batching
+    engine buys throughput, so it is no reason to stop while the rate still grows beyond its uncertainty."""
     if too_many_errors(latest, baseline, opts):
         return "errors"
     lower = [s for s in valid if s.parallelism < latest.parallelism]
@@ -127,14 +131,8 @@ def search_stop(
     if not lower:
         return None
     prev = max(lower, key=lambda s: s.parallelism)
-    gain = normalised_gain(prev, latest)
-    if gain < 1 + opts.plateau_gain:
+    if normalised_gain(prev, latest) < 1 + opts.plateau_gain or not grew(prev, latest, opts):
         return "plateau"
-    u = utilisation(latest, base_latency([*valid, latest]))
-    if u is not None and (
-        u < opts.saturated_utilisation or (u < opts.knee_utilisation and gain < opts.knee_gain)
-    ):
-        return "latency-knee"
     if latest.parallelism * 2 > opts.max_parallelism:
         return "max-parallelism"
     return None
@@ -146,7 +144,7 @@ def stop_uncertain(
     """Whether the search's decision on `latest` flips within `z` standard errors of its rate (a rate
     that reads low stops the search early, one that reads high runs it a doubling too far)."""
     decided = search_stop(valid, latest, baseline, opts)
-    if decided in ("plateau", "latency-knee", "degradation") and "+" not in latest.label:
+    if decided in ("plateau", "degradation") and "+" not in latest.label:
         return True  # a stop read off one step is confirmed once: a loaded client reads low, never high
     if latest.measure.rel_err <= opts.extend_rel_err:
         return False
@@ -159,7 +157,8 @@ def stop_uncertain(
 
 
 def knee_estimate(valid: Sequence[StepResult]) -> int:
-    """Peak throughput x unloaded latency, within the measured range."""
+    """Peak throughput x unloaded latency, within the measured range: the bandwidth-delay product, where
+    a backend of fixed slots reaches its peak (a batching engine's curve goes on rising past it)."""
     peak = peak_step(valid)
     latency0 = base_latency(valid)
     lo = min(s.parallelism for s in valid)
@@ -173,70 +172,81 @@ def peak_step(valid: Sequence[StepResult]) -> StepResult:
     return max(valid, key=lambda s: s.rollouts_per_s)
 
 
-def shortfall(step: StepResult, valid: Sequence[StepResult], opts: TuneOptions) -> float:
-    """How far `step` is below peak_fraction of the peak, in standard errors of that difference
-    (<= 0: it reached it; under opts.z: within the uncertainty, so as good)."""
+def reaches_target(step: StepResult, valid: Sequence[StepResult], opts: TuneOptions) -> bool:
+    return step.rollouts_per_s >= opts.target_share * peak_step(valid).rollouts_per_s
+
+
+def as_good_as_best(step: StepResult, valid: Sequence[StepResult], opts: TuneOptions) -> bool:
+    """Within `z` standard errors of the best measured rate, or at least `target_share` of it."""
     peak = peak_step(valid)
-    gap = opts.peak_fraction * peak.rollouts_per_s - step.rollouts_per_s
-    if gap <= 0:
-        return gap
-    sigma = math.hypot(step.measure.rate_err, opts.peak_fraction * peak.measure.rate_err)
-    return gap / sigma if sigma > 0 else math.inf
+    sigma = math.hypot(step.measure.rate_err, peak.measure.rate_err)
+    return reaches_target(step, valid, opts) or peak.rollouts_per_s - step.rollouts_per_s <= opts.z * sigma
 
 
-def peak_floor(valid: Sequence[StepResult], opts: TuneOptions) -> int:
-    """The smallest measured parallelism whose throughput reached peak_fraction of the peak, a rate
-    within the uncertainty of that counting as reaching it (the smaller parallelism wins a tie)."""
-    return min(s.parallelism for s in valid if shortfall(s, valid, opts) < opts.z)
+def choose(valid: Sequence[StepResult], opts: TuneOptions) -> int:
+    """The smallest measured parallelism as good as the best (fewer requests in flight at the same
+    throughput: shorter latency, less memory on the engine)."""
+    return min(s.parallelism for s in valid if as_good_as_best(s, valid, opts))
+
+
+def choice_rule(valid: Sequence[StepResult], chosen: int, opts: TuneOptions) -> str:
+    """Which rule decided `chosen`, for the report."""
+    peak = peak_step(valid)
+    step = next((s for s in valid if s.parallelism == chosen), None)
+    if step is None:
+        return "headroom below the measured choice"
+    if step is peak:
+        return "best measured throughput"
+    share = step.rollouts_per_s / peak.rollouts_per_s if peak.rollouts_per_s else 0.0
+    if reaches_target(step, valid, opts):
+        return f"smallest at >= {opts.target_share:g} of the best ({share:.3f})"
+    return f"smallest within the uncertainty of the best ({share:.3f} of it)"
 
 
 def to_extend(valid: Sequence[StepResult], opts: TuneOptions) -> StepResult | None:
-    """The step the choice hangs on while its rate is uncertain: the floor (or the peak) when it
-    stands where it does only within its uncertainty; None when the choice is clear."""
-    floor = min((s for s in valid if shortfall(s, valid, opts) < opts.z), key=lambda s: s.parallelism)
-    peak = peak_step(valid)
-    if shortfall(floor, valid, opts) > 0 and floor.measure.rel_err > opts.extend_rel_err:
+    """The step the choice hangs on while its rate is uncertain: the choice when it is as good as the best
+    only within its uncertainty, the level below it when a rate z errors higher would have chosen it, or
+    a noisy peak; None when the choice is clear."""
+    chosen = choose(valid, opts)
+    by_level = {s.parallelism: s for s in valid}
+    floor, peak = by_level[chosen], peak_step(valid)
+    if not reaches_target(floor, valid, opts) and floor.measure.rel_err > opts.extend_rel_err:
         return floor
+    below = [s for s in valid if s.parallelism < chosen]
+    if below:
+        step = max(below, key=lambda s: s.parallelism)
+        hopeful = step.rollouts_per_s + opts.z * step.measure.rate_err
+        if hopeful >= opts.target_share * peak.rollouts_per_s and step.measure.rel_err > opts.extend_rel_err:
+            return step
     if peak.measure.rel_err > 2 * opts.extend_rel_err:
         return peak
     return None
 
 
-def choose(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int:
-    """max(ceil(headroom x knee), the peak floor): trims parallelism that buys little, not throughput.
-    A floor far above the bandwidth-delay knee means the steps between read low (a loaded client), not
-    that the backend needs that many in flight: it is capped at `over_knee` x knee."""
-    floor = min(peak_floor(valid, opts), math.ceil(opts.over_knee * knee))
-    return max(math.ceil(opts.headroom * knee), floor, 1)
-
-
 def refine_target(valid: Sequence[StepResult], knee: int, opts: TuneOptions) -> int | None:
-    """Where to measure next to pin the knee down: the estimate itself, then a bisection between it and
-    the nearest measured point above it (None: the knee is known closely enough)."""
-    near = [s for s in valid if abs(s.parallelism - knee) <= opts.near * knee]
-    if not near:
+    """Where to measure next to bring the choice down: the bandwidth-delay knee when it lies unmeasured
+    between the choice and every level below it (a fixed-slots backend peaks exactly there), else the
+    middle between the choice and the highest level below it that could still qualify (None: they are
+    close, or that middle was measured).
+
+    Little's law bounds the search from below: P in flight give at most P / unloaded latency, so no level
+    under `target_share` x the knee reaches the target."""
+    chosen = choose(valid, opts)
+    measured = [s.parallelism for s in valid]
+    below = max([p for p in measured if p < chosen], default=0)
+    if below < knee < chosen and not any(abs(p - knee) <= opts.near * knee for p in measured):
         return knee
-    if any(shortfall(s, valid, opts) < opts.z for s in near):
-        return None
-    above = [s.parallelism for s in valid if s.parallelism > knee * (1 + opts.near)]
-    if not above:
-        return None
-    mid = (knee + min(above)) // 2
-    if any(abs(s.parallelism - mid) <= opts.near * mid for s in valid):
+    floor = max(below, math.floor(opts.target_share * knee))
+    mid = (floor + chosen) // 2
+    if chosen - floor <= max(1, opts.near * chosen) or any(abs(p - mid) <= opts.near * mid for p in measured):
         return None
     return mid
 
 
 def unstable(step: StepResult, reference: Sequence[StepResult], opts: TuneOptions) -> str | None:
-    """Why a stability stretch failed, else None: errors, or a p95/p50 spread that jumped beyond what the
-    shorter steps at or below this level showed (queueing at the knee itself is expected, so the bar is
-    `spread_jump` x that and at least 2)."""
+    """Why a stability stretch failed, else None: failed rollouts or attempts (errors, timeouts, 429s)
+    beyond the threshold. A longer latency tail is expected at a loaded engine and is no failure."""
     baseline = min(reference, key=lambda s: s.parallelism) if reference else None
     if too_many_errors(step, baseline, opts):
         return f"{step.errors} failed rollouts, {sum(step.attempt_errors.values())} failed attempts"
-    spread = step.measure.spread
-    seen = [s.measure.spread for s in reference if s is not step and s.parallelism <= step.parallelism]
-    ref = max((x for x in seen if x is not None), default=None)
-    if spread is not None and ref is not None and spread > max(opts.spread_jump * ref, 2.0):
-        return f"latency spread p95/p50 {spread:.2f} against {ref:.2f} in shorter steps"
     return None
