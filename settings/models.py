@@ -156,6 +156,12 @@ class CollectionSettings(Settings):
     chunk_retries: int = Field(3, ge=0, le=100, description="Prefect retries of a whole chunk task")
     skip_bad_rows: bool = Field(False, description="Record malformed input rows in bad_rows.jsonl and go on")
     agent_name: str | None = Field(None, description="Fills a missing agent_ref.name")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description="Base sampling seed: each request carries a seed derived from it and its (task, rollout)",
+    )
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="JSON merged into responses_create_params"
     )

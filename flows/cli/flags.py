@@ -62,6 +62,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("dask-address", "", "dask_address"),
         ("dask-workers", "", "dask_workers"),
         ("record-latency", "collection", "record_latency"),
+        ("seed", "collection", "seed"),
     ),
     "verify": (
         ("verifier", "verify", "verifier"),

@@ -1,6 +1,8 @@
 """Deterministic answers: text, token counts, ids and correctness are a pure function of
 (canonical JSON of the prompt's `input` messages, rollout index, seed), so two runs against the simulator
-give byte-identical replies and datasets.
+give byte-identical replies and datasets. A request that carries its own sampling `seed` (top level for
+chat and Responses, in `responses_create_params` for /run) is answered from that seed instead of its
+rollout index, as a seeded engine samples: the same seed gives the same reply, another seed another.
 
 Where the expected answer comes from:
 - /run gets the whole NeMo Gym row, so it uses the row's `expected_answer` and computes the reward.
@@ -43,9 +45,14 @@ def canonical(messages: Any) -> bytes:
     return orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)
 
 
-def prompt_digest(canon: bytes, rollout: int, seed: int) -> bytes:
-    """16 bytes of hash that every deterministic choice of one rollout is cut from."""
-    return hashlib.blake2b(b"%d\x00%d\x00%s" % (seed, rollout, canon), digest_size=16).digest()
+Draw = int | tuple[str, int]  # the rollout index, or ("seed", n) when the request carries a sampling seed
+
+
+def prompt_digest(canon: bytes, draw: Draw, seed: int) -> bytes:
+    """16 bytes of hash that every deterministic choice of one rollout is cut from: a request's own
+    sampling seed replaces its rollout index, as a seeded engine's sample depends on the seed alone."""
+    key = b"%d" % draw if isinstance(draw, int) else b"s%d" % draw[1]
+    return hashlib.blake2b(b"%d\x00%s\x00%s" % (seed, key, canon), digest_size=16).digest()
 
 
 def question_answer(canon: bytes) -> str | None:
@@ -71,7 +78,7 @@ def answer_for(digest: bytes, expected: str | None, correct_rate: float) -> str:
 
 def completion(
     messages: Any,
-    rollout: int,
+    rollout: Draw,
     seed: int,
     expected: str | None,
     correct_rate: float,
@@ -99,9 +106,9 @@ class ContentModel:
 
     def __init__(self, seed: int, correct_rate: float, min_tokens: int, max_tokens: int) -> None:
         self.args = (seed, correct_rate, min_tokens, max_tokens)
-        self.cache: OrderedDict[tuple[bytes, int, str | None], Completion] = OrderedDict()
+        self.cache: OrderedDict[tuple[bytes, Draw, str | None], Completion] = OrderedDict()
 
-    def get(self, messages: Any, rollout: int, expected: str | None) -> Completion:
+    def get(self, messages: Any, rollout: Draw, expected: str | None) -> Completion:
         """The rollout's content; the LRU key is the exact prompt bytes, so hits are always exact."""
         key = (orjson.dumps(messages), rollout, expected)
         hit = self.cache.get(key)

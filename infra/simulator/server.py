@@ -106,7 +106,9 @@ class Simulator:
             model = body.get("model")
         if messages is None:
             return _bad_request("no prompt: expected `input` (Responses) or `messages` (chat)")
-        made = self.content.get(messages, rollout, expected)
+        seed = (params if endpoint == "run" else body).get("seed")
+        draw = ("seed", seed) if isinstance(seed, int) and not isinstance(seed, bool) else rollout
+        made = self.content.get(messages, draw, expected)
         try:
             await self.capacity.serve(made.output_tokens)
         except QueueFull:

@@ -42,6 +42,8 @@ def rollout_config(spec: RunSpec) -> dict[str, Any]:
         "verifier": spec.verify.verifier if spec.backend.kind.value != "agent" else None,
         "limit": spec.collection.limit,
         "skip_bad_rows": spec.collection.skip_bad_rows,
+        # only when set, so outputs written before --seed existed keep their identity
+        **({"seed": spec.collection.seed} if spec.collection.seed is not None else {}),
     }
 
 

@@ -18,6 +18,7 @@ from rollflow.tasks.collect.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.observe import AttemptObserver
 from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.seeds import seeded
 from rollflow.tasks.collect.verifiers import Verifier
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
@@ -191,7 +192,8 @@ async def _rollout_line(
 ) -> tuple[bytes, int]:
     """One rollout, verified, as its output JSONL line (bytes, no newline), and its output tokens."""
     t0 = time.perf_counter()
-    result: RolloutResult = await client.rollout(row, task_index, rollout)
+    sent, seed = seeded(row, ctx.collection.seed, task_index, rollout)
+    result: RolloutResult = await client.rollout(sent, task_index, rollout)
     t1 = time.perf_counter()
     reward = result.reward
     if reward is None and ctx.verifier is not None:
@@ -209,6 +211,8 @@ async def _rollout_line(
     out["_ng_task_index"] = task_index
     out["_ng_rollout_index"] = rollout
     rf: dict[str, Any] = {"attempts": result.attempts}
+    if seed is not None:
+        rf["seed"] = seed
     if ctx.collection.record_latency:
         rf["latency_s"] = round(result.latency_s, 6)
     out["_rf"] = rf
