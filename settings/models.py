@@ -241,6 +241,12 @@ class VerifySettings(Settings):
     timeout_s: float = Field(
         60.0, gt=0, le=MAX_SECONDS, description="Per-request timeout of the http verifier"
     )
+    correct_threshold: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="A rollout counts as correct in the reward statistics (pass@k, all/none/mixed "
+        "tasks) when its reward is at least this",
+    )
 
 
 class PipelineSettings(Settings):

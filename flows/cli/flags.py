@@ -69,6 +69,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("verifier-url", "verify", "url"),
         ("verify-processes", "verify", "processes"),
         ("verify-timeout-s", "verify", "check_timeout_s"),
+        ("correct-threshold", "verify", "correct_threshold"),
     ),
 }
 TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {

@@ -32,6 +32,7 @@ from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_ru
 from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
 from rollflow.tasks.publish.endpoints import endpoint_cells
+from rollflow.tasks.publish.rewards import summary_line
 from rollflow.tasks.storage.store import Store
 
 
@@ -163,6 +164,8 @@ def run_and_print(
         if report.get("diagnosis"):
             print_tuning(console, report, report["output"])
         console.print(summary_table(report))
+        if report.get("rewards"):
+            console.print(summary_line(report["rewards"]), highlight=False, soft_wrap=True)
         endpoints = endpoints_table(report)
         if endpoints is not None:
             console.print(endpoints)

@@ -41,6 +41,12 @@ def check_paths(
             f"The dataset path {dataset_url} is the input file; publishing would overwrite it. Choose "
             f"another dataset path. No request was sent."
         )
+    if ds_where == where and posixpath.join(posixpath.dirname(dataset), TASKS_NAME) == inp:
+        raise InputError(
+            f"The input {input_url} is where the run publishes {TASKS_NAME} beside the dataset "
+            f"{dataset_url}; publishing would overwrite it. Choose another dataset path or rename the "
+            f"input. No request was sent."
+        )
     if ds_fs.isdir(dataset):
         raise InputError(
             f"The dataset path {dataset_url} is a directory; it must name a file (e.g. "
@@ -48,13 +54,20 @@ def check_paths(
         )
 
 
+TASKS_NAME = "tasks.jsonl"  # per-task reward lines, published beside the dataset
+
+
 def same_object(a: str, b: str, options: dict[str, Any]) -> bool:
     return _location(a, options)[:2] == _location(b, options)[:2]
 
 
 def remove_published(dataset_url: str, options: dict[str, Any]) -> bool:
-    """Delete the dataset a discarded run published (--restart), wherever it lives; whether one was there."""
+    """Delete the dataset a discarded run published (--restart), and the tasks.jsonl beside it, wherever
+    they live; whether the dataset was there."""
     _, path, fs = _location(dataset_url, options)
+    beside = posixpath.join(posixpath.dirname(path), TASKS_NAME)
+    if fs.exists(beside):
+        fs.rm_file(beside)
     if not fs.exists(path):
         return False
     fs.rm_file(path)

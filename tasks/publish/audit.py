@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.publish.rewards import RewardStats, TaskGrouper
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 AUDIT_DIR = "audit"
@@ -35,6 +36,7 @@ class ChunkAudit:
     committed: bool = True
     data_lost: bool = False
     problems: list[str] = field(default_factory=list)
+    rewards: dict[str, Any] = field(default_factory=dict)  # RewardStats.state() of its rewarded rows
 
     @property
     def missing(self) -> int:
@@ -45,11 +47,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_repeats: int) -> ChunkAudit:
-    """Stream one chunk object and check it against its plan and manifest.
+def tasks_path(chunk: int) -> str:
+    """A chunk's per-task reward lines (tasks.jsonl is their concatenation in chunk order)."""
+    return f"{AUDIT_DIR}/{chunk:05d}.tasks.jsonl"
+
+
+def audit_chunk(
+    ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_repeats: int, threshold: float = 1.0
+) -> ChunkAudit:
+    """Stream one chunk object and check it against its plan and manifest; its reward statistics and
+    per-task lines are computed on the same pass.
 
     The cached result is reused only while the object itself is unchanged (same manifest sha256 and the
-    same size + mtime/ETag stamp as when it was audited); anything else is read and hashed again.
+    same size + mtime/ETag stamp as when it was audited) and was counted at the same correct threshold;
+    anything else is read and hashed again.
     """
     cache_rel = f"{AUDIT_DIR}/{spec.index:05d}.json"
     store = ledger.store
@@ -57,22 +68,27 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
         stamp = store.stamp(ledger.chunk_path(spec.index))
     except FileNotFoundError:
         return _lost_data(spec, manifest, num_repeats)
-    if store.exists(cache_rel):
+    if store.exists(cache_rel) and store.exists(tasks_path(spec.index)):
         cached = orjson.loads(store.read_bytes(cache_rel))
-        if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256:
+        same = cached.get("rewards", {}).get("threshold") == threshold
+        if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256 and same:
             cached.pop("missing", None)
             return ChunkAudit(**cached)
     check = _LineCheck(
         ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed),
         range(spec.first_task, spec.first_task + spec.num_tasks),
         num_repeats,
+        RewardStats(threshold=threshold, max_k=num_repeats),
+        TaskGrouper(threshold),
     )
     digest = hashlib.sha256()
     with ledger.open_chunk(spec.index) as fh:
         for lineno, line in enumerate(fh, start=1):
             digest.update(line)
             check.line(lineno, line)
+    check.task_done(check.grouper.finish())
     audit = check.audit
+    audit.rewards = check.stats.state()
     audit.unique = len(check.seen)
     audit.sha256 = digest.hexdigest()
     audit.sha_matches = audit.sha256 == manifest.sha256
@@ -83,6 +99,7 @@ def audit_chunk(ledger: Ledger, spec: ChunkSpec, manifest: ChunkManifest, num_re
         )
     del audit.problems[20:]
     if audit.sha_matches:
+        store.write_bytes(tasks_path(spec.index), b"".join(check.task_lines))
         store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "stamp": stamp}))
     return audit
 
@@ -109,8 +126,16 @@ class _LineCheck:
     audit: ChunkAudit
     tasks: range
     num_repeats: int
+    stats: RewardStats
+    grouper: TaskGrouper
     seen: set[tuple[int, int]] = field(default_factory=set)
     last: tuple[int, int] = (-1, -1)
+    task_lines: list[bytes] = field(default_factory=list)  # one short line per task of this chunk
+
+    def task_done(self, task: Any) -> None:
+        if task is not None:
+            self.stats.add_task(task)
+            self.task_lines.append(task.as_line())
 
     def line(self, lineno: int, line: bytes) -> None:
         audit = self.audit
@@ -135,6 +160,8 @@ class _LineCheck:
         reward = row.get("reward")
         if _is_number(reward):
             audit.reward_sum += reward
+            self.stats.add_reward(float(reward))
+            self.task_done(self.grouper.add(key[0], float(reward)))
         else:
             audit.missing_reward += 1
         response = row.get("response")
@@ -164,6 +191,7 @@ class AuditSummary:
     changed_chunks: list[int] = field(default_factory=list)
     lost_chunks: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    rewards: RewardStats | None = None
 
     @property
     def ok(self) -> bool:
@@ -197,16 +225,27 @@ class AuditSummary:
             self.sha_mismatches += 1
             self.changed_chunks.append(audit.chunk)
         self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
+        if audit.rewards:
+            stats = RewardStats.from_state(audit.rewards)
+            if self.rewards is None:
+                self.rewards = stats
+            else:
+                self.rewards.merge(stats)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["rewards"] = self.rewards.as_dict() if self.rewards is not None else None
         out["ok"] = self.ok
         out["reward_mean"] = self.reward_mean
         return out
 
 
 def audit_run(
-    ledger: Ledger, chunks: list[ChunkSpec], num_repeats: int, manifests: dict[int, ChunkManifest]
+    ledger: Ledger,
+    chunks: list[ChunkSpec],
+    num_repeats: int,
+    manifests: dict[int, ChunkManifest],
+    threshold: float = 1.0,
 ) -> AuditSummary:
     """Audit every planned chunk; one that never committed counts wholly as missing.
 
@@ -219,7 +258,7 @@ def audit_run(
         if manifest is None:
             summary.add(ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, committed=False))
             continue
-        audit = audit_chunk(ledger, spec, manifest, num_repeats)
+        audit = audit_chunk(ledger, spec, manifest, num_repeats, threshold)
         if not audit.sha_matches or audit.data_lost:
             ledger.uncommit(spec.index)
         summary.add(audit)

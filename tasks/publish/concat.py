@@ -6,7 +6,9 @@ import hashlib
 import posixpath
 from typing import Any
 
+from rollflow.tasks.collect.paths import TASKS_NAME
 from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.publish.audit import tasks_path
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 from rollflow.tasks.storage.store import StorageError, Store
 
@@ -58,4 +60,25 @@ def concatenate(
                     f"nothing was published and its commit was withdrawn. Run the same command again "
                     f"to collect it again."
                 )
+    return written
+
+
+def concatenate_tasks(
+    ledger: Ledger,
+    chunks: list[ChunkSpec],
+    manifests: dict[int, ChunkManifest],
+    dataset_url: str,
+    storage_options: dict[str, Any],
+) -> int:
+    """tasks.jsonl beside the dataset: each committed chunk's per-task reward lines (written by its
+    audit), in chunk order, so a user selects prompts without re-reading the dataset."""
+    parent, _ = split_url(dataset_url)
+    target = Store(parent, storage_options)
+    written = 0
+    with target.open_write(TASKS_NAME) as out:
+        for spec in chunks:
+            if spec.index in manifests:
+                block = ledger.store.read_bytes(tasks_path(spec.index))
+                out.write(block)
+                written += len(block)
     return written

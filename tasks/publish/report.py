@@ -11,6 +11,7 @@ import orjson
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.endpoints import endpoints_markdown
 from rollflow.tasks.publish.plot import diagnosis_markdown, tuning_markdown
+from rollflow.tasks.publish.rewards import rewards_markdown, rewards_png
 from rollflow.tasks.storage.store import Store
 
 
@@ -88,6 +89,7 @@ def build_report(
         "missing_reward": summary.missing_reward,
         "bad_input_rows": bad_rows,
         "reward_mean": summary.reward_mean,
+        "rewards": summary.rewards.as_dict() if summary.rewards is not None else None,
         **whole_run_rates(metrics, produced, summary),
         "collect_rollouts_per_s": round(metrics.collected / collect_s, 3) if collect_s > 0 else None,
         "wall_s": round(metrics.wall_s, 3),
@@ -162,6 +164,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("stages"):
         lines += ["", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
+    if report.get("rewards"):
+        lines += ["", rewards_markdown(report["rewards"], image="rewards.png")]
     if report.get("endpoints"):
         lines += ["", endpoints_markdown(report["endpoints"])]
     if report.get("diagnosis"):
@@ -177,5 +181,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(store: Store, report: dict[str, Any]) -> None:
+    if report.get("rewards"):
+        store.write_bytes("rewards.png", rewards_png(report["rewards"]))
     store.write_bytes("report.json", orjson.dumps(report, option=orjson.OPT_INDENT_2))
     store.write_bytes("report.md", render_markdown(report).encode())

@@ -15,7 +15,7 @@ from rollflow.tasks.collect.preflight import check_reachable
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
-from rollflow.tasks.publish.concat import concatenate
+from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope, collect_chunk_on_worker
 from rollflow.tasks.wrappers.runtime import RunHandles
@@ -80,15 +80,21 @@ async def collect_chunk_remote_task(
 @task(name="verify", cache_policy=NONE)
 async def verify_task(handles: RunHandles, plan: RunPlan) -> AuditSummary:
     manifests = await asyncio.to_thread(handles.ledger.committed)
+    spec = handles.spec
     return await asyncio.to_thread(
-        audit_run, handles.ledger, plan.scan.chunks, handles.spec.collection.num_repeats, manifests
+        audit_run,
+        handles.ledger,
+        plan.scan.chunks,
+        spec.collection.num_repeats,
+        manifests,
+        spec.verify.correct_threshold,
     )
 
 
 @task(name="concatenate", cache_policy=NONE)
 async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
     manifests = await asyncio.to_thread(handles.ledger.committed)
-    return await asyncio.to_thread(
+    written = await asyncio.to_thread(
         concatenate,
         handles.ledger,
         plan.scan.chunks,
@@ -96,3 +102,12 @@ async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
         handles.spec.dataset_url(),
         handles.dataset_options,
     )
+    await asyncio.to_thread(
+        concatenate_tasks,
+        handles.ledger,
+        plan.scan.chunks,
+        manifests,
+        handles.spec.dataset_url(),
+        handles.dataset_options,
+    )
+    return written

@@ -1,0 +1,336 @@
+"""Reward statistics of a run, built chunk by chunk while the audit streams its rows, then merged.
+
+Everything kept is a count, a sum or a fixed-bin histogram (plus Chan et al.'s mean and M2), so a
+chunk's statistics take constant memory and any chunks' statistics merge, in any order, into the run's.
+Pure Python: no I/O and no Prefect (matplotlib is imported only when a plot is drawn).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import io
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.publish.plot import _pyplot
+
+BINS = 10
+BIN_EDGES: tuple[float, ...] = tuple(i / BINS for i in range(BINS + 1))
+"""Fixed edges over [0, 1]: histograms of different chunks line up bin for bin, so they add."""
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+@dataclass
+class TaskRewards:
+    """One task's rollouts reduced to what pass@k and the correct shares need."""
+
+    index: int
+    rollouts: int
+    correct: int
+    reward_sum: float
+
+    @property
+    def mean(self) -> float:
+        return self.reward_sum / self.rollouts if self.rollouts else 0.0
+
+    def as_line(self) -> bytes:
+        """One newline-terminated JSON line, for a per-task rewards file."""
+        row = {
+            "task_index": self.index,
+            "rollouts": self.rollouts,
+            "correct": self.correct,
+            "mean_reward": self.mean,
+        }
+        return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
+class TaskGrouper:
+    """Rows ordered by (task, rollout) in, finished tasks out: one task in memory at a time.
+
+    Any change of task index closes the open task, so rows must arrive grouped by task (the audit
+    counts rows out of order itself, and its verdict is not ok then).
+    """
+
+    def __init__(self, threshold: float = 1.0) -> None:
+        self.threshold = threshold
+        self._open: TaskRewards | None = None
+
+    def add(self, task_index: int, reward: float) -> TaskRewards | None:
+        """Count one rollout; return the previous task when this row starts a new one."""
+        correct = int(reward >= self.threshold)
+        task = self._open
+        if task is not None and task.index == task_index:
+            task.rollouts += 1
+            task.correct += correct
+            task.reward_sum += reward
+            return None
+        self._open = TaskRewards(task_index, 1, correct, reward)
+        return task
+
+    def finish(self) -> TaskRewards | None:
+        """The last task, once the rows are done (None when there were none)."""
+        task, self._open = self._open, None
+        return task
+
+
+@dataclass
+class Histogram:
+    """Ten equal bins over [0, 1] (1.0 in the last) and the two tails, counted apart."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * BINS)
+    below_0: int = 0
+    above_1: int = 0
+
+    def add(self, value: float) -> None:
+        if value < 0:
+            self.below_0 += 1
+        elif value > 1:
+            self.above_1 += 1
+        else:
+            self.counts[min(bisect.bisect_right(BIN_EDGES, value) - 1, BINS - 1)] += 1
+
+    def merge(self, other: Histogram) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.below_0 += other.below_0
+        self.above_1 += other.above_1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bins": list(BIN_EDGES),
+            "counts": list(self.counts),
+            "below_0": self.below_0,
+            "above_1": self.above_1,
+        }
+
+
+def pass_ks(max_k: int) -> list[int]:
+    """The k of pass@k reported: 1, 2, 4, 8, ... up to max_k (the number of repeats)."""
+    ks: list[int] = []
+    k = 1
+    while k <= max_k:
+        ks.append(k)
+        k *= 2
+    return ks
+
+
+def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k), the ratio as a product so no binomial grows huge."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c})")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(k):
+        miss *= (n - c - i) / (n - i)
+    return 1.0 - miss
+
+
+@dataclass
+class RewardStats:
+    """A chunk's (or, merged, a run's) reward statistics: per rollout and per task.
+
+    The audit calls `add_reward` for every rewarded row and `add_task` for every task the
+    `TaskGrouper` finishes; `add_task(t, rewards)` does both at once.
+    """
+
+    threshold: float = 1.0
+    max_k: int = 1
+    count: int = 0
+    reward_sum: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+    min_reward: float | None = None
+    max_reward: float | None = None
+    rewards: Histogram = field(default_factory=Histogram)
+    tasks: int = 0
+    all_correct: int = 0
+    none_correct: int = 0
+    mixed: int = 0
+    task_means: Histogram = field(default_factory=Histogram)
+    pass_sum: dict[int, float] = field(default_factory=dict)
+    pass_tasks: dict[int, int] = field(default_factory=dict)
+
+    def state(self) -> dict[str, Any]:
+        """Everything, JSON-ready and exact (the audit cache keeps a chunk's stats between runs)."""
+        out = dataclasses.asdict(self)
+        out["pass_sum"] = {str(k): v for k, v in self.pass_sum.items()}
+        out["pass_tasks"] = {str(k): v for k, v in self.pass_tasks.items()}
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RewardStats:
+        fields = dict(state)
+        fields["rewards"] = Histogram(**fields["rewards"])
+        fields["task_means"] = Histogram(**fields["task_means"])
+        fields["pass_sum"] = {int(k): v for k, v in fields["pass_sum"].items()}
+        fields["pass_tasks"] = {int(k): v for k, v in fields["pass_tasks"].items()}
+        return cls(**fields)
+
+    def add_reward(self, reward: float) -> None:
+        """One rollout's reward (Welford's update: stable however many rollouts)."""
+        if not math.isfinite(reward):
+            raise ValueError(f"reward {reward!r} is not a finite number")
+        self.count += 1
+        self.reward_sum += reward
+        delta = reward - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (reward - self.mean)
+        self.min_reward = reward if self.min_reward is None else min(self.min_reward, reward)
+        self.max_reward = reward if self.max_reward is None else max(self.max_reward, reward)
+        self.rewards.add(reward)
+
+    def add_task(self, task: TaskRewards, rewards: Iterable[float] | None = None) -> None:
+        """One finished task; with `rewards`, its rollouts' rewards too."""
+        if not 0 <= task.correct <= task.rollouts or task.rollouts < 1:
+            raise ValueError(f"task {task.index}: {task.correct} correct of {task.rollouts} rollouts")
+        for reward in rewards or ():
+            self.add_reward(reward)
+        self.tasks += 1
+        self.task_means.add(task.mean)
+        if task.correct == task.rollouts:
+            self.all_correct += 1
+        elif task.correct == 0:
+            self.none_correct += 1
+        else:
+            self.mixed += 1
+        for k in pass_ks(min(self.max_k, task.rollouts)):
+            self.pass_sum[k] = self.pass_sum.get(k, 0.0) + unbiased_pass_at_k(task.rollouts, task.correct, k)
+            self.pass_tasks[k] = self.pass_tasks.get(k, 0) + 1
+
+    def merge(self, other: RewardStats) -> None:
+        """Add another chunk's statistics into these (the order of merging does not matter)."""
+        if (other.threshold, other.max_k) != (self.threshold, self.max_k):
+            raise ValueError("only statistics with the same threshold and max_k merge")
+        self._merge_moments(other)
+        self.rewards.merge(other.rewards)
+        self.task_means.merge(other.task_means)
+        self.tasks += other.tasks
+        self.all_correct += other.all_correct
+        self.none_correct += other.none_correct
+        self.mixed += other.mixed
+        for k, value in other.pass_sum.items():
+            self.pass_sum[k] = self.pass_sum.get(k, 0.0) + value
+            self.pass_tasks[k] = self.pass_tasks.get(k, 0) + other.pass_tasks[k]
+
+    def _merge_moments(self, other: RewardStats) -> None:
+        """Chan et al.'s parallel update of count, mean and M2; min and max."""
+        if other.count == 0:
+            return
+        total = self.count + other.count
+        delta = other.mean - self.mean
+        self.mean += delta * other.count / total
+        self.m2 += other.m2 + delta * delta * self.count * other.count / total
+        self.count = total
+        self.reward_sum += other.reward_sum
+        lows = [v for v in (self.min_reward, other.min_reward) if v is not None]
+        highs = [v for v in (self.max_reward, other.max_reward) if v is not None]
+        self.min_reward, self.max_reward = min(lows), max(highs)
+
+    @property
+    def std(self) -> float | None:
+        """Population standard deviation of the rewards (None before any)."""
+        return math.sqrt(max(self.m2, 0.0) / self.count) if self.count else None
+
+    def pass_at_k(self) -> dict[int, float]:
+        """Mean pass@k over the tasks with at least k rollouts, for each k some task reaches."""
+        return {k: self.pass_sum[k] / n for k, n in sorted(self.pass_tasks.items())}
+
+    def _share(self, tasks: int) -> dict[str, Any]:
+        return {"tasks": tasks, "share": _round(tasks / self.tasks) if self.tasks else None}
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, floats rounded to 6 digits (the fields themselves keep full precision)."""
+        return {
+            "rollouts": self.count,
+            "mean": _round(self.mean) if self.count else None,
+            "std": _round(self.std),
+            "min": _round(self.min_reward),
+            "max": _round(self.max_reward),
+            "histogram": self.rewards.as_dict(),
+            "tasks": self.tasks,
+            "task_mean_histogram": self.task_means.as_dict(),
+            "correct_threshold": self.threshold,
+            "all_correct": self._share(self.all_correct),
+            "none_correct": self._share(self.none_correct),
+            "mixed": self._share(self.mixed),
+            "pass_at_k": {str(k): round(v, 6) for k, v in self.pass_at_k().items()},
+        }
+
+
+def _shares(d: dict[str, Any]) -> str:
+    if not d["tasks"]:
+        return "no tasks"
+    return (
+        f"{d['all_correct']['share']:.0%} all correct, {d['none_correct']['share']:.0%} none, "
+        f"{d['mixed']['share']:.0%} mixed (learnable)"
+    )
+
+
+def summary_line(d: dict[str, Any]) -> str:
+    """One line for the CLI: the mean, the task shares, the smallest and the largest pass@k."""
+    if not d["rollouts"]:
+        return "rewards: none recorded"
+    parts = [f"rewards: mean {d['mean']:.3g} ± {d['std']:.2g} over {d['rollouts']:,} rollouts"]
+    if d["tasks"]:
+        parts.append(f"{d['tasks']:,} tasks: {_shares(d)}")
+    ks = list(d["pass_at_k"])
+    if ks:
+        parts.append(", ".join(f"pass@{k} {d['pass_at_k'][k]:.3g}" for k in dict.fromkeys([ks[0], ks[-1]])))
+    return "; ".join(parts)
+
+
+def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
+    """The `## Rewards` section of report.md (`image`: rewards.png's file name or a data: URI)."""
+    if not d["rollouts"]:
+        return "## Rewards\n\nNo rewards recorded.\n"
+    lines = [
+        "## Rewards",
+        "",
+        f"Mean reward **{d['mean']:.3g}** ± {d['std']:.2g} (population std) over {d['rollouts']:,} "
+        f"rollouts, min {d['min']:g}, max {d['max']:g}; a rollout is correct at reward >= "
+        f"{d['correct_threshold']:g}.",
+        "",
+        "| tasks | count | share |",
+        "|---|---:|---:|",
+    ]
+    for key, label in [("all_correct", "all correct"), ("none_correct", "none correct"), ("mixed", "mixed")]:
+        share = d[key]["share"]
+        lines.append(f"| {label} | {d[key]['tasks']:,} | {'-' if share is None else format(share, '.1%')} |")
+    lines += [f"| **all** | {d['tasks']:,} | |", "", "| k | pass@k |", "|---:|---:|"]
+    lines += [f"| {k} | {value:.4f} |" for k, value in d["pass_at_k"].items()]
+    if image:
+        lines += ["", f"![per-task mean reward histogram]({image})"]
+    return "\n".join([*lines, ""])
+
+
+def rewards_png(d: dict[str, Any]) -> bytes:
+    """Bars of the per-task mean reward histogram (the tails in grey), the task shares as title."""
+    hist = d["task_mean_histogram"]
+    width = hist["bins"][1] - hist["bins"][0]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    try:
+        ax.bar(hist["bins"][:-1], hist["counts"], width=width, align="edge", edgecolor="white")
+        tails = [(-width, hist["below_0"], "below 0"), (1.0, hist["above_1"], "above 1")]
+        for x, count, label in tails:
+            if count:
+                ax.bar(x, count, width=width, align="edge", color="tab:gray", label=label)
+        ax.set_xlabel("mean reward of a task's rollouts")
+        ax.set_ylabel("tasks")
+        ax.set_title(f"rollflow rewards: {_shares(d)}")
+        if hist["below_0"] or hist["above_1"]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
