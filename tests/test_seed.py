@@ -10,7 +10,9 @@ import signal
 from pathlib import Path
 
 import orjson
+import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
+from rollout_data import write_rows
 
 from rollflow.tasks.collect.seeds import rollout_seed
 
@@ -23,11 +25,20 @@ def answers(path: Path) -> list[str]:
     return [row["response"]["output"][0]["content"][0]["text"] for row in rows_of(path)]
 
 
+@pytest.fixture(scope="module")
+def seeded(run_cli, slow_sim, rows_input, tmp_path_factory) -> Path:
+    """An uninterrupted run with --seed 7."""
+    out = tmp_path_factory.mktemp("seeded") / "out"
+    res = run_cli(*run_args(rows_input, str(out), slow_sim), "--seed", "7")
+    assert res.returncode == 0, res.stderr
+    return out
+
+
 def test_the_same_seed_gives_the_same_dataset_and_another_seed_other_answers(
-    run_cli, slow_sim, rows_input, reference, tmp_path
+    run_cli, slow_sim, rows_input, reference, seeded, tmp_path
 ) -> None:
-    first, second, other = (tmp_path / name for name in ("a", "b", "c"))
-    for out, seed in ((first, "7"), (second, "7"), (other, "8")):
+    first, second, other = seeded, tmp_path / "b", tmp_path / "c"
+    for out, seed in ((second, "7"), (other, "8")):
         res = run_cli(*run_args(rows_input, str(out), slow_sim), "--seed", seed)
         assert res.returncode == 0, res.stderr
     data = (first / "rollouts.jsonl").read_bytes()
@@ -48,15 +59,15 @@ def test_the_same_seed_gives_the_same_dataset_and_another_seed_other_answers(
     assert "seed" not in unseeded["_rf"] and "seed" not in unseeded["responses_create_params"]
 
 
-def test_a_changed_seed_is_refused_without_restart(run_cli, slow_sim, rows_input, tmp_path) -> None:
-    out = str(tmp_path / "out")
-    assert run_cli(*run_args(rows_input, out, slow_sim), "--seed", "1").returncode == 0
-    res = run_cli(*run_args(rows_input, out, slow_sim), "--seed", "2")
+def test_a_changed_seed_is_refused_without_restart(run_cli, slow_sim, tmp_path) -> None:
+    inp, out = write_rows(tmp_path / "rows.jsonl", 60), str(tmp_path / "out")
+    assert run_cli(*run_args(inp, out, slow_sim), "--seed", "1").returncode == 0
+    res = run_cli(*run_args(inp, out, slow_sim), "--seed", "2")
     assert res.returncode != 0 and "seed 1 -> 2" in res.stderr, res.stderr
-    res = run_cli(*run_args(rows_input, out, slow_sim), "--seed", "2", "--restart")
+    res = run_cli(*run_args(inp, out, slow_sim), "--seed", "2", "--restart")
     assert res.returncode == 0, res.stderr
     assert {row["_rf"]["seed"] for row in rows_of(tmp_path / "out" / "rollouts.jsonl")} == {
-        rollout_seed(2, t, r) for t in range(ROWS) for r in range(2)
+        rollout_seed(2, t, r) for t in range(60) for r in range(2)
     }
 
 
@@ -85,12 +96,12 @@ def test_a_seed_in_the_row_or_the_overrides_wins(run_cli, slow_sim, tmp_path) ->
     assert {row["_rf"]["seed"] for row in rows_of(out2 / "rollouts.jsonl")} == {5}
 
 
-def test_a_rollout_redone_after_kill9_carries_the_same_seed(run_cli, cli_env, slow_sim, rows_input, tmp_path):
-    reference = tmp_path / "reference"
-    args = [*run_args(rows_input, str(reference), slow_sim), "--seed", "11"]
-    assert run_cli(*args).returncode == 0
+def test_a_rollout_redone_after_kill9_carries_the_same_seed(
+    run_cli, cli_env, slow_sim, rows_input, seeded, tmp_path
+):
+    reference = seeded
     out = tmp_path / "out"
-    args = [*run_args(rows_input, str(out), slow_sim), "--seed", "11", "--chunk-size", "2000"]
+    args = [*run_args(rows_input, str(out), slow_sim), "--seed", "7", "--chunk-size", "2000"]
     env = {**cli_env, "ROLLFLOW_COLLECTION__FLUSH_INTERVAL_S": "0.3"}
 
     def parts() -> list[Path]:

@@ -34,12 +34,17 @@ def throughput_png(tuning: dict[str, Any]) -> bytes:
         handles = ax.get_legend_handles_labels()[0] + lat.get_legend_handles_labels()[0]
         ax.legend(handles=handles, loc="lower right", fontsize=8)
         ax.set_title("rollflow tune-parallelism")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig)
     finally:
         plt.close(fig)
+
+
+def png_bytes(fig: Any) -> bytes:
+    """A finished figure as PNG bytes."""
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
 
 def _pyplot() -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import io
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from rollflow.tasks.publish.plot import _pyplot
+from rollflow.tasks.publish.plot import _pyplot, png_bytes
 
 BINS = 10
 BIN_EDGES: tuple[float, ...] = tuple(i / BINS for i in range(BINS + 1))
@@ -328,9 +327,6 @@ def rewards_png(d: dict[str, Any]) -> bytes:
         ax.set_title(f"rollflow rewards: {_shares(d)}")
         if hist["below_0"] or hist["above_1"]:
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig)
     finally:
         plt.close(fig)
