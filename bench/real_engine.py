@@ -20,6 +20,9 @@ Goal: every choice >= 0.90 of the best point's rate measured in its pairing, and
 Each sweep step prints the cores that other processes kept busy meanwhile (from /proc), and each pairing
 the most of its steps: on a shared machine a step read while something else ran reads the engine short,
 so a sweep step that saw over DISTURBED_CORES is measured once more (the second reading is kept).
+With torch's default threads (one per core) the engine's OpenMP threads spin-wait for each other, and one
+busy process beside it cuts its rate about tenfold (22 -> 2 rollouts/s at 8 in flight, 45 -> 6 at 48,
+measured); `--engine-threads 1` loses a quarter of the peak but only ~10-25% to such a neighbour.
 
 A benchmark, not a test: it prints its figures and asserts none. `--quick` is a smoke run (one round of
 three levels, 150 rollouts each, one tuning). Traffic stays on 127.0.0.1; the engine runs in a process
@@ -164,15 +167,17 @@ class Engine:
             os.killpg(self.proc.pid, sig)
 
 
-def start_engine(python: Path, model: Path, log: Path) -> Engine:
-    """`transformers serve MODEL --continuous-batching` on 127.0.0.1, in a process group of its own."""
+def start_engine(python: Path, model: Path, log: Path, threads: int = 0) -> Engine:
+    """`transformers serve MODEL --continuous-batching` on 127.0.0.1, in a process group of its own;
+    `threads` sets torch's threads (OMP_NUM_THREADS; 0 keeps torch's default, one per core)."""
     port = free_port()
     exe = python.with_name("transformers")
     cmd = [str(exe), "serve", str(model), "--continuous-batching", "--device", "cpu", "--dtype", "float32"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     cmd += ["--cb-max-memory-percent", str(KV_MEMORY_SHARE)]
     with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     engine = Engine(proc, f"http://127.0.0.1:{port}", log)
     try:
         wait_http(f"{engine.url}/health", 180, proc)
@@ -412,6 +417,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tunings", type=int, default=5)
     ap.add_argument("--pair-rollouts", type=int, default=600, help="rollouts per point of a pairing")
     ap.add_argument("--max-minutes", type=float, default=60.0, help="the whole load phase stops after this")
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=0,
+        help="torch threads of the engine (default: torch's, one per core; 1 degrades gracefully when "
+        "other processes take CPU, at ~3/4 of the peak)",
+    )
     ap.add_argument("--venv", type=Path, default=CACHE / "real-engine-venv", help="the engine's venv")
     args = ap.parse_args()
     if args.quick:
@@ -431,8 +443,10 @@ async def main() -> None:
           f"weights; {MAX_TOKENS} tokens a request (no EOS)")  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-real-engine-"))
     try:
-        engine = start_engine(python, model, work / "engine.log")
-        print(f"engine: transformers serve --continuous-batching on {engine.url} (pid {engine.proc.pid})")
+        engine = start_engine(python, model, work / "engine.log", args.engine_threads)
+        threads = args.engine_threads or "torch's default"
+        print(f"engine: transformers serve --continuous-batching on {engine.url} (pid {engine.proc.pid}, "
+              f"torch threads: {threads})")  # fmt: skip
         try:
             await asyncio.wait_for(bench(args, engine, model, work), timeout=args.max_minutes * 60)
         finally:
