@@ -21,12 +21,11 @@ from rollflow.tasks.tuning.tune_rules import (
     TuneOptions,
     base_latency,
     engine_step_rollouts,
-    grew,
     knee_estimate,
-    normalised_gain,
     refine_target,
     search_stop,
     step_rollouts,
+    still_growing,
     stop_uncertain,
     to_extend,
     too_many_errors,
@@ -266,9 +265,7 @@ class Search:
         below = [s for s in earlier if s.parallelism < step.parallelism]
         prev = max(below, key=lambda s: s.parallelism) if below else None
         if step.engine.saturated:
-            growing = prev is not None and (
-                grew(prev, step, self.opts) and normalised_gain(prev, step) >= 1 + self.opts.plateau_gain
-            )
+            growing = prev is not None and still_growing(prev, step, self.opts)
             return None if growing else ENGINE_QUEUE
         engines = [s for s in below if s.engine is not None]
         if engines and step.engine.running_max is not None:

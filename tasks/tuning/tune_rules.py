@@ -115,6 +115,12 @@ def grew(lower: StepResult, upper: StepResult, opts: TuneOptions) -> bool:
     return upper.rollouts_per_s - lower.rollouts_per_s > opts.z * sigma
 
 
+def still_growing(lower: StepResult, upper: StepResult, opts: TuneOptions) -> bool:
+    """Whether a doubling still pays: a gain of at least `plateau_gain` per doubling, beyond the rates'
+    uncertainty (else it is a plateau)."""
+    return normalised_gain(lower, upper) >= 1 + opts.plateau_gain and grew(lower, upper, opts)
+
+
 def search_stop(
     valid: Sequence[StepResult], latest: StepResult, baseline: StepResult | None, opts: TuneOptions
 ) -> str | None:
@@ -131,7 +137,7 @@ def search_stop(
     if not lower:
         return None
     prev = max(lower, key=lambda s: s.parallelism)
-    if normalised_gain(prev, latest) < 1 + opts.plateau_gain or not grew(prev, latest, opts):
+    if not still_growing(prev, latest, opts):
         return "plateau"
     if latest.parallelism * 2 > opts.max_parallelism:
         return "max-parallelism"
