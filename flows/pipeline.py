@@ -12,8 +12,8 @@ from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
 from rollflow.flows.artifacts import chunk_progress, dataset_link, endpoints_table
-from rollflow.flows.dask_runner import CollectResult, collect_on_dask
 from rollflow.flows.messages import deadline_message, incomplete_message
+from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
@@ -204,8 +204,8 @@ async def _dispatch(
     spec: RunSpec, handles: RunHandles, plan: RunPlan, collected: Collected, left_s: float | None
 ) -> CollectResult:
     ctx, col = collected.ctx, spec.collection
-    if spec.runner == "dask":
-        return await collect_on_dask(
+    if spec.runner != "local":
+        return await collect_remote(
             spec, plan.pending, ctx.pool.limits(), col.chunk_retries, left_s, handles.lease_owner
         )
     in_flight = col.chunks_in_flight or default_chunks_in_flight(
@@ -242,6 +242,8 @@ async def report_step(
     """report.json and report.md in the output, and the report as a Prefect markdown artifact."""
     result, skipped = collected.result, len(plan.scan.chunks) - len(plan.pending)
     metrics = run_metrics(result.outcomes, collected.ctx, handles.clock.elapsed(), collected.seconds, skipped)
+    if result.peak_in_flight is not None:
+        metrics.peak_in_flight = result.peak_in_flight
     metrics.stages = handles.clock.rounded()
     metrics.collect_cpu_s = round(collected.cpu_s, 6)
     metrics.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -265,8 +267,9 @@ async def report_step(
             "run_id": handles.ledger.run_id,
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(
-                collected.ctx.pool, result.outcomes, spec.runner == "dask", collected.seconds
+                collected.ctx.pool, result.outcomes, spec.runner != "local", collected.seconds
             ),
+            **remote_figures(spec, result),
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)
@@ -275,6 +278,17 @@ async def report_step(
     )
     await endpoints_table(report["endpoints"])
     return report
+
+
+def remote_figures(spec: RunSpec, result: CollectResult) -> dict[str, Any]:
+    """Dask and Ray: each worker process's figures, and the most the share book ever let them hold."""
+    if spec.runner == "local":
+        return {}
+    return {
+        "runner": spec.runner,
+        "workers": [{k: v for k, v in w.items() if k != "endpoints"} for w in result.workers],
+        "peak_in_flight_allowed": result.peak_allowed,
+    }
 
 
 async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, Any]:

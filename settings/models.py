@@ -262,13 +262,25 @@ class PipelineSettings(Settings):
         le=MAX_SECONDS,
         description="Stop cleanly after this many seconds, keeping all committed work",
     )
-    runner: Literal["local", "dask"] = Field(
-        "local", description="local: chunks in this process; dask: chunks on a Dask cluster's workers"
+    runner: Literal["local", "dask", "ray"] = Field(
+        "local",
+        description="local: chunks in this process; dask or ray: chunks on a cluster's worker processes",
     )
     dask_address: str | None = Field(
         None, description="Scheduler of an existing Dask cluster (tcp://host:8786)"
     )
     dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
+    dask_cluster_class: str | None = Field(
+        None, description="A Dask cluster class that starts its own workers (dask_jobqueue.SLURMCluster)"
+    )
+    dask_cluster_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="JSON keyword arguments of --dask-cluster-class"
+    )
+    dask_adapt_min: int | None = Field(None, ge=0, le=100_000, description="Fewest workers adapt keeps")
+    dask_adapt_max: int | None = Field(None, ge=1, le=100_000, description="Most workers adapt starts")
+    ray_address: str | None = Field(
+        None, description="An existing Ray cluster (ray://head:10001 or auto); default a local instance"
+    )
     lease_ttl_s: float = Field(
         60.0,
         ge=1,

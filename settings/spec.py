@@ -35,18 +35,36 @@ class RunSpec(Settings):
     deadline_s: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="Stop cleanly after this many seconds; run again to resume"
     )
-    runner: Literal["local", "dask"] = Field("local", description="Where chunks run: this process or Dask")
+    runner: Literal["local", "dask", "ray"] = Field(
+        "local", description="Where chunks run: this process, or a Dask or Ray cluster's workers"
+    )
     dask_address: str | None = Field(None, description="Existing Dask scheduler; default a local cluster")
     dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
+    dask_cluster_class: str | None = Field(
+        None, description="A Dask cluster class that starts its own workers (dask_jobqueue.SLURMCluster)"
+    )
+    dask_cluster_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="JSON keyword arguments of --dask-cluster-class"
+    )
+    dask_adapt_min: int | None = Field(None, ge=0, le=100_000, description="Fewest workers adapt keeps")
+    dask_adapt_max: int | None = Field(None, ge=1, le=100_000, description="Most workers adapt starts")
+    ray_address: str | None = Field(
+        None, description="An existing Ray cluster (ray://head:10001 or auto); default a local instance"
+    )
 
     @model_validator(mode="after")
     def _runner_supports_parallelism(self) -> RunSpec:
-        if self.runner == "dask" and self.collection.parallelism == "adaptive":
+        if self.runner != "local" and self.collection.parallelism == "adaptive":
             raise ValueError(
-                "--parallelism adaptive is not supported with --runner dask: the adaptive controller "
-                "steers one process's limit, and Dask workers each hold a fixed share. Use --parallelism "
-                "auto (tuned once, then split across workers) or a number with --runner dask, or "
-                "--runner local with adaptive"
+                f"--parallelism adaptive is not supported with --runner {self.runner}: the adaptive "
+                "controller steers one process's limit, and the workers share a tuned one. Use "
+                f"--parallelism auto (tuned once, then shared by the workers) or a number with --runner "
+                f"{self.runner}, or --runner local with adaptive"
+            )
+        if self.dask_address and self.dask_cluster_class:
+            raise ValueError(
+                "--dask-address and --dask-cluster-class exclude each other: attach to a running "
+                "scheduler, or let the cluster class start one"
             )
         return self
 
@@ -67,6 +85,11 @@ class RunSpec(Settings):
             "runner": pipeline.runner,
             "dask_address": pipeline.dask_address,
             "dask_workers": pipeline.dask_workers,
+            "dask_cluster_class": pipeline.dask_cluster_class,
+            "dask_cluster_kwargs": pipeline.dask_cluster_kwargs,
+            "dask_adapt_min": pipeline.dask_adapt_min,
+            "dask_adapt_max": pipeline.dask_adapt_max,
+            "ray_address": pipeline.ray_address,
         }
 
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rollflow.flows.cli.values import parallelism_value
+from rollflow.flows.cli.values import json_object, parallelism_value
 from rollflow.settings import (
     BackendParams,
     CollectionSettings,
@@ -61,6 +61,11 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("runner", "", "runner"),
         ("dask-address", "", "dask_address"),
         ("dask-workers", "", "dask_workers"),
+        ("dask-cluster-class", "", "dask_cluster_class"),
+        ("dask-cluster-kwargs", "", "dask_cluster_kwargs"),
+        ("dask-adapt-min", "", "dask_adapt_min"),
+        ("dask-adapt-max", "", "dask_adapt_max"),
+        ("ray-address", "", "ray_address"),
         ("record-latency", "collection", "record_latency"),
         ("seed", "collection", "seed"),
     ),
@@ -84,7 +89,11 @@ TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
 
 
 # Fields whose CLI form is not their Python type: JSON text, or a number-or-word.
-SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {"overrides": str, "parallelism": parallelism_value}
+SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {
+    "overrides": str,
+    "parallelism": parallelism_value,
+    "dask_cluster_kwargs": json_object,
+}
 
 
 def _plain(annotation: Any) -> Any:

@@ -35,6 +35,7 @@ class ProgressBar:
             MofNCompleteColumn(),
             TextColumn("{task.fields[rate]} rollouts/s"),
             TextColumn("failed {task.fields[failed]}"),
+            TextColumn("{task.fields[workers]}"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -43,7 +44,7 @@ class ProgressBar:
             transient=False,
             disable=not enabled,
         )
-        self._task = self._progress.add_task("collect", total=None, rate="-", failed=0)
+        self._task = self._progress.add_task("collect", total=None, rate="-", failed=0, workers="")
         self._unsubscribe = lambda: None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, daemon=True)
@@ -65,6 +66,7 @@ class ProgressBar:
             completed=count.finished,
             rate=rate,
             failed=count.failed,
+            workers=f"{count.workers} workers" if count.workers else "",
         )
 
     def __enter__(self) -> ProgressBar:
@@ -120,9 +122,10 @@ class ProgressLines:
             self.shown = finished * self.steps // total if total else 0
             rate = count.done / elapsed if elapsed > 0 else 0.0
             eta = f", ETA {max(0, total - finished) / rate:,.0f} s" if rate > 0 and total else ""
+            workers = f", {count.workers} workers" if count.workers else ""
             self._say(
                 f"collect {finished:,}/{total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
-                f"failed {count.failed:,}, elapsed {elapsed:,.0f} s{eta}"
+                f"failed {count.failed:,}{workers}, elapsed {elapsed:,.0f} s{eta}"
             )
 
     def _tick(self) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 
 def parallelism_value(text: str) -> int | str:
@@ -12,3 +14,15 @@ def parallelism_value(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, auto or adaptive, not {text!r}") from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"cores\": 8}}': {exc}"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, not {type(value).__name__}")
+    return value

@@ -48,7 +48,8 @@ class ChunkOutcome:
     parts_left: str | None = None  # committed, but its parts could not be deleted (why)
     core_s: float = 0.0
     task_s: float = 0.0
-    endpoints: list[dict[str, Any]] = field(default_factory=list)  # set on Dask workers: pool.rows()
+    endpoints: list[dict[str, Any]] = field(default_factory=list)  # set on workers: their pool.rows()
+    worker: dict[str, Any] | None = None  # set on workers: the process's figures so far (collector.py)
 
     @property
     def adopted(self) -> int:

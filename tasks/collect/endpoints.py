@@ -22,6 +22,7 @@ BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 2.0  # trial interval cap: a returning replica is back within this plus one request
 STREAK_KINDS = ("connection", "timeout")
 OUT_AT_START = -1
+FOLLOWED_TRIAL_S = 4 * BACKOFF_MAX_S  # a trial of a replica another worker took out, if it never returns
 
 
 @dataclass(eq=False)
@@ -91,6 +92,7 @@ class EndpointPool:
         self.endpoints = [Endpoint(url, limits[url]) for url in urls]
         self.total = total
         self._by_url = {ep.url: ep for ep in self.endpoints}
+        self.share: int | None = None  # a worker process's part of the run's limit (None: all of it)
         self.started: float | None = None
         self.last: float | None = None
         self._begun = 0
@@ -176,6 +178,36 @@ class EndpointPool:
         self._by_url[url].limit = n
         self._sync_total()
 
+    def set_share(self, share: int, run_limits: dict[str, int]) -> None:
+        """A worker process's share of the run-wide limit, spread over the endpoints like the run's limits."""
+        self.share = share
+        for url, n in scale_limits(run_limits, share).items():
+            self._by_url[url].limit = n
+        self._sync_total()
+
+    def follow(self, url: str, state: str, at: float) -> None:
+        """Apply another worker's finding: `url` left rotation (or rejoined it) at epoch time `at`.
+
+        A replica taken out elsewhere gets no trial here for a while: the worker that took it out tries it.
+        """
+        ep = self._by_url.get(url)
+        if ep is None or (ep.events and ep.events[-1][1] >= at):
+            return
+        now = time.monotonic()
+        if state == "out" and ep.in_rotation:
+            self._eject(ep, now)
+            ep.backoff_s = BACKOFF_MAX_S
+            ep.retry_at = now + FOLLOWED_TRIAL_S
+        elif state == "in" and not ep.in_rotation:
+            self._rejoin(ep, now)
+
+    def rotation(self) -> dict[str, tuple[str, float]]:
+        """Each endpoint's newest rotation event ("out" or "in", epoch seconds), for other workers."""
+        return {ep.url: ep.events[-1] for ep in self.endpoints if ep.events}
+
+    def in_flight(self) -> int:
+        return sum(ep.outstanding for ep in self.endpoints)
+
     def limits(self) -> dict[str, int]:
         return {ep.url: ep.limit for ep in self.endpoints}
 
@@ -224,5 +256,7 @@ class EndpointPool:
         cap = max(1, sum(ep.limit for ep in self.endpoints))
         live = sum(ep.weight for ep in self.endpoints if ep.in_rotation)
         target = min(live, cap) if live else cap
+        if self.share is not None:
+            target = min(target, self.share)
         if self.total.limit != target:
             self.total.set_limit(target)

@@ -13,9 +13,11 @@ class ConcurrencyLimit:
     reports can show the bound held.
     """
 
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"parallelism must be at least 1, got {limit}")
+    def __init__(self, limit: int, minimum: int = 1) -> None:
+        """`minimum` 0 lets the limit close entirely: a worker process whose share of the run is 0."""
+        self.minimum = minimum
+        if limit < minimum:
+            raise ValueError(f"parallelism must be at least {minimum}, got {limit}")
         self._limit = limit
         self._in_use = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -54,8 +56,8 @@ class ConcurrencyLimit:
         self._wake()
 
     def set_limit(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"parallelism must be at least 1, got {limit}")
+        if limit < self.minimum:
+            raise ValueError(f"parallelism must be at least {self.minimum}, got {limit}")
         self._limit = limit
         self._wake()
 

@@ -13,7 +13,9 @@ Listener = Callable[["ProgressEvent"], None]
 
 @dataclass(slots=True)
 class ProgressEvent:
-    kind: str  # "plan", "attempt" (a chunk attempt starts with `done` adopted), "rollouts", "chunk"
+    # "plan", "attempt" (a chunk attempt starts with `done` adopted), "rollouts", "chunk",
+    # "workers" (Dask or Ray: `total` worker processes report to the run now)
+    kind: str
     total: int = 0
     done: int = 0
     failed: int = 0
@@ -32,12 +34,16 @@ class RolloutCount:
     total: int = 0
     done: int = 0
     failed: int = 0
+    workers: int = 0  # worker processes in use (remote runners; 0 when chunks run in this process)
     chunks: dict[int, list[int]] = field(default_factory=dict)  # running chunk -> [done, failed]
 
     def add(self, event: ProgressEvent) -> bool:
         """Apply one event; True when the count changed."""
         if event.kind == "plan":
             self.total = event.total
+            return True
+        if event.kind == "workers":
+            self.workers = event.total
             return True
         if event.chunk is None:
             return False

@@ -45,7 +45,7 @@ def endpoints_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def merge_rows(parts: list[list[dict[str, Any]]], limits: dict[str, int], seconds: float) -> list[dict]:
-    """Dask: each chunk's pool counted its own traffic; sum them, rate over the whole collection time."""
+    """Dask and Ray: each worker process's pool counts its own traffic; sum them; rate over the collection."""
     merged: dict[str, dict[str, Any]] = {
         url: {"url": url, "rollouts": 0, "errors": 0, "out_of_rotation_s": 0.0} for url in limits
     }
@@ -74,6 +74,12 @@ def endpoint_rows(
     peaks this process sampled."""
     if not remote:
         return pool.rows()
-    rows = merge_rows([o.endpoints for o in outcomes], pool.limits(), seconds)
+    newest: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+    for o in outcomes:  # each worker's pool counts all its chunks: its newest rows hold them all
+        worker = o.worker or {}
+        key, seq = worker.get("worker", id(o)), worker.get("seq", 0)
+        if key not in newest or newest[key][0] <= seq:
+            newest[key] = (seq, o.endpoints)
+    rows = merge_rows([rows for _, rows in newest.values()], pool.limits(), seconds)
     engines = {ep.url: ep.engine() for ep in pool.endpoints if ep.engine is not None}
     return [{**row, "engine": engines.get(row["url"])} for row in rows]

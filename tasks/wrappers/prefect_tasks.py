@@ -17,7 +17,8 @@ from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.storage.lease import Lease
-from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope, collect_chunk_on_worker
+from rollflow.tasks.wrappers.collector import ShareLink, WorkerCollector
+from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope
 from rollflow.tasks.wrappers.runtime import RunHandles
 
 
@@ -69,10 +70,15 @@ async def collect_chunk_remote_task(
     share: int | dict[str, int],
     scope: WorkerScope | None = None,
     resolve: SettingsResolver | None = None,
+    link: ShareLink | None = None,
 ) -> ChunkOutcome:
+    """On a worker: the process's collector runs the chunk; `link` reaches the run's share book."""
     attempt = task_run.run_count or 1
+    bound = link.bind() if link is not None and hasattr(link, "bind") else link
     try:
-        return await collect_chunk_on_worker(spec, chunk, share, attempt, scope, resolve)
+        return await WorkerCollector.get().collect(
+            spec, chunk, attempt, scope or WorkerScope(), resolve, bound, share
+        )
     except Exception as exc:
         raise redact.redacted_error(exc) from None
 

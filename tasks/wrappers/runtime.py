@@ -43,14 +43,25 @@ def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
 
 
 def collect_context(
-    handles: RunHandles, settings: RollflowSettings, parallelism: int | dict[str, int]
+    handles: RunHandles,
+    settings: RollflowSettings,
+    parallelism: int | dict[str, int],
+    shared: bool = False,
 ) -> CollectContext:
-    """`parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL."""
+    """`parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL.
+
+    `shared`: this process is one of several workers of the run; it starts with no share of the limit
+    and sends nothing until the run's share book gives it one.
+    """
     spec = handles.spec
     verifier = make_verifier(spec.verify) if spec.backend.kind.value != "agent" else None
     urls = spec.backend.urls
     limits = split_limit(parallelism, urls) if isinstance(parallelism, int) else parallelism
-    limit = ConcurrencyLimit(sum(limits[url] for url in urls))
+    limits = {url: limits[url] for url in urls}
+    limit = ConcurrencyLimit(0, minimum=0) if shared else ConcurrencyLimit(sum(limits.values()))
+    pool = EndpointPool(urls, limits, limit)
+    if shared:
+        pool.set_share(0, limits)
     return CollectContext(
         ledger=handles.ledger,
         input_url=spec.input,
@@ -59,7 +70,7 @@ def collect_context(
         collection=spec.collection,
         verifier=verifier,
         limit=limit,
-        pool=EndpointPool(urls, limits, limit),
+        pool=pool,
     )
 
 

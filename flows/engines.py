@@ -1,0 +1,125 @@
+"""The engines chunk tasks run on: Prefect's Dask and Ray task runners, and how each carries the share book.
+
+Dask: an existing scheduler (`--dask-address`), a cluster class that starts its own workers (dask-jobqueue's
+SLURMCluster, dask-kubernetes' KubeCluster; `--dask-cluster-class`, scaled by `--dask-adapt-min/max`), or
+a local cluster. Ray: a local instance or an existing cluster (`--ray-address`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rollflow.settings import RunSpec
+from rollflow.tasks.wrappers.runtime import default_chunks_in_flight
+from rollflow.tasks.wrappers.share_links import DaskChannel, DaskLink, RayChannel, RayLink
+
+RAY_MISSING = (
+    "--runner ray needs Ray and prefect-ray, which are not installed: pip install 'rollflow[ray]' "
+    "(on the machine that runs the flow and on every Ray node)"
+)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine asked for cannot be used here (not installed, or a cluster class that does not load)."""
+
+
+@dataclass
+class Engine:
+    """An entered Prefect task runner, the flow's side of the share book, and the link workers get."""
+
+    runner: Any
+    channel: DaskChannel | RayChannel
+    link: DaskLink | RayLink
+    done: Callable[[Any], bool]
+    cancel: Callable[[list[Any]], None]
+
+
+def cluster_class(path: str) -> type:
+    """`package.module.Class` (or `package.module:Class`) loaded, with an error that says what to fix."""
+    module, _, name = path.replace(":", ".").rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise EngineUnavailable(
+            f"--dask-cluster-class {path!r} cannot be loaded ({type(exc).__name__}: {exc}); give the "
+            "full path of an installed class, e.g. dask_jobqueue.SLURMCluster"
+        ) from None
+
+
+def dask_runner(spec: RunSpec, chunks: int) -> Any:
+    from prefect_dask import DaskTaskRunner
+
+    if spec.dask_address:
+        return DaskTaskRunner(address=spec.dask_address)
+    if spec.dask_cluster_class:
+        adapt = {"minimum": spec.dask_adapt_min, "maximum": spec.dask_adapt_max}
+        return DaskTaskRunner(
+            cluster_class=cluster_class(spec.dask_cluster_class),
+            cluster_kwargs=dict(spec.dask_cluster_kwargs),
+            adapt_kwargs={k: v for k, v in adapt.items() if v is not None} or None,
+        )
+    col = spec.collection
+    in_flight = col.chunks_in_flight or default_chunks_in_flight(
+        col.parallelism if isinstance(col.parallelism, int) else 1, col.chunk_size, col.num_repeats
+    )
+    threads = max(2, -(-min(in_flight, chunks) // spec.dask_workers))
+    return DaskTaskRunner(
+        cluster_kwargs={"n_workers": spec.dask_workers, "threads_per_worker": threads, "processes": True}
+    )
+
+
+def ray_runner(spec: RunSpec) -> Any:
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError:
+        raise EngineUnavailable(RAY_MISSING) from None
+    return RayTaskRunner(address=spec.ray_address, init_kwargs={"log_to_driver": False})
+
+
+@contextlib.contextmanager
+def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[Engine]:
+    """The engine for `spec.runner`, entered; its share book channel is closed on the way out."""
+    if spec.runner == "ray":
+        with ray_runner(spec) as runner:
+            name = f"rollflow-shares-{key}"
+            channel = RayChannel.start(name)
+            try:
+                yield Engine(runner, channel, RayLink(name), _ray_done, _ray_cancel)
+            finally:
+                with contextlib.suppress(Exception):
+                    channel.close()
+        return
+    with dask_runner(spec, chunks) as runner:
+        channel = DaskChannel(runner.client, key)
+        try:
+            yield Engine(runner, channel, DaskLink(key), _dask_done, _dask_cancel(runner))
+        finally:
+            with contextlib.suppress(Exception):
+                channel.close()
+
+
+def _dask_done(future: Any) -> bool:
+    return future.wrapped_future.done()
+
+
+def _dask_cancel(runner: Any) -> Callable[[list[Any]], None]:
+    return lambda futures: runner.client.cancel([f.wrapped_future for f in futures])
+
+
+def _ray_done(future: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([future.wrapped_future], timeout=0)
+    return bool(ready)
+
+
+def _ray_cancel(futures: list[Any]) -> None:
+    import ray
+
+    for future in futures:
+        with contextlib.suppress(Exception):
+            ray.cancel(future.wrapped_future)

@@ -1,0 +1,130 @@
+"""The run-wide limit across worker processes: shares of `--parallelism` moved to where the work is.
+
+Each worker process reports a few times a second what it still has to do and what it has in flight; the
+book answers with its share. A share taken from a worker stays counted as held until that worker reports
+it applied the smaller share and drained below it, so the workers' requests in flight never sum past the
+limit while shares move. No request waits on the book: a worker only applies the share it was given.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+LOST_S = 10.0  # a worker silent this long is gone: what it held is free again
+LEASE_S = 5.0  # a worker that cannot reach the book this long stops starting requests (LEASE_S < LOST_S)
+
+
+@dataclass
+class WorkerState:
+    """What the book knows of one worker: its last report and the shares issued since it applied one."""
+
+    demand: int = 0
+    in_use: int = 0
+    applied_seq: int = 0
+    applied: int = 0
+    seen: float = 0.0
+    reports: int = -1  # the worker's report counter: a report read twice is not a sign of life
+    issued: list[tuple[int, int]] = field(default_factory=list)  # (seq, share), oldest first
+    snapshot: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def share(self) -> int:
+        """The newest share issued (what the worker will apply next)."""
+        return self.issued[-1][1] if self.issued else self.applied
+
+    @property
+    def held(self) -> int:
+        """The most this worker can have in flight before its next report: its in-flight count, the share
+        it applied, and every share issued since (it may apply any of them before reporting again)."""
+        pending = [share for seq, share in self.issued if seq > self.applied_seq]
+        return max(self.in_use, self.applied, *pending)
+
+
+def water_fill(total: int, demands: dict[str, int], current: dict[str, int]) -> dict[str, int]:
+    """`total` split as evenly as the demands allow (no worker gets more than its demand).
+
+    Units that cannot split evenly go to the workers holding the most already, so shares do not flicker
+    between workers from one round to the next.
+    """
+    shares = dict.fromkeys(demands, 0)
+    left = total
+    active = sorted((w for w, d in demands.items() if d > 0), key=lambda w: (demands[w], w))
+    while active and left > 0:
+        each = left // len(active)
+        if each == 0:
+            by_holding = sorted(active, key=lambda w: (-current.get(w, 0), -demands[w], w))
+            for w in by_holding[:left]:
+                shares[w] += 1
+            break
+        unmet = []
+        for w in active:
+            give = min(each, demands[w] - shares[w])
+            shares[w] += give
+            left -= give
+            if shares[w] < demands[w]:
+                unmet.append(w)
+        active = unmet
+    return shares
+
+
+class ShareBook:
+    """The flow process's record of every worker's share of one limit; `allocate` is one round."""
+
+    def __init__(self, limit: int, lost_s: float = LOST_S) -> None:
+        self.limit = limit
+        self.lost_s = lost_s
+        self.workers: dict[str, WorkerState] = {}
+        self.gone: dict[str, WorkerState] = {}
+        self.peak_in_flight = 0  # the most the workers reported in flight at once
+        self.peak_held = 0  # the most the book allowed at once (never above the limit)
+        self._seq = 0
+
+    def update(self, worker: str, report: dict[str, Any], now: float | None = None) -> None:
+        state = self.workers.get(worker) or self.gone.pop(worker, None) or WorkerState()
+        self.workers[worker] = state
+        state.demand = int(report.get("demand", 0))
+        state.in_use = int(report.get("in_use", 0))
+        state.applied_seq = int(report.get("applied_seq", 0))
+        state.applied = int(report.get("applied", 0))
+        state.issued = [(seq, share) for seq, share in state.issued if seq > state.applied_seq]
+        if int(report.get("n", 0)) != state.reports:
+            state.reports = int(report.get("n", 0))
+            state.seen = time.monotonic() if now is None else now
+        state.snapshot = report.get("snapshot") or state.snapshot
+
+    def allocate(self, now: float | None = None) -> dict[str, tuple[int, int]]:
+        """Every worker's newest (seq, share): smaller shares at once, larger ones only from what is free."""
+        now = time.monotonic() if now is None else now
+        for worker in [w for w, s in self.workers.items() if now - s.seen > self.lost_s]:
+            self.gone[worker] = self.workers.pop(worker)
+        current = {w: s.share for w, s in self.workers.items()}
+        target = water_fill(self.limit, {w: s.demand for w, s in self.workers.items()}, current)
+        for worker, state in self.workers.items():
+            if target[worker] < state.share:
+                self._issue(state, target[worker])
+        free = self.limit - sum(s.held for s in self.workers.values())
+        for worker in sorted(self.workers, key=lambda w: (current[w] - target[w], w)):
+            state = self.workers[worker]
+            more = min(target[worker] - state.share, free)
+            if more > 0:
+                self._issue(state, state.share + more)
+                free -= more
+        self.peak_in_flight = max(self.peak_in_flight, sum(s.in_use for s in self.workers.values()))
+        self.peak_held = max(self.peak_held, sum(s.held for s in self.workers.values()))
+        return {
+            w: (s.issued[-1] if s.issued else (s.applied_seq, s.applied)) for w, s in self.workers.items()
+        }
+
+    def set_limit(self, limit: int) -> None:
+        """A new run-wide limit (replicas left or rejoined rotation); shares follow in the next rounds."""
+        self.limit = max(0, limit)
+
+    def snapshots(self) -> dict[str, dict[str, Any]]:
+        """Every worker's last figures, those that left included."""
+        return {w: s.snapshot for w, s in {**self.gone, **self.workers}.items() if s.snapshot}
+
+    def _issue(self, state: WorkerState, share: int) -> None:
+        self._seq += 1
+        state.issued.append((self._seq, share))

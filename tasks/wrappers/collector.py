@@ -1,0 +1,269 @@
+"""One collector per worker process (Dask or Ray): every chunk task of a run that lands in the process
+hands its work to it.
+
+Chunks of a run then share one event loop, HTTP session, endpoint pool (with its rotation state), S3
+filesystem and verifier, as in the local runner; several chunks can be in flight in one process, and a
+chunk's tail never idles the process's share. The share itself comes from the flow's share book
+(tasks/collect/shares.py) through a `ShareLink`, a few times a second, never once per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
+from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.collect.shares import LEASE_S
+from rollflow.tasks.collect.verify_pool import close_pools
+from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
+from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope
+from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a worker reports to the share book and applies its share
+IDLE_S = 30.0
+EXCHANGE_TIMEOUT_S = 2.0  # a run with no chunk in this process for this long is closed here
+
+
+class ShareLink(Protocol):
+    """The worker's side of the share book: send this worker's report, get the book's newest answer."""
+
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None: ...
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class RunSlot:
+    """One run's state in this process: what its chunks share, and what the share book hears of it."""
+
+    handles: RunHandles
+    ctx: CollectContext
+    run_limits: dict[str, int]
+    scope: WorkerScope
+    link: ShareLink | None
+    chunks: dict[int, list[int]] = field(default_factory=dict)  # running chunk -> [total, done, failed]
+    done: int = 0
+    failed: int = 0
+    chunks_done: int = 0
+    applied_seq: int = 0
+    reports: int = 0
+    last_ok: float = field(default_factory=time.monotonic)
+    last_active: float = field(default_factory=time.monotonic)
+    cpu0: float = field(default_factory=time.process_time)
+    sync: asyncio.Task[None] | None = None
+
+    def count(self, event: ProgressEvent) -> None:
+        counts = self.chunks.get(event.chunk) if event.chunk is not None else None
+        if counts is None:
+            return
+        if event.kind == "attempt":
+            self.done -= counts[1]
+            self.failed -= counts[2]
+            counts[1:] = [event.done, 0]
+            self.done += event.done
+        elif event.kind == "rollouts":
+            counts[1] += event.done
+            counts[2] += event.failed
+            self.done += event.done
+            self.failed += event.failed
+
+    def report(self, worker: str) -> dict[str, Any]:
+        self.reports += 1
+        pool, limit = self.ctx.pool, self.ctx.limit
+        return {
+            "n": self.reports,
+            "demand": sum(max(0, total - d - f) for total, d, f in self.chunks.values()),
+            "in_use": limit.in_use,
+            "applied_seq": self.applied_seq,
+            "applied": pool.share if pool.share is not None else limit.limit,
+            "rotation": {url: list(event) for url, event in pool.rotation().items()},
+            "chunks": {str(i): [d, f] for i, (_, d, f) in self.chunks.items()},
+            "snapshot": self.snapshot(worker),
+        }
+
+    def snapshot(self, worker: str) -> dict[str, Any]:
+        """This process's figures for the run so far (the report's per-worker rows)."""
+        return {
+            "worker": worker,
+            "seq": self.reports,
+            "rollouts": self.done,
+            "failed": self.failed,
+            "chunks": self.chunks_done,
+            "peak_in_flight": self.ctx.limit.peak,
+            "share": self.ctx.pool.share,
+            "cpu_s": round(time.process_time() - self.cpu0, 3),
+            "endpoints": self.ctx.pool.rows(),
+        }
+
+    def apply(self, worker: str, reply: dict[str, Any]) -> None:
+        seq, share = (reply.get("grants") or {}).get(worker, (0, 0))
+        if seq > self.applied_seq:
+            self.applied_seq = seq
+            self.ctx.pool.set_share(share, self.run_limits)
+        for url, (state, at) in (reply.get("rotation") or {}).items():
+            self.ctx.pool.follow(url, state, at)
+
+
+class WorkerCollector:
+    """The process-wide collector: a daemon thread runs its event loop; runs are keyed by output and owner."""
+
+    _instance: WorkerCollector | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.worker = worker_id()
+        self.loop = asyncio.new_event_loop()
+        self.slots: dict[str, RunSlot] = {}
+        self._opening: dict[str, asyncio.Future[RunSlot]] = {}
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollflow-collector", daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._subscribe(), self.loop).result()
+
+    @classmethod
+    def get(cls) -> WorkerCollector:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+                atexit.register(cls._instance.close)
+            return cls._instance
+
+    async def collect(
+        self,
+        spec: RunSpec,
+        chunk: ChunkSpec,
+        attempt: int,
+        scope: WorkerScope,
+        resolve: SettingsResolver | None,
+        link: ShareLink | None,
+        share: int | dict[str, int],
+    ) -> ChunkOutcome:
+        """Run the chunk on the collector's loop; awaited from the chunk task's own loop."""
+        work = self._collect(spec, chunk, attempt, scope, resolve, link, share)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))
+
+    async def _collect(
+        self,
+        spec: RunSpec,
+        chunk: ChunkSpec,
+        attempt: int,
+        scope: WorkerScope,
+        resolve: SettingsResolver | None,
+        link: ShareLink | None,
+        share: int | dict[str, int],
+    ) -> ChunkOutcome:
+        slot = await self._slot(spec, scope, resolve, link, share)
+        slot.chunks[chunk.index] = [chunk.good_rows * spec.collection.num_repeats, 0, 0]
+        left = None if scope.stop_at is None else max(0.0, scope.stop_at - time.time())
+        try:
+            async with asyncio.timeout(left):
+                work = collect_chunk(slot.ctx, chunk, attempt)
+                if scope.owner is None:
+                    outcome = await work
+                else:
+                    watcher = follow(slot.handles.store, scope.owner, scope.check_s)
+                    outcome = await run_guarded(work, watcher)
+            slot.chunks_done += 1
+            outcome.worker = slot.snapshot(self.worker)
+            outcome.endpoints = outcome.worker["endpoints"]
+            return outcome
+        finally:
+            slot.chunks.pop(chunk.index, None)
+            slot.last_active = time.monotonic()
+
+    async def _slot(
+        self,
+        spec: RunSpec,
+        scope: WorkerScope,
+        resolve: SettingsResolver | None,
+        link: ShareLink | None,
+        share: int | dict[str, int],
+    ) -> RunSlot:
+        """The run's slot, opened once however many chunks of it start at the same time."""
+        key = f"{spec.output}|{scope.owner}"
+        if key in self.slots:
+            return self.slots[key]
+        if key not in self._opening:
+            self._opening[key] = asyncio.ensure_future(self._open(spec, scope, resolve, link, share))
+        try:
+            slot = await asyncio.shield(self._opening[key])
+        finally:
+            if self._opening.get(key) is not None and self._opening[key].done():
+                self._opening.pop(key, None)
+        self.slots[key] = slot
+        if link is not None and slot.sync is None:
+            slot.sync = asyncio.create_task(self._keep_share(key, slot))
+        return slot
+
+    async def _open(
+        self,
+        spec: RunSpec,
+        scope: WorkerScope,
+        resolve: SettingsResolver | None,
+        link: ShareLink | None,
+        share: int | dict[str, int],
+    ) -> RunSlot:
+        settings = RollflowSettings()
+        if resolve is not None:
+            settings = await resolve(settings)
+        handles = open_run(spec, settings)
+        if scope.owner is not None:
+            handles.ledger.fence = owner_fence(handles.store, scope.owner)
+        run_limits = share if isinstance(share, dict) else None
+        ctx = collect_context(handles, settings, share, shared=link is not None)
+        return RunSlot(handles, ctx, run_limits or ctx.pool.limits(), scope, link)
+
+    async def _keep_share(self, key: str, slot: RunSlot) -> None:
+        """Report and apply the share until the run has had no chunk here for IDLE_S (or its deadline)."""
+        assert slot.link is not None
+        warned = False
+        while True:
+            try:
+                exchange = asyncio.to_thread(slot.link.exchange, self.worker, slot.report(self.worker))
+                reply = await asyncio.wait_for(exchange, EXCHANGE_TIMEOUT_S)
+                slot.last_ok = time.monotonic()
+                if reply:
+                    slot.apply(self.worker, reply)
+            except Exception as exc:
+                if not warned:
+                    log.warning("cannot reach the run's share book: %s: %s", type(exc).__name__, exc)
+                    warned = True
+            now = time.monotonic()
+            if now - slot.last_ok > LEASE_S and slot.ctx.pool.share:
+                slot.ctx.pool.set_share(0, slot.run_limits)  # the book will count this worker as gone
+            past_deadline = slot.scope.stop_at is not None and time.time() > slot.scope.stop_at
+            if not slot.chunks and (now - slot.last_active > IDLE_S or past_deadline):
+                self.slots.pop(key, None)
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _subscribe(self) -> None:
+        hub.subscribe(self._count)
+
+    def _count(self, event: ProgressEvent) -> None:
+        for slot in self.slots.values():
+            slot.count(event)
+
+    def close(self) -> None:
+        """At process exit: close the loop's HTTP session and this process's verifier processes."""
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close_loop_session(), self.loop).result(timeout=5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        close_pools()

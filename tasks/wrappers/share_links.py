@@ -1,0 +1,120 @@
+"""How worker processes reach the run's share book, through the engine's own primitives.
+
+Dask: the scheduler's metadata store, which every worker and the flow's client already talk to. Ray: a
+small named actor the flow starts. Either way the flow process runs the book (tasks/collect/shares.py);
+the engine only carries reports up and the book's answer down, a few times a second per worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "rollflow-shares"
+EXCHANGE_TIMEOUT_S = 5.0
+RAY_NAMESPACE = "rollflow"
+
+
+@dataclass
+class DaskLink:
+    """A worker's link through the scheduler; `bind` in the task's thread, where the worker's client is."""
+
+    key: str
+    client: Any = field(default=None, repr=False, compare=False)
+
+    def bind(self) -> DaskLink:
+        from distributed import get_client
+
+        return DaskLink(self.key, get_client())
+
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+        self.client.set_metadata([PREFIX, self.key, "reports", worker], report)
+        return self.client.get_metadata([PREFIX, self.key, "board"], None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"key": self.key, "client": None}
+
+
+@dataclass
+class DaskChannel:
+    """The flow's side on Dask: read every worker's report, publish the book's answer."""
+
+    client: Any
+    key: str
+
+    def reports(self) -> dict[str, dict[str, Any]]:
+        return self.client.get_metadata([PREFIX, self.key, "reports"], {}) or {}
+
+    def publish(self, board: dict[str, Any]) -> None:
+        self.client.set_metadata([PREFIX, self.key, "board"], board)
+
+    def close(self) -> None:
+        self.client.set_metadata([PREFIX, self.key], {})
+
+
+class ShareBoard:
+    """The Ray actor's body: the newest report of each worker and the book's newest answer."""
+
+    def __init__(self) -> None:
+        self._reports: dict[str, dict[str, Any]] = {}
+        self._board: dict[str, Any] | None = None
+
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+        self._reports[worker] = report
+        return self._board
+
+    def reports(self) -> dict[str, dict[str, Any]]:
+        return dict(self._reports)
+
+    def publish(self, board: dict[str, Any]) -> None:
+        self._board = board
+
+
+@dataclass
+class RayLink:
+    """A worker's link to the run's named ShareBoard actor."""
+
+    name: str
+    actor: Any = field(default=None, repr=False, compare=False)
+
+    def bind(self) -> RayLink:
+        return self
+
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+        import ray
+
+        if self.actor is None:
+            self.actor = ray.get_actor(self.name, namespace=RAY_NAMESPACE)
+        return ray.get(self.actor.exchange.remote(worker, report), timeout=EXCHANGE_TIMEOUT_S)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "actor": None}
+
+
+@dataclass
+class RayChannel:
+    """The flow's side on Ray: the run's ShareBoard actor, started on the flow's node and ended with it."""
+
+    actor: Any
+
+    @classmethod
+    def start(cls, name: str) -> RayChannel:
+        import ray
+
+        board = ray.remote(num_cpus=0)(ShareBoard)
+        return cls(board.options(name=name, namespace=RAY_NAMESPACE, max_concurrency=1).remote())
+
+    def reports(self) -> dict[str, dict[str, Any]]:
+        import ray
+
+        return ray.get(self.actor.reports.remote(), timeout=EXCHANGE_TIMEOUT_S)
+
+    def publish(self, board: dict[str, Any]) -> None:
+        import ray
+
+        ray.get(self.actor.publish.remote(board), timeout=EXCHANGE_TIMEOUT_S)
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
