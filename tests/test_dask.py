@@ -1,12 +1,19 @@
-"""A local Dask cluster of 2 worker processes: the same bytes as one process, even if a worker dies."""
+"""Dask: a scheduler and worker processes as on other hosts, and a local cluster of worker processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
+import urllib.request
 from pathlib import Path
 
 from cli_runs import ROWS, run_args, spawn, wait_until
+from fixtures_dask import reset_stats, sim_stats
+
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.collect.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 
 
 def children(pid: int) -> list[int]:
@@ -34,23 +41,92 @@ def dask_workers(pid: int) -> list[int]:
     return workers
 
 
-def test_dask_cluster_same_bytes_and_survives_a_dead_worker(
-    run_cli, cli_env, slow_sim, rows_input, reference, tmp_path
+def _report(fs, url: str) -> dict:
+    with fs.open(f"{url}/report.json", "rb") as f:
+        return json.loads(f.read())
+
+
+def test_dask_workers_publish_the_local_bytes_within_the_limit_when_one_is_killed(
+    cli_env, dask_cluster, moto_s3, slow_sim, rows_input, reference
 ):
-    out = tmp_path / "out"
-    args = [*run_args(rows_input, str(out), slow_sim), "--runner", "dask", "--dask-workers", "2",
-            "--chunk-size", "150"]  # fmt: skip
-    proc = spawn(args, cli_env)
-    wait_until(
-        lambda: len(dask_workers(proc.pid)) >= 2 and len(list(out.glob("chunks/*.json"))) >= 1,
-        proc,
-        timeout_s=120,
-    )
-    victim = dask_workers(proc.pid)[0]
-    os.kill(victim, signal.SIGKILL)
+    """A scheduler and worker processes as on other hosts, S3 output: the same bytes as one process, every
+    rollout once after a worker is SIGKILLed mid-run, and never more than --parallelism at the backend."""
+    url = f"s3://{moto_s3.new_bucket()}/out"
+    reset_stats(slow_sim)
+    victim = dask_cluster.add_worker()
+    dask_cluster.wait_for_workers(3)
+    args = [*run_args(rows_input, url, slow_sim), "--runner", "dask", "--dask-address", dask_cluster.address]
+    proc = spawn(args, {**cli_env, **moto_s3.env})
+    fs = moto_s3.fs()
+    wait_until(lambda: len(fs.glob(f"{url}/chunks/*.json", refresh=True)) >= 3, proc, timeout_s=120)
+    os.killpg(victim.pid, signal.SIGKILL)
     assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
-    assert (out / "rollouts.jsonl").read_bytes() == reference
-    assert len(list((out / "chunks").glob("*.json"))) == -(-ROWS // 150)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{url}/rollouts.jsonl") == reference
+    assert len(fs.glob(f"{url}/chunks/*.json", refresh=True)) == -(-ROWS // 40)
+    assert sim_stats(slow_sim)["max_in_flight_seen"] <= 16
+    report = _report(fs, url)
+    assert report["metrics"]["peak_in_flight"] <= 16 and report["peak_in_flight_allowed"] <= 16
+    assert len([w for w in report["workers"] if w["rollouts"]]) >= 2
+
+
+def test_a_limit_below_the_worker_threads_holds_when_a_worker_joins_mid_run(
+    cli_env, dask_cluster, moto_s3, slow_sim, rows_input, tmp_path
+):
+    """--parallelism 3 over 2 workers x 2 threads, then a third worker joins: it gets chunks and a share,
+    and the backend never sees a fourth request."""
+    out = tmp_path / "out"
+    reset_stats(slow_sim)
+    args = [*run_args(rows_input, str(out), slow_sim), "--runner", "dask", "--dask-address",
+            dask_cluster.address, "--parallelism", "3"]  # fmt: skip
+    proc = spawn(args, {**cli_env, **moto_s3.env})
+    wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 1, proc, timeout_s=120)
+    joined = dask_cluster.add_worker()
+    try:
+        assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
+    finally:
+        joined.send_signal(signal.SIGTERM)
+    assert sim_stats(slow_sim)["max_in_flight_seen"] <= 3
+    report = json.loads((out / "report.json").read_text())
+    busy = [w for w in report["workers"] if w["rollouts"]]
+    assert len(busy) == 3, report["workers"]
+    assert sum(w["rollouts"] for w in report["workers"]) == 2 * ROWS
+    assert report["metrics"]["peak_in_flight"] <= 3
+
+
+def test_a_hung_replica_is_found_once_for_every_worker(cli_env, dask_cluster, moto_s3, rows_input, tmp_path):
+    """One replica starts hanging mid-run: after the first worker takes it out, no worker's new chunk
+    sends it work again; it gets only the trials that check whether it is back."""
+    good, hung = (
+        spawn_simulator("--latency-ms", "20", "--slots", "8"),
+        spawn_simulator("--latency-ms", "20", "--hang-s", "30"),
+    )
+    out = tmp_path / "out"
+    try:
+        args = [*run_args(rows_input, str(out), good), "--backend-url", f"{good.url},{hung.url}",
+                "--runner", "dask", "--dask-address", dask_cluster.address, "--timeout-s", "1",
+                "--parallelism", "16", "--chunk-size", "20"]  # fmt: skip
+        proc = spawn(args, {**cli_env, **moto_s3.env})
+        wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 2, proc, timeout_s=120)
+        hang = json.dumps({"fault_rate": 1.0, "fault_kinds": ["hang"]}).encode()
+        request = urllib.request.Request(f"{hung.url}/admin/config", data=hang, method="POST")
+        urllib.request.urlopen(request, timeout=10)
+        time.sleep(2 * 1.0 + 1.0)  # a request timeout to find it, one more for requests already sent
+        seen, t_seen = sim_stats(hung)["requests"], time.monotonic()
+        assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
+        rest_s = time.monotonic() - t_seen
+        later = sim_stats(hung)["requests"] - seen
+    finally:
+        good.stop()
+        hung.stop()
+    chunks_after = len(list(out.glob("chunks/*.json")))
+    # Trials only: the worker that took it out tries it every BACKOFF_MAX_S, the others every
+    # FOLLOWED_TRIAL_S (one request each). Finding it anew per chunk would cost STREAK_OUT per chunk.
+    trials = 3 * (1 + rest_s / BACKOFF_MAX_S + rest_s / FOLLOWED_TRIAL_S)
+    assert later <= trials, f"{later} requests to the hung replica in {rest_s:.1f} s ({chunks_after} chunks)"
+    report = json.loads((out / "report.json").read_text())
+    rows = {row["url"]: row for row in report["endpoints"]}
+    assert rows[hung.url]["out_of_rotation_s"] > 0 and report["audit_ok"]
 
 
 def _verifier_processes(pid: int) -> list[int]:

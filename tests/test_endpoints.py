@@ -7,8 +7,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from rollflow.flows.dask_runner import endpoint_shares
-from rollflow.settings import BackendParams, BackendSettings, RunSpec
+from rollflow.settings import BackendParams, BackendSettings
 from rollflow.tasks.collect import endpoints as ep_module
 from rollflow.tasks.collect.endpoints import EndpointPool, scale_limits, split_limit
 from rollflow.tasks.collect.limiter import ConcurrencyLimit
@@ -163,19 +162,25 @@ def test_per_endpoint_observers_and_rows():
     assert rows[B]["rollouts_per_s"] is not None and rows[B]["rollouts_per_s"] > 0
 
 
-def test_dask_workers_take_their_share_of_each_endpoint():
-    spec = RunSpec(input="in.jsonl", output="out", backend={"url": f"{A},{B}"})
-    assert endpoint_shares(spec, {A: 32, B: 8}, 4) == {A: 8, B: 2}
-    assert endpoint_shares(spec, 17, 2) == {A: 4, B: 4}
-    assert endpoint_shares(spec, 2, 8) == {A: 1, B: 0}  # a chunk's one slot, not one per endpoint
-
-
-def test_dask_shares_sum_to_the_chunks_share_of_the_total():
-    """Per-endpoint flooring at 1 made each chunk hold one slot per endpoint, above its share."""
-    spec = RunSpec(input="in.jsonl", output="out", backend={"url": f"{A},{B},{C}"})
-    assert endpoint_shares(spec, 2, 1) == {A: 1, B: 1, C: 0}
-    assert sum(endpoint_shares(spec, {A: 1, B: 1, C: 1}, 2).values()) == 1
+def test_a_worker_share_spreads_over_the_endpoints_and_can_be_zero():
+    limit = ConcurrencyLimit(0, minimum=0)
+    pool = EndpointPool([A, B], {A: 32, B: 8}, limit)
+    pool.set_share(10, {A: 32, B: 8})
+    assert pool.limits() == {A: 8, B: 2} and limit.limit == 10
+    pool.set_share(0, {A: 32, B: 8})
+    assert limit.limit == 0  # a worker with no share sends nothing
     assert scale_limits({A: 8, B: 16, C: 32}, 7) == {A: 1, B: 2, C: 4}
+
+
+def test_a_replica_another_worker_took_out_leaves_this_pool_without_a_trial_soon():
+    pool = EndpointPool([A, B], {A: 4, B: 4}, ConcurrencyLimit(8))
+    pool.follow(B, "out", time.time())
+    assert not pool.endpoint(B).in_rotation and pool.total.limit == 4
+    assert all(pool.choose() is pool.endpoint(A) for _ in range(20))
+    pool.follow(B, "in", time.time() + 1)
+    assert pool.endpoint(B).in_rotation and pool.total.limit == 8
+    pool.follow(B, "out", time.time() - 60)  # older than what this pool saw last: ignored
+    assert pool.endpoint(B).in_rotation
 
 
 def test_dask_rows_are_summed_over_the_workers_pools():
