@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rollflow.infra.local import Service, free_port
 
 BIN = Path(sys.executable).parent
