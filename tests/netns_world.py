@@ -120,21 +120,24 @@ class World:
         self.base_env: dict[str, str] = {}
         self.timings: dict[str, float] = {}
         self.ray_port = 0
+        self.s3_env: dict[str, str] = {}
 
     # start-up
 
     def start(self) -> dict[str, Any]:
-        """Prefect and moto start in threads while the Ray nodes start one after the other."""
+        """moto first (the Ray nodes get its keys, as a worker host has its own), then Prefect in a thread
+        while the Ray nodes start one after the other."""
         t0 = time.monotonic()
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=10)
-        with ThreadPoolExecutor(3) as pool:
+        s3 = self._timed("s3_s", self._start_moto)
+        self.s3_env = dict(s3.env)
+        with ThreadPoolExecutor(2) as pool:
             futures = {
                 "prefect": pool.submit(self._timed, "prefect_s", self._start_prefect),
-                "s3": pool.submit(self._timed, "s3_s", self._start_moto),
                 "ray": pool.submit(self._timed, "ray_s", self._start_ray),
             }
             services = {name: fut.result() for name, fut in futures.items()}  # the first error propagates
-        prefect, s3 = services["prefect"], services["s3"]
+        prefect = services["prefect"]
         self.base_env = {
             **prefect.env,
             **s3.env,
@@ -168,8 +171,10 @@ class World:
         return s3
 
     def _ray_env(self, node: str) -> dict[str, str]:
-        """A node's env, as on a machine of its own: no Prefect API URL (the task context carries it)."""
+        """A node's env, as on a machine of its own: its S3 keys, no Prefect API URL (the task context
+        carries it)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "ROLLFLOW_", "RAY_"))}
+        env.update(self.s3_env)
         home = self.root / f"home-{node}"
         home.mkdir(exist_ok=True)
         env.update(

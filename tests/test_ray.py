@@ -1,0 +1,91 @@
+"""`--runner ray` on a two-node Ray cluster inside a network namespace with only loopback (fixtures_netns):
+the local runner's bytes on S3, every rollout once after a worker process is SIGKILLed, the backend never
+above --parallelism (below the worker count, with a node joining mid-run), and nothing off 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from cli_runs import ROWS, run_args
+from fixtures_netns import RayWorld
+
+ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
+STATS = (
+    "import json, sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/stats').read().decode())"
+)
+S3_SHA = (
+    "import hashlib, sys, s3fs; print(hashlib.sha256(s3fs.S3FileSystem().cat_file(sys.argv[1])).hexdigest())"
+)
+S3_COUNT = "import sys, s3fs; print(len(s3fs.S3FileSystem().glob(sys.argv[1] + '/chunks/*.json')))"
+
+
+def _stats(world: RayWorld, url: str) -> dict:
+    return json.loads(world.run([sys.executable, "-c", STATS, url], timeout=30).check().stdout)
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def _ray_run(world: RayWorld, rows: Path, out: str, sim: str, *extra: str) -> int:
+    args = [ROLLFLOW, *run_args(rows, out, SimpleNamespace(url=sim)), "--runner", "ray",
+            "--ray-address", world.ray_address, *extra]  # fmt: skip
+    return world.spawn(args, env=world.env())
+
+
+def test_ray_publishes_the_local_bytes_on_s3_when_a_worker_process_is_killed(
+    ray_world: RayWorld, rows_input: Path, reference: bytes
+) -> None:
+    sim = ray_world.simulate(["--latency-ms", "20", "--slots", "16"])
+    url = f"{ray_world.bucket(f'rf-{secrets.token_hex(4)}')}/out"
+    run = _ray_run(ray_world, rows_input, url, sim)
+    _wait_for(lambda: ray_world.pids("ray::collect-chunk"), "no chunk started on a Ray worker")
+    _wait_for(lambda: _stats(ray_world, sim)["completed"] >= 600, "the run made no progress")
+    victim = ray_world.pids("ray::collect-chunk")[0]
+    assert ray_world.kill(pid=victim, signal=9)
+    result = ray_world.wait(run, timeout=300)
+    assert result.rc == 0, result.stderr[-3000:]
+    data = ray_world.run([sys.executable, "-c", S3_SHA, f"{url}/rollouts.jsonl"], timeout=60).check()
+    assert data.stdout.strip() == hashlib.sha256(reference).hexdigest()
+    count = ray_world.run([sys.executable, "-c", S3_COUNT, url], timeout=60).check()
+    assert int(count.stdout) == -(-ROWS // 40)
+    assert _stats(ray_world, sim)["max_in_flight_seen"] <= 16
+    sockets = ray_world.sockets()
+    assert sockets["non_loopback"] == [], sockets["non_loopback"]
+
+
+def test_ray_limit_below_the_workers_holds_when_a_node_joins_mid_run(
+    ray_world: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    """--parallelism 1 over two nodes, then a third node joins: it gets chunks, the backend never sees a
+    second request at once, and the report counts every worker's rollouts."""
+    sim = ray_world.simulate(["--latency-ms", "10", "--slots", "4"])
+    out = tmp_path / "out"
+    run = _ray_run(ray_world, rows_input, str(out), sim, "--parallelism", "1", "--limit", "600",
+                   "--chunk-size", "20")  # fmt: skip
+    _wait_for(lambda: len(list(out.glob("chunks/*.json"))) >= 1, "no chunk committed")
+    node = [str(Path(sys.executable).with_name("ray")), "start", f"--address={ray_world.ray_address}",
+            "--num-cpus=1", "--object-store-memory=134217728", "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats", "--block"]  # fmt: skip
+    joined = ray_world.spawn(node, env=ray_world.env())
+    try:
+        result = ray_world.wait(run, timeout=300)
+    finally:
+        ray_world.kill(id=joined, signal=9)
+    assert result.rc == 0, result.stderr[-3000:]
+    assert _stats(ray_world, sim)["max_in_flight_seen"] == 1
+    report = json.loads((out / "report.json").read_text())
+    assert sum(w["rollouts"] for w in report["workers"]) == 1200
+    assert len([w for w in report["workers"] if w["rollouts"]]) == 3, report["workers"]
+    assert report["metrics"]["peak_in_flight"] == 1
