@@ -50,6 +50,18 @@ def cluster_class(path: str) -> type:
         ) from None
 
 
+def engine_problem(spec: RunSpec) -> str | None:
+    """Why `spec`'s runner cannot start here (checked before a run begins), or None."""
+    try:
+        if spec.runner == "ray":
+            ray_runner(spec)
+        elif spec.runner == "dask" and spec.dask_cluster_class:
+            cluster_class(spec.dask_cluster_class)
+    except EngineUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def dask_runner(spec: RunSpec, chunks: int) -> Any:
     from prefect_dask import DaskTaskRunner
 

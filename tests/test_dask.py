@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from cli_runs import ROWS, run_args, spawn, wait_until
-from fixtures_dask import reset_stats, sim_stats
+from fixtures_dask import PRELOAD, reset_stats, sim_stats
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.collect.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
@@ -162,3 +162,31 @@ def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
     assert all(len(pids) == 1 for pids in seen.values()), f"verifier processes per Dask worker: {seen}"
     rows = [line for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
     assert len(rows) == 2 * 600 and all(b'"reward":' in row for row in rows)
+
+
+def test_a_cluster_class_starts_its_own_workers_scaled_by_adapt(
+    run_cli, slow_sim, rows_input, reference, tmp_path
+):
+    """dask-jobqueue's own machinery (its LocalCluster starts the "jobs" as local processes), scaled by
+    adapt between 1 and 2 workers: the run publishes the local runner's bytes."""
+    out = tmp_path / "out"
+    kwargs = {"cores": 2, "processes": 1, "memory": "2GB", "interface": "lo",
+              "worker_extra_args": ["--preload", PRELOAD]}  # fmt: skip
+    args = [*run_args(rows_input, str(out), slow_sim), "--runner", "dask",
+            "--dask-cluster-class", "dask_jobqueue.local.LocalCluster",
+            "--dask-cluster-kwargs", json.dumps(kwargs),
+            "--dask-adapt-min", "1", "--dask-adapt-max", "2"]  # fmt: skip
+    res = run_cli(*args, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    workers = json.loads((out / "report.json").read_text())["workers"]
+    assert 1 <= len(workers) <= 2 and sum(w["rollouts"] for w in workers) == 2 * ROWS
+
+
+def test_a_cluster_class_that_does_not_load_is_a_usage_error(run_cli, slow_sim, rows_input, tmp_path):
+    args = [*run_args(rows_input, str(tmp_path / "out"), slow_sim), "--runner", "dask",
+            "--dask-cluster-class", "dask_jobqueue.NoSuchCluster"]  # fmt: skip
+    res = run_cli(*args)
+    assert res.returncode == 2
+    assert "--dask-cluster-class 'dask_jobqueue.NoSuchCluster' cannot be loaded" in res.stderr
+    assert not (tmp_path / "out").exists()

@@ -89,3 +89,15 @@ def test_ray_limit_below_the_workers_holds_when_a_node_joins_mid_run(
     assert sum(w["rollouts"] for w in report["workers"]) == 1200
     assert len([w for w in report["workers"] if w["rollouts"]]) == 3, report["workers"]
     assert report["metrics"]["peak_in_flight"] == 1
+
+
+def test_ray_without_the_extra_says_how_to_install_it(run_cli, fast_sim, rows_input, tmp_path) -> None:
+    """Where prefect-ray is not installed (a package that fails to import stands in for it here)."""
+    shadow = tmp_path / "shadow" / "prefect_ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'prefect_ray'\")\n")
+    args = [*run_args(rows_input, str(tmp_path / "out"), fast_sim), "--runner", "ray"]
+    res = run_cli(*args, env={"PYTHONPATH": str(shadow.parent)})
+    assert res.returncode == 2, res.stderr
+    assert "pip install 'rollflow[ray]'" in res.stderr
+    assert not (tmp_path / "out").exists()

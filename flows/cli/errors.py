@@ -140,9 +140,19 @@ def quiet_prefect(verbose: bool) -> None:
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "ERROR")
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        quiet_dask()
         # A run that ends unpublished is reported below in one paragraph, not as a flow traceback.
         os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")
+
+
+def quiet_dask() -> None:
+    """Dask's INFO logs off in this process only: a variable would reach the workers a cluster class
+    starts, and dask-jobqueue waits for a worker's INFO line "Registered to:" to know it started."""
+    if "DASK_LOGGING__DISTRIBUTED" in os.environ:
+        return
+    import dask
+
+    dask.config.set({"logging.distributed": "warning"})
 
 
 def _unparsable_json_settings() -> list[str]:

@@ -162,6 +162,11 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
     spec = build_spec(args, extra, defaults)
+    if spec.runner != "local":
+        from rollflow.flows.engines import engine_problem
+
+        if problem := engine_problem(spec):
+            raise UsageError(problem)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import choose_api
     from rollflow.flows.cli.start import settle
