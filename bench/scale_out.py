@@ -1,0 +1,274 @@
+"""Many worker processes on one backend: the local runner, Dask with 2 workers and Ray with 2 workers.
+
+The backend is the simulator at 32 slots x 50 ms (640 rollouts/s at most); 12,000 rollouts at
+--parallelism 32, one run each, in this order. Everything runs inside a network namespace of its own with
+only a loopback interface (the script re-executes itself under `unshare -rn --pid --fork --mount-proc`):
+outside one, Ray's processes talk over the machine's own address. Dask is a `dask scheduler` with two
+`dask worker` processes (2 threads each, `--preload rollflow.tasks.wrappers.preload`); Ray is a head node
+and a second node started with `ray start --address`, one CPU each (one chunk per worker process at a time).
+
+Figures per row: the collect stage's rate (report.json `collect_rollouts_per_s`, which includes the
+engine's task start-up) as a share of 640/s, and CPU ms per rollout: the `rollflow run` command (from
+RUSAGE_CHILDREN) plus every worker process (CPU-time deltas of the worker process trees, read with psutil),
+shown separately from the engine's own daemons (Dask's scheduler; Ray's raylet, GCS and agents). The
+simulator and the Prefect server are not counted. Last, the zero-latency client ceiling of one worker
+process: rollouts per CPU-second of each Dask worker against a zero-latency simulator (24,000 rollouts,
+--parallelism 64), which is what one worker process can push on one core of this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from harness import spawn_prefect_server, spawn_simulator, write_input
+
+from rollflow.infra.local import free_port
+
+ROLLOUTS, PARALLELISM, SLOTS, LATENCY_MS = 12_000, 32, 32, 50.0
+CAPACITY = SLOTS / (LATENCY_MS / 1000)
+BIN = Path(sys.executable).parent
+ROLLFLOW = str(BIN / "rollflow")
+PRELOAD = "rollflow.tasks.wrappers.preload"
+INSIDE = "ROLLFLOW_BENCH_NETNS"
+
+
+@dataclass
+class Row:
+    name: str
+    rollouts: int
+    collect_s: float
+    rate: float
+    cli_cpu_s: float
+    worker_cpu_s: float
+    daemon_cpu_s: float
+
+    @property
+    def cpu_per_rollout(self) -> float:
+        return (self.cli_cpu_s + self.worker_cpu_s) / self.rollouts
+
+    def line(self) -> str:
+        ms = 1000 * (self.cli_cpu_s + self.worker_cpu_s) / self.rollouts
+        daemons = 1000 * self.daemon_cpu_s / self.rollouts
+        split = (
+            f"{1000 * self.cli_cpu_s / self.rollouts:.2f} + {1000 * self.worker_cpu_s / self.rollouts:.2f}"
+        )
+        return (
+            f"| {self.name} | {self.rollouts:,} | {self.collect_s:.1f} | {self.rate:,.0f} | "
+            f"{self.rate / CAPACITY:.2f} | {ms:.2f} ({split}) | {daemons:.2f} |"
+        )
+
+
+def tree_cpu(roots: list[psutil.Process], workers: bool) -> float:
+    """CPU seconds of the processes under `roots`: worker processes, or (workers=False) everything else."""
+    total = 0.0
+    for root in roots:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            try:
+                if is_worker(proc) == workers:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+    return total
+
+
+def is_worker(proc: psutil.Process) -> bool:
+    """A Dask worker (its nanny and the worker process it spawns) or a Ray worker process (`ray::...`)."""
+    cmd = " ".join(proc.cmdline())
+    return "dask worker" in cmd or "multiprocessing.spawn" in cmd or cmd.startswith("ray::")
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_line(log: Path, text: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{log}: no {text!r} within {timeout_s:.0f} s")
+
+
+def dask_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Process], list[psutil.Process]]:
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    scheduler = start(
+        [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+        env,
+        logs / "scheduler.log",
+    )
+    workers = [
+        start(
+            [
+                str(BIN / "dask"),
+                "worker",
+                address,
+                "--nthreads",
+                "2",
+                "--host",
+                "127.0.0.1",
+                "--no-dashboard",
+                "--preload",
+                PRELOAD,
+            ],
+            env,
+            logs / f"worker-{i}.log",
+        )
+        for i in range(2)
+    ]
+    for i in range(2):
+        wait_for_line(logs / f"worker-{i}.log", "Registered to:")
+    return address, [psutil.Process(w.pid) for w in workers], [psutil.Process(scheduler.pid)]
+
+
+def ray_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Process], dict[str, str]]:
+    tmp = Path(tempfile.mkdtemp(prefix="rfb-", dir="/tmp"))
+    ray_env = {**env, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(tmp), "RAY_USAGE_STATS_ENABLED": "0"}
+    port = free_port()
+    common = ["--num-cpus=1", "--object-store-memory=134217728", "--node-ip-address=127.0.0.1",
+              "--disable-usage-stats", "--block"]  # fmt: skip
+    head = start(
+        [str(BIN / "ray"), "start", "--head", f"--port={port}", "--include-dashboard=false",
+         f"--temp-dir={tmp}", *common],
+        ray_env,
+        logs / "ray-head.log",
+    )  # fmt: skip
+    wait_for_line(logs / "ray-head.log", "will now block forever")
+    node = start(
+        [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", *common], ray_env, logs / "ray-2.log"
+    )
+    wait_for_line(logs / "ray-2.log", "will now block forever")
+    return f"127.0.0.1:{port}", [psutil.Process(head.pid), psutil.Process(node.pid)], ray_env
+
+
+def run(
+    name: str, args: list[str], env: dict[str, str], out: Path, roots: list[psutil.Process]
+) -> tuple[Row, dict]:
+    workers0, daemons0 = tree_cpu(roots, True), tree_cpu(roots, False)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([ROLLFLOW, *args], env=env, capture_output=True, text=True, timeout=900)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    report = json.loads((out / "report.json").read_text())
+    cli = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    row = Row(
+        name,
+        report["rows_written"],
+        report["stages"]["collect"],
+        report["collect_rollouts_per_s"],
+        cli,
+        tree_cpu(roots, True) - workers0,
+        tree_cpu(roots, False) - daemons0,
+    )
+    return row, report
+
+
+def main() -> None:
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    work = Path(tempfile.mkdtemp(prefix="rf-scale-"))
+    logs = work / "logs"
+    logs.mkdir()
+    prefect = spawn_prefect_server(home=str(work / "prefect-home"))
+    env = {**os.environ, **prefect.env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    sim = spawn_simulator("--slots", str(SLOTS), "--latency-ms", str(LATENCY_MS))
+    fast = spawn_simulator("--latency-ms", "0", "--slots", "4096")
+    rows = write_input(work / "rows.jsonl", ROLLOUTS)
+    address, dask_workers, dask_daemons = dask_cluster(env, logs)
+    ray_address, ray_roots, ray_env = ray_cluster(env, logs)
+    common = ["--input", str(rows), "--backend-kind", "agent", "--backend-url", sim.url,
+              "--parallelism", str(PARALLELISM), "--no-progress"]  # fmt: skip
+    results = []
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else ["local", "dask", "ray", "ceiling"]
+    dask_roots = [*dask_workers, *dask_daemons]
+    try:
+        if "local" in only:
+            args = ["run", *common, "--output", str(work / "local")]
+            results.append(run("local", args, env, work / "local", [])[0])
+        if "dask" in only:
+            args = [
+                "run",
+                *common,
+                "--output",
+                str(work / "dask"),
+                "--runner",
+                "dask",
+                "--dask-address",
+                address,
+            ]
+            results.append(run("dask, 2 workers", args, env, work / "dask", dask_roots)[0])
+        if "ray" in only:
+            args = [
+                "run",
+                *common,
+                "--output",
+                str(work / "ray"),
+                "--runner",
+                "ray",
+                "--ray-address",
+                ray_address,
+            ]
+            results.append(run("ray, 2 workers", args, ray_env, work / "ray", ray_roots)[0])
+        ceiling = None
+        if "ceiling" in only:
+            rows24k = write_input(work / "rows24k.jsonl", 2 * ROLLOUTS)
+            args = ["run", "--input", str(rows24k), "--output", str(work / "ceiling"), "--backend-kind",
+                    "agent", "--backend-url", fast.url, "--parallelism", "64", "--no-progress",
+                    "--runner", "dask", "--dask-address", address]  # fmt: skip
+            ceiling = run("ceiling", args, env, work / "ceiling", dask_roots)[1]
+    finally:
+        for proc in [*dask_workers, *dask_daemons, *ray_roots]:
+            for child in [proc, *proc.children(recursive=True)] if proc.is_running() else []:
+                child.kill()
+        for service in (sim, fast, prefect):
+            service.stop()
+    report(results, ceiling)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def report(results: list[Row], ceiling: dict | None) -> None:
+    print(f"\n{ROLLOUTS:,} rollouts, simulator {SLOTS} slots x {LATENCY_MS:g} ms ({CAPACITY:,.0f}/s), "
+          f"--parallelism {PARALLELISM}, {os.cpu_count()} cores, all on one machine\n")  # fmt: skip
+    print(
+        "| runner | rollouts | collect s | rollouts/s | share of capacity | CPU ms/rollout (command + "
+        "workers) | engine daemons ms/rollout |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        print(row.line())
+    local = [row.cpu_per_rollout for row in results if row.name == "local"]
+    for row in results[1:] if local else []:
+        print(f"{row.name}: {row.cpu_per_rollout / local[0]:.2f}x the local runner's CPU per rollout")
+    if ceiling is None:
+        return
+    print("\nzero-latency client ceiling, per Dask worker process (rollouts per CPU-second of that process):")
+    for worker in ceiling["workers"]:
+        per_cpu = worker["rollouts"] / worker["cpu_s"] if worker["cpu_s"] else 0.0
+        cpu = worker["cpu_s"]
+        print(f"  {worker['worker']}: {worker['rollouts']:,} rollouts, {cpu:.1f} CPU-s, {per_cpu:,.0f}/CPU-s")
+    print(f"  collect rate of the 2 workers together: {ceiling['collect_rollouts_per_s']:,.0f} rollouts/s")
+
+
+if __name__ == "__main__":
+    if os.environ.get(INSIDE) == "1":
+        main()
+    else:
+        unshare = ["unshare", "-rn", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        sys.exit(subprocess.call([*unshare, sys.executable, *sys.argv], env={**os.environ, INSIDE: "1"}))
