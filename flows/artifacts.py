@@ -1,4 +1,4 @@
-"""Prefect artifacts of a run: a progress bar that moves as chunks commit, a dataset link, the endpoints."""
+"""Prefect artifacts of a run: a progress bar that moves as rollouts finish, a dataset link, the endpoints."""
 
 from __future__ import annotations
 
@@ -15,32 +15,31 @@ from prefect.artifacts import (
     aupdate_progress_artifact,
 )
 
-from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.progress import RolloutCount, hub
 from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
 
 
 @contextlib.asynccontextmanager
-async def chunk_progress(total_chunks: int, already: int, interval_s: float = 1.0) -> AsyncIterator[None]:
-    """Percent of chunks committed, updated at most once per interval (cheap next to a chunk)."""
-    done = already
+async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator[None]:
+    """Percent of the `total` planned rollouts finished, counted as they finish (on workers too, from
+    their reports), updated at most once per interval."""
+    count = RolloutCount(total=total)
     artifact = await acreate_progress_artifact(
-        progress=100.0 * done / max(1, total_chunks), key="rollflow-progress", description="chunks committed"
+        progress=0.0, key="rollflow-progress", description="planned rollouts finished"
     )
 
-    def on_event(event: ProgressEvent) -> None:
-        nonlocal done
-        if event.kind == "chunk":
-            done += 1
+    def percent() -> float:
+        return 100.0 * count.finished / count.total if count.total else 0.0
 
     async def refresh() -> None:
-        shown = -1
+        shown = -1.0
         while True:
-            if done != shown:
-                shown = done
-                await aupdate_progress_artifact(artifact, 100.0 * shown / max(1, total_chunks))
+            if percent() != shown:
+                shown = percent()
+                await aupdate_progress_artifact(artifact, shown)
             await asyncio.sleep(interval_s)
 
-    unsubscribe = hub.subscribe(on_event)
+    unsubscribe = hub.subscribe(count.add)
     task = asyncio.create_task(refresh())
     try:
         yield
@@ -49,7 +48,7 @@ async def chunk_progress(total_chunks: int, already: int, interval_s: float = 1.
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await aupdate_progress_artifact(artifact, 100.0 * done / max(1, total_chunks))
+        await aupdate_progress_artifact(artifact, percent())
 
 
 async def dataset_link(url: str) -> None:

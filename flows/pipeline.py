@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
-from rollflow.flows.artifacts import chunk_progress, dataset_link, endpoints_table
+from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
@@ -185,14 +185,18 @@ async def collect_step(
     `parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL.
     """
     pending = plan.pending
-    hub.emit(ProgressEvent("plan", total=sum(c.good_rows for c in pending) * spec.collection.num_repeats))
+    total = sum(c.good_rows for c in pending) * spec.collection.num_repeats
+    hub.emit(ProgressEvent("plan", total=total))
     collected = Collected(CollectResult(), collect_context(handles, settings, parallelism))
     if not pending:
         return collected
     t0, cpu0 = time.perf_counter(), time.process_time()
     await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
     try:
-        async with sample_endpoints(collected.ctx.pool, auth_headers(collected.ctx.backend)):
+        async with (
+            sample_endpoints(collected.ctx.pool, auth_headers(collected.ctx.backend)),
+            rollout_progress(total),
+        ):
             collected.result = await _dispatch(spec, handles, plan, collected, left_s)
     finally:
         await close_loop_session()
@@ -216,8 +220,7 @@ async def _dispatch(
             result = await collect_stage(ctx, plan, in_flight, left_s)
         collected.extra["adaptive"] = controller.report()
         return result
-    async with chunk_progress(len(plan.scan.chunks), len(plan.scan.chunks) - len(plan.pending)):
-        return await collect_stage(ctx, plan, in_flight, left_s)
+    return await collect_stage(ctx, plan, in_flight, left_s)
 
 
 async def publish_step(
