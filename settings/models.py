@@ -249,19 +249,9 @@ class VerifySettings(Settings):
     )
 
 
-class PipelineSettings(Settings):
-    """Where the run reads and writes, and what it may do to existing output."""
+class EngineSettings(Settings):
+    """Where chunks run: this process, or the worker processes of a Dask or Ray cluster."""
 
-    input: str | None = Field(None, description="Input JSONL: local path or any fsspec URL (s3://...)")
-    output: str | None = Field(None, description="Output directory: local path or any fsspec URL")
-    restart: bool = Field(False, description="Discard committed chunks of a different run and start over")
-    allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
-    deadline_s: float | None = Field(
-        None,
-        gt=0,
-        le=MAX_SECONDS,
-        description="Stop cleanly after this many seconds, keeping all committed work",
-    )
     runner: Literal["local", "dask", "ray"] = Field(
         "local",
         description="local: chunks in this process; dask or ray: chunks on a cluster's worker processes",
@@ -280,6 +270,21 @@ class PipelineSettings(Settings):
     dask_adapt_max: int | None = Field(None, ge=1, le=100_000, description="Most workers adapt starts")
     ray_address: str | None = Field(
         None, description="An existing Ray cluster (ray://head:10001 or auto); default a local instance"
+    )
+
+
+class PipelineSettings(EngineSettings):
+    """Where the run reads and writes, and what it may do to existing output."""
+
+    input: str | None = Field(None, description="Input JSONL: local path or any fsspec URL (s3://...)")
+    output: str | None = Field(None, description="Output directory: local path or any fsspec URL")
+    restart: bool = Field(False, description="Discard committed chunks of a different run and start over")
+    allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
+    deadline_s: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_SECONDS,
+        description="Stop cleanly after this many seconds, keeping all committed work",
     )
     lease_ttl_s: float = Field(
         60.0,

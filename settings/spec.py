@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, SecretStr, model_validator
 
@@ -11,14 +11,14 @@ from rollflow.settings.models import (
     BackendParams,
     BackendSettings,
     CollectionSettings,
+    EngineSettings,
     RollflowSettings,
-    Settings,
     TuningSettings,
     VerifySettings,
 )
 
 
-class RunSpec(Settings):
+class RunSpec(EngineSettings):
     """What to collect, from where, into where. Secrets are resolved from the environment at run time."""
 
     input: str = Field(..., description="Input JSONL of NeMo Gym rows: local path or s3://...")
@@ -34,22 +34,6 @@ class RunSpec(Settings):
     allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
     deadline_s: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="Stop cleanly after this many seconds; run again to resume"
-    )
-    runner: Literal["local", "dask", "ray"] = Field(
-        "local", description="Where chunks run: this process, or a Dask or Ray cluster's workers"
-    )
-    dask_address: str | None = Field(None, description="Existing Dask scheduler; default a local cluster")
-    dask_workers: int = Field(2, ge=1, le=1024, description="Worker processes of a local Dask cluster")
-    dask_cluster_class: str | None = Field(
-        None, description="A Dask cluster class that starts its own workers (dask_jobqueue.SLURMCluster)"
-    )
-    dask_cluster_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="JSON keyword arguments of --dask-cluster-class"
-    )
-    dask_adapt_min: int | None = Field(None, ge=0, le=100_000, description="Fewest workers adapt keeps")
-    dask_adapt_max: int | None = Field(None, ge=1, le=100_000, description="Most workers adapt starts")
-    ray_address: str | None = Field(
-        None, description="An existing Ray cluster (ray://head:10001 or auto); default a local instance"
     )
 
     @model_validator(mode="after")
@@ -82,14 +66,7 @@ class RunSpec(Settings):
             "restart": pipeline.restart,
             "allow_incomplete": pipeline.allow_incomplete,
             "deadline_s": pipeline.deadline_s,
-            "runner": pipeline.runner,
-            "dask_address": pipeline.dask_address,
-            "dask_workers": pipeline.dask_workers,
-            "dask_cluster_class": pipeline.dask_cluster_class,
-            "dask_cluster_kwargs": pipeline.dask_cluster_kwargs,
-            "dask_adapt_min": pipeline.dask_adapt_min,
-            "dask_adapt_max": pipeline.dask_adapt_max,
-            "ray_address": pipeline.ray_address,
+            **pipeline.model_dump(include=set(EngineSettings.model_fields)),
         }
 
     @classmethod

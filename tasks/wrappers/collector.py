@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
+from rollflow.tasks.collect.endpoints import split_limit
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
@@ -43,6 +44,18 @@ class ShareLink(Protocol):
     """The worker's side of the share book: send this worker's report, get the book's newest answer."""
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class RemoteRun:
+    """What a chunk task brings to the collector about its run: the spec, what bounds it, how to fill
+    its secrets, how to reach its share book, and its limits (per endpoint, or a total)."""
+
+    spec: RunSpec
+    scope: WorkerScope
+    resolve: SettingsResolver | None
+    link: ShareLink | None
+    share: int | dict[str, int]
 
 
 def worker_id() -> str:
@@ -144,32 +157,15 @@ class WorkerCollector:
                 atexit.register(cls._instance.close)
             return cls._instance
 
-    async def collect(
-        self,
-        spec: RunSpec,
-        chunk: ChunkSpec,
-        attempt: int,
-        scope: WorkerScope,
-        resolve: SettingsResolver | None,
-        link: ShareLink | None,
-        share: int | dict[str, int],
-    ) -> ChunkOutcome:
+    async def collect(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
         """Run the chunk on the collector's loop; awaited from the chunk task's own loop."""
-        work = self._collect(spec, chunk, attempt, scope, resolve, link, share)
+        work = self._collect(run, chunk, attempt)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))
 
-    async def _collect(
-        self,
-        spec: RunSpec,
-        chunk: ChunkSpec,
-        attempt: int,
-        scope: WorkerScope,
-        resolve: SettingsResolver | None,
-        link: ShareLink | None,
-        share: int | dict[str, int],
-    ) -> ChunkOutcome:
-        slot = await self._slot(spec, scope, resolve, link, share)
-        slot.chunks[chunk.index] = [chunk.good_rows * spec.collection.num_repeats, 0, 0]
+    async def _collect(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
+        slot = await self._slot(run)
+        slot.chunks[chunk.index] = [chunk.good_rows * run.spec.collection.num_repeats, 0, 0]
+        scope = run.scope
         left = None if scope.stop_at is None else max(0.0, scope.stop_at - time.time())
         try:
             async with asyncio.timeout(left):
@@ -187,47 +183,34 @@ class WorkerCollector:
             slot.chunks.pop(chunk.index, None)
             slot.last_active = time.monotonic()
 
-    async def _slot(
-        self,
-        spec: RunSpec,
-        scope: WorkerScope,
-        resolve: SettingsResolver | None,
-        link: ShareLink | None,
-        share: int | dict[str, int],
-    ) -> RunSlot:
+    async def _slot(self, run: RemoteRun) -> RunSlot:
         """The run's slot, opened once however many chunks of it start at the same time."""
-        key = f"{spec.output}|{scope.owner}"
+        key = f"{run.spec.output}|{run.scope.owner}"
         if key in self.slots:
             return self.slots[key]
         if key not in self._opening:
-            self._opening[key] = asyncio.ensure_future(self._open(spec, scope, resolve, link, share))
+            self._opening[key] = asyncio.ensure_future(self._open(run))
         try:
             slot = await asyncio.shield(self._opening[key])
         finally:
             if self._opening.get(key) is not None and self._opening[key].done():
                 self._opening.pop(key, None)
         self.slots[key] = slot
-        if link is not None and slot.sync is None:
+        if run.link is not None and slot.sync is None:
             slot.sync = asyncio.create_task(self._keep_share(key, slot))
         return slot
 
-    async def _open(
-        self,
-        spec: RunSpec,
-        scope: WorkerScope,
-        resolve: SettingsResolver | None,
-        link: ShareLink | None,
-        share: int | dict[str, int],
-    ) -> RunSlot:
+    async def _open(self, run: RemoteRun) -> RunSlot:
         settings = RollflowSettings()
-        if resolve is not None:
-            settings = await resolve(settings)
-        handles = open_run(spec, settings)
-        if scope.owner is not None:
-            handles.ledger.fence = owner_fence(handles.store, scope.owner)
-        run_limits = share if isinstance(share, dict) else None
-        ctx = collect_context(handles, settings, share, shared=link is not None)
-        return RunSlot(handles, ctx, run_limits or ctx.pool.limits(), scope, link)
+        if run.resolve is not None:
+            settings = await run.resolve(settings)
+        handles = open_run(run.spec, settings)
+        if run.scope.owner is not None:
+            handles.ledger.fence = owner_fence(handles.store, run.scope.owner)
+        ctx = collect_context(handles, settings, run.share, shared=run.link is not None)
+        urls = run.spec.backend.urls
+        limits = run.share if isinstance(run.share, dict) else split_limit(run.share, urls)
+        return RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link)
 
     async def _keep_share(self, key: str, slot: RunSlot) -> None:
         """Report and apply the share until the run has had no chunk here for IDLE_S (or its deadline)."""

@@ -17,7 +17,7 @@ from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.storage.lease import Lease
-from rollflow.tasks.wrappers.collector import ShareLink, WorkerCollector
+from rollflow.tasks.wrappers.collector import RemoteRun, ShareLink, WorkerCollector
 from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope
 from rollflow.tasks.wrappers.runtime import RunHandles
 
@@ -76,9 +76,8 @@ async def collect_chunk_remote_task(
     attempt = task_run.run_count or 1
     bound = link.bind() if link is not None and hasattr(link, "bind") else link
     try:
-        return await WorkerCollector.get().collect(
-            spec, chunk, attempt, scope or WorkerScope(), resolve, bound, share
-        )
+        run = RemoteRun(spec, scope or WorkerScope(), resolve, bound, share)
+        return await WorkerCollector.get().collect(run, chunk, attempt)
     except Exception as exc:
         raise redact.redacted_error(exc) from None
 
