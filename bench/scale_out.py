@@ -9,7 +9,8 @@ and a second node started with `ray start --address`, one CPU each (one chunk pe
 
 Figures per row: the collect stage's rate (report.json `collect_rollouts_per_s`, which includes the
 engine's task start-up) as a share of 640/s, and CPU ms per rollout: the `rollflow run` command (from
-RUSAGE_CHILDREN) plus every worker process (CPU-time deltas of the worker process trees, read with psutil),
+RUSAGE_CHILDREN) plus every worker process (CPU-time deltas read with psutil five times a second while the
+run goes, as Ray ends a job's worker processes with it),
 shown separately from the engine's own daemons (Dask's scheduler; Ray's raylet, GCS and agents). The
 simulator and the Prefect server are not counted. Last, the zero-latency client ceiling of one worker
 process: rollouts per CPU-second of each Dask worker against a zero-latency simulator (24,000 rollouts,
@@ -18,6 +19,7 @@ process: rollouts per CPU-second of each Dask worker against a zero-latency simu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -25,7 +27,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,28 +72,59 @@ class Row:
         )
 
 
-def tree_cpu(roots: list[psutil.Process], workers: bool) -> float:
-    """CPU seconds of the processes under `roots`: worker processes, or (workers=False) everything else."""
-    total = 0.0
-    for root in roots:
-        try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        for proc in procs:
+class CpuMeter:
+    """CPU seconds of the processes `kind` selects, sampled while a run goes: Ray ends a job's worker
+    processes with the job, so a reading after the run would miss them."""
+
+    def __init__(self, kind: Callable[[psutil.Process], str | None]) -> None:
+        self.kind = kind
+        self.first: dict[tuple[int, float], float] = {}
+        self.last: dict[tuple[int, float], tuple[str, float]] = {}
+        self.running = False  # processes first seen after the start count from 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _sample(self) -> None:
+        for proc in psutil.process_iter():
             try:
-                if is_worker(proc) == workers:
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-            except psutil.NoSuchProcess:
+                kind = self.kind(proc)
+                if kind is None:
+                    continue
+                times = proc.cpu_times()
+                key = (proc.pid, proc.create_time())
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-    return total
+            self.first.setdefault(key, 0.0 if self.running else times.user + times.system)
+            self.last[key] = (kind, times.user + times.system)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        self._sample()
+        self.running = True
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def seconds(self, kind: str) -> float:
+        return sum(cpu - self.first.get(key, 0.0) for key, (k, cpu) in self.last.items() if k == kind)
 
 
-def is_worker(proc: psutil.Process) -> bool:
-    """A Dask worker (its nanny and the worker process it spawns) or a Ray worker process (`ray::...`)."""
+def engine_kind(proc: psutil.Process) -> str | None:
+    """ "worker" for a Dask worker (its nanny and the process it spawns) or a Ray worker process (`ray::`),
+    "daemon" for the engine's other processes (Dask's scheduler; Ray's raylet, GCS, agents), else None."""
     cmd = " ".join(proc.cmdline())
-    return "dask worker" in cmd or "multiprocessing.spawn" in cmd or cmd.startswith("ray::")
+    if "dask worker" in cmd or "multiprocessing.spawn" in cmd or cmd.startswith("ray::"):
+        return "worker"
+    if "dask scheduler" in cmd or "resource_tracker" in cmd or "/ray/" in cmd or "ray start" in cmd:
+        return "daemon"
+    return None
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -106,7 +141,7 @@ def wait_for_line(log: Path, text: str, timeout_s: float = 120) -> None:
     raise TimeoutError(f"{log}: no {text!r} within {timeout_s:.0f} s")
 
 
-def dask_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Process], list[psutil.Process]]:
+def dask_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Process]]:
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     scheduler = start(
@@ -135,7 +170,7 @@ def dask_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Proc
     ]
     for i in range(2):
         wait_for_line(logs / f"worker-{i}.log", "Registered to:")
-    return address, [psutil.Process(w.pid) for w in workers], [psutil.Process(scheduler.pid)]
+    return address, [psutil.Process(p.pid) for p in (scheduler, *workers)]
 
 
 def ray_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Process], dict[str, str]]:
@@ -158,12 +193,10 @@ def ray_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Proce
     return f"127.0.0.1:{port}", [psutil.Process(head.pid), psutil.Process(node.pid)], ray_env
 
 
-def run(
-    name: str, args: list[str], env: dict[str, str], out: Path, roots: list[psutil.Process]
-) -> tuple[Row, dict]:
-    workers0, daemons0 = tree_cpu(roots, True), tree_cpu(roots, False)
+def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([ROLLFLOW, *args], env=env, capture_output=True, text=True, timeout=900)
+    with CpuMeter(engine_kind) as meter:
+        proc = subprocess.run([ROLLFLOW, *args], env=env, capture_output=True, text=True, timeout=900)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -175,13 +208,14 @@ def run(
         report["stages"]["collect"],
         report["collect_rollouts_per_s"],
         cli,
-        tree_cpu(roots, True) - workers0,
-        tree_cpu(roots, False) - daemons0,
+        meter.seconds("worker"),
+        meter.seconds("daemon"),
     )
     return row, report
 
 
 def main() -> None:
+    """Each engine runs alone: local first, then Dask (its row and the ceiling), stopped before Ray."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     work = Path(tempfile.mkdtemp(prefix="rf-scale-"))
     logs = work / "logs"
@@ -191,56 +225,49 @@ def main() -> None:
     sim = spawn_simulator("--slots", str(SLOTS), "--latency-ms", str(LATENCY_MS))
     fast = spawn_simulator("--latency-ms", "0", "--slots", "4096")
     rows = write_input(work / "rows.jsonl", ROLLOUTS)
-    address, dask_workers, dask_daemons = dask_cluster(env, logs)
-    ray_address, ray_roots, ray_env = ray_cluster(env, logs)
-    common = ["--input", str(rows), "--backend-kind", "agent", "--backend-url", sim.url,
+    common = ["run", "--input", str(rows), "--backend-kind", "agent", "--backend-url", sim.url,
               "--parallelism", str(PARALLELISM), "--no-progress"]  # fmt: skip
-    results = []
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else ["local", "dask", "ray", "ceiling"]
-    dask_roots = [*dask_workers, *dask_daemons]
+    results, ceiling, engine = [], None, []
     try:
         if "local" in only:
-            args = ["run", *common, "--output", str(work / "local")]
-            results.append(run("local", args, env, work / "local", [])[0])
+            results.append(run("local", [*common, "--output", str(work / "local")], env, work / "local")[0])
+        if "dask" in only or "ceiling" in only:
+            address, engine = dask_cluster(env, logs)
+            dask = ["--runner", "dask", "--dask-address", address]
         if "dask" in only:
-            args = [
-                "run",
-                *common,
-                "--output",
-                str(work / "dask"),
-                "--runner",
-                "dask",
-                "--dask-address",
-                address,
-            ]
-            results.append(run("dask, 2 workers", args, env, work / "dask", dask_roots)[0])
-        if "ray" in only:
-            args = [
-                "run",
-                *common,
-                "--output",
-                str(work / "ray"),
-                "--runner",
-                "ray",
-                "--ray-address",
-                ray_address,
-            ]
-            results.append(run("ray, 2 workers", args, ray_env, work / "ray", ray_roots)[0])
-        ceiling = None
+            args = [*common, "--output", str(work / "dask"), *dask]
+            results.append(run("dask, 2 workers", args, env, work / "dask")[0])
         if "ceiling" in only:
             rows24k = write_input(work / "rows24k.jsonl", 2 * ROLLOUTS)
             args = ["run", "--input", str(rows24k), "--output", str(work / "ceiling"), "--backend-kind",
                     "agent", "--backend-url", fast.url, "--parallelism", "64", "--no-progress",
-                    "--runner", "dask", "--dask-address", address]  # fmt: skip
-            ceiling = run("ceiling", args, env, work / "ceiling", dask_roots)[1]
+                    *dask]  # fmt: skip
+            ceiling = run("ceiling", args, env, work / "ceiling")[1]
+        stop(engine)
+        if "ray" in only:
+            ray_address, engine, ray_env = ray_cluster(env, logs)
+            args = [*common, "--output", str(work / "ray"), "--runner", "ray", "--ray-address", ray_address]
+            results.append(run("ray, 2 workers", args, ray_env, work / "ray")[0])
     finally:
-        for proc in [*dask_workers, *dask_daemons, *ray_roots]:
-            for child in [proc, *proc.children(recursive=True)] if proc.is_running() else []:
-                child.kill()
+        stop(engine)
         for service in (sim, fast, prefect):
             service.stop()
     report(results, ceiling)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def stop(roots: list[psutil.Process]) -> None:
+    """Kill the engine's process trees, and in a pid namespace of its own, every process they left."""
+    for proc in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in [proc, *proc.children(recursive=True)]:
+                child.kill()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if engine_kind(proc) is not None:
+                proc.kill()
+    roots.clear()
 
 
 def report(results: list[Row], ceiling: dict | None) -> None:
