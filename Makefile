@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) bench/startup.py
 	$(PY) bench/end_to_end.py
 	$(PY) bench/verify.py
+	$(PY) bench/scale_out.py
 
 clean:
 	rm -rf $(VENV) demo-out
