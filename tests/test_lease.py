@@ -60,26 +60,23 @@ def test_foreign_lease_refused_until_it_expires(where: str, tmp_path: Path, moto
     assert orjson.loads(store.read_bytes("lease.json"))["owner"] == taker.owner
 
 
-def test_second_run_on_same_output_is_refused(run_cli, cli_env, rows_input, reference, tmp_path):
-    sim = spawn_simulator("--latency-ms", "50", "--slots", "8")
+def test_second_run_on_same_output_is_refused(run_cli, cli_env, slow_sim, rows_input, reference, tmp_path):
     out = tmp_path / "out"
-    args = run_args(rows_input, str(out), sim)
+    args = run_args(rows_input, str(out), slow_sim)
     # The first run is paused while the second starts: however slow the second's start-up, the first
-    # still holds the lease (alive on this host, well inside a TTL longer than any start-up here).
+    # still holds the lease (alive on this host, well inside a TTL longer than any start-up here). So
+    # the first run need not be slow: the session's simulator (800 rollouts/s) does.
     env = {**cli_env, "ROLLFLOW_PIPELINE__LEASE_TTL_S": "300"}
+    first = spawn(args, env)
+    wait_until(lambda: (out / "chunks").exists(), first)
+    first.send_signal(signal.SIGSTOP)
     try:
-        first = spawn(args, env)
-        wait_until(lambda: (out / "chunks").exists(), first)
-        first.send_signal(signal.SIGSTOP)
-        try:
-            second = run_cli(*args)
-        finally:
-            first.send_signal(signal.SIGCONT)
-        assert second.returncode == 2
-        assert "in use by another rollflow run" in second.stderr and f"pid {first.pid}" in second.stderr
-        assert first.wait(120) == 0
+        second = run_cli(*args)
     finally:
-        sim.stop()
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2
+    assert "in use by another rollflow run" in second.stderr and f"pid {first.pid}" in second.stderr
+    assert first.wait(120) == 0
     assert (out / "rollouts.jsonl").read_bytes() == reference
     assert not (out / "lease.json").exists(), "a finished run releases its lease"
 

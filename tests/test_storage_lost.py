@@ -20,7 +20,10 @@ def test_bucket_deleted_mid_run_is_one_paragraph_exit_2(cli_env, moto_s3, rows_i
             except FileNotFoundError:
                 return False
 
-        proc = spawn(run_args(rows_input, out, sim), {**cli_env, **moto_s3.env})
+        # The run finds its output gone when it next renews its lease, every third of the lease's lifetime:
+        # 20 s by default, 2 s here (the renewal's budget, half the lifetime, stays far above a moto call).
+        env = {**cli_env, **moto_s3.env, "ROLLFLOW_PIPELINE__LEASE_TTL_S": "6"}
+        proc = spawn(run_args(rows_input, out, sim), env)
         wait_until(committed, proc)
         fs.rm(f"{bucket}", recursive=True)
         _, err = proc.communicate(timeout=120)

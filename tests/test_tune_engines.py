@@ -3,7 +3,9 @@
 The simulator's batching profiles slow each decode step as the batch grows, so throughput rises gradually
 to a compute limit (batching), flattens at a KV-cache limit while requests wait (kv-limited), or falls past
 a point (preempting). Each test measures the engine's curve at fixed parallelism, then tunes five times on
-fresh rows and measures each choice the same way, against the same simulator.
+fresh rows and measures each choice the same way, against the same simulator: a choice is paired with the
+best once, however many runs make it (its share is a property of that parallelism on this engine; a
+repeated choice would only measure it again).
 """
 
 from __future__ import annotations
@@ -69,11 +71,14 @@ async def test_every_choice_reaches_the_engines_best(tmp_path, profile: str, met
         curve = {p: await fixed_rate(bench, feed, p) for p in SWEEP}
         best = max(curve, key=lambda p: curve[p])
         shares: list[tuple[int, float, str, str]] = []
+        paired: dict[int, float] = {}  # each distinct choice's share of the best
         for run in range(RUNS):
             (work := tmp_path / f"run{run}").mkdir()
             t = await tune_once(setup_run(work, sim.url, rows=6000, verifier="none"))
             await close_loop_session()
-            share = await paired_share(bench, feed, t.chosen_parallelism, best)
+            if t.chosen_parallelism not in paired:
+                paired[t.chosen_parallelism] = await paired_share(bench, feed, t.chosen_parallelism, best)
+            share = paired[t.chosen_parallelism]
             shares.append((t.chosen_parallelism, round(share, 3), t.stop_reason, t.choice_rule))
             assert share >= 0.9, (curve, shares, steps_of(t))
             assert t.stable and t.choice_rule, steps_of(t)

@@ -65,10 +65,12 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
     bucket = moto_s3.new_bucket()
     out = f"s3://{bucket}/ui-run"
     exe = str(Path(sys.executable).with_name("rollflow"))
+    # The served process looks for submitted runs every PREFECT_RUNNER_POLL_FREQUENCY seconds (10 by
+    # default): each second here, so the run starts soon after Submit
+    env = {**cli_env, **moto_s3.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     serve = subprocess.Popen(
-        [exe, "serve", "--name", "ui"], env={**cli_env, **moto_s3.env}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [exe, "serve", "--name", "ui"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         deployment = None
@@ -76,7 +78,7 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
             try:
                 deployment = api(prefect_server, "/deployments/name/rollflow-run/ui")
             except urllib.error.HTTPError:
-                time.sleep(1)
+                time.sleep(0.25)
         assert deployment is not None, "rollflow serve did not register its deployment"
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
@@ -100,7 +102,7 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
             runs: list = []
             deadline = time.monotonic() + 30
             while not runs and time.monotonic() < deadline:
-                time.sleep(1)
+                time.sleep(0.25)
                 runs = api(
                     prefect_server, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}}}
                 )
@@ -109,7 +111,7 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
             state = "PENDING"
             deadline = time.monotonic() + 180
             while state not in ("COMPLETED", "FAILED", "CRASHED") and time.monotonic() < deadline:
-                time.sleep(2)
+                time.sleep(0.5)
                 state = api(prefect_server, f"/flow_runs/{run_id}")["state"]["type"]
             assert state == "COMPLETED", state
             page.goto(f"{prefect_server.url}/runs/flow-run/{run_id}")
