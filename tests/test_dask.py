@@ -78,7 +78,7 @@ def test_a_limit_below_the_worker_threads_holds_when_a_worker_joins_mid_run(
     out = tmp_path / "out"
     reset_stats(slow_sim)
     args = [*run_args(rows_input, str(out), slow_sim), "--runner", "dask", "--dask-address",
-            dask_cluster.address, "--parallelism", "3"]  # fmt: skip
+            dask_cluster.address, "--parallelism", "3", "--limit", "720"]  # fmt: skip
     proc = spawn(args, {**cli_env, **moto_s3.env})
     wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 1, proc, timeout_s=120)
     joined = dask_cluster.add_worker()
@@ -90,7 +90,7 @@ def test_a_limit_below_the_worker_threads_holds_when_a_worker_joins_mid_run(
     report = json.loads((out / "report.json").read_text())
     busy = [w for w in report["workers"] if w["rollouts"]]
     assert len(busy) == 3, report["workers"]
-    assert sum(w["rollouts"] for w in report["workers"]) == 2 * ROWS
+    assert sum(w["rollouts"] for w in report["workers"]) == 2 * 720
     assert report["metrics"]["peak_in_flight"] <= 3
 
 
@@ -105,7 +105,7 @@ def test_a_hung_replica_is_found_once_for_every_worker(cli_env, dask_cluster, mo
     try:
         args = [*run_args(rows_input, str(out), good), "--backend-url", f"{good.url},{hung.url}",
                 "--runner", "dask", "--dask-address", dask_cluster.address, "--timeout-s", "1",
-                "--parallelism", "16", "--chunk-size", "20"]  # fmt: skip
+                "--parallelism", "16", "--chunk-size", "20", "--limit", "600"]  # fmt: skip
         proc = spawn(args, {**cli_env, **moto_s3.env})
         wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 2, proc, timeout_s=120)
         hang = json.dumps({"fault_rate": 1.0, "fault_kinds": ["hang"]}).encode()
