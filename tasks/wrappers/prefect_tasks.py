@@ -6,6 +6,7 @@ import asyncio
 
 from prefect import task
 from prefect.cache_policies import NONE
+from prefect.client.schemas.objects import State
 from prefect.runtime import task_run
 
 from rollflow.settings import RunSpec, redact
@@ -16,7 +17,7 @@ from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
-from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
 from rollflow.tasks.wrappers.collector import RemoteRun, ShareLink, WorkerCollector
 from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope
 from rollflow.tasks.wrappers.runtime import RunHandles
@@ -46,12 +47,19 @@ async def preflight_task(url: str, timeout_s: float) -> None:
     await check_reachable(url, timeout_s)
 
 
+def worth_retrying(task: object, task_run: object, state: State) -> bool:
+    """A lost lease or a deleted output does not come back on a retry: the chunk ends at once (a retry
+    scheduled meanwhile would outlive the run's cancellation by its delay)."""
+    return not isinstance(state.data, LeaseLost | OutputGone)
+
+
 CHUNK_TASK = {
     "name": "collect-chunk",
     "task_run_name": "chunk-{chunk.index:05d}",
     "cache_policy": NONE,
     "retries": 3,
     "retry_delay_seconds": [1, 5, 15],
+    "retry_condition_fn": worth_retrying,
 }
 
 
