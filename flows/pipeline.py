@@ -15,6 +15,7 @@ from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_prog
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.flows.stops import chunk_error
 from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.engine_metrics import sample_endpoints
@@ -68,7 +69,7 @@ async def collect_stage(
             try:
                 outcome = await collect(ctx, chunk)
             except Exception as exc:  # a chunk that failed after its retries; the audit reports the gap
-                results.append(exc)
+                results.append(chunk_error(exc))
                 return
             outcome.task_s = time.perf_counter() - t0
             results.append(outcome)

@@ -47,7 +47,7 @@ def test_an_error_raised_while_a_signal_unwinds_is_still_that_stop():
     ("Task run is not set") from the TerminationSignal: the CLI must still say one line, exit 143."""
     from prefect.exceptions import TerminationSignal
 
-    from rollflow.flows.cli.errors import signal_stop_in
+    from rollflow.flows.stops import signal_stop_in
 
     def crash_handling() -> None:
         try:
@@ -61,3 +61,29 @@ def test_an_error_raised_while_a_signal_unwinds_is_still_that_stop():
         assert isinstance(signal_stop_in(exc), TerminationSignal)
     wrapped = ExceptionGroup("tasks", [RuntimeError("x"), ValueError("y")])
     assert signal_stop_in(wrapped) is None and signal_stop_in(ValueError("plain")) is None
+
+
+def test_a_chunk_error_raised_while_a_signal_unwinds_stops_the_run():
+    """A SIGTERM that lands while Prefect creates a chunk's task run comes back as a ValueError from its
+    crash handling: that is the stop, not a failed chunk after which the run would go on to its audit."""
+    from prefect.exceptions import TerminationSignal
+
+    from rollflow.flows.stops import chunk_error
+
+    def crash_handling() -> None:
+        try:
+            raise TerminationSignal(signal.SIGTERM)
+        except TerminationSignal:
+            raise ValueError("Task run is not set") from None
+
+    try:
+        crash_handling()
+    except ValueError as exc:
+        try:
+            chunk_error(exc)
+        except TerminationSignal as stop:
+            assert stop.signal == signal.SIGTERM
+        else:
+            raise AssertionError("a chunk error raised while a SIGTERM unwound was counted as a failed chunk")
+    plain = RuntimeError("backend gone")
+    assert chunk_error(plain) is plain

@@ -30,32 +30,6 @@ def terminate_like_ctrl_c() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def signal_stops() -> tuple[type[BaseException], ...]:
-    """What a signal raises in the command: Ctrl-C, SIGTERM before a flow run, and Prefect's in one."""
-    from prefect.exceptions import TerminationSignal
-
-    return (KeyboardInterrupt, TerminationSignal)
-
-
-def signal_stop_in(exc: BaseException) -> BaseException | None:
-    """The signal's exception, also when a task group wrapped it or an error was raised while handling
-    it (Prefect's crash handling can fail on a task run the signal stopped before it existed)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, BaseExceptionGroup):
-            group = current.subgroup(signal_stops())
-            while isinstance(group, BaseExceptionGroup):
-                group = group.exceptions[0]
-            if group is not None:
-                return group
-        elif isinstance(current, signal_stops()):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
-
-
 class UsageError(Exception):
     """A flag or argument the user must change; the message says how."""
 

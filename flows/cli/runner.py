@@ -22,13 +22,13 @@ from rollflow.flows.cli.errors import (
     EXIT_TERMINATED,
     Terminated,
     known_errors_quiet,
-    signal_stop_in,
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
 from rollflow.flows.cli.progress import ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
+from rollflow.flows.stops import signal_stop_in
 from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
 from rollflow.tasks.publish.endpoints import endpoint_cells
