@@ -9,7 +9,7 @@ from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.parts import chunk_parts
 from rollflow.tasks.tuning.diagnose import diagnose, verdict
-from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_step
+from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, VerifyUsage, probe_step
 from rollflow.tasks.tuning.throughput import measure_step
 
 
@@ -33,6 +33,22 @@ def test_verdicts_from_synthetic_steps() -> None:
     d = verdict(step(5, 64), step(20, 64)).as_dict()
     assert set(d) >= {"verdict", "throughput", "errors", "time_split", "next_step"}
     assert "discarded" not in d, "only a run that collected can count what its chunks adopted"
+
+
+def test_checks_at_their_capacity_are_the_limit_whatever_a_short_steps_ratio_says() -> None:
+    """Two short steps of a thread-bound verifier can read x1.2-1.3 apart on a busy machine; the high
+    step running at what its checks sustain (by their CPU) is the verdict, not the noisy ratio."""
+    low = step(5, 64, backend_s=0.2, verify_s=0.8, usage=VerifyUsage(0.75, 0.8, 100, 0.8, 1.0))
+    fast = closed_loop(100, 20, 64, 0.05 * 4 / 1.3)  # x1.3 the low step's rate
+    high = StepResult("p20", 20, measure_step(fast, 20), backend_s=0.2, verify_s=0.8)
+    rate = high.rollouts_per_s
+    high.usage = VerifyUsage(0.9 * 100 / rate, 100 / rate, 100, 100 / rate, 100 / rate)
+    d = verdict(low, high, verify_processes=0)
+    assert 1.2 <= d.speedup < 2.0, d.speedup
+    assert d.verdict == "verifier-bound" and "--verify-processes" in d.next_step, (d.verdict, d.reason)
+    assert "Keep parallelism near 20" in d.next_step, d.next_step
+    idle = StepResult("p20", 20, measure_step(fast, 20), usage=VerifyUsage(0.1, 0.1, 100, 100 / rate, 1.0))
+    assert verdict(low, idle, verify_processes=0).verdict == "partly-parallelism-bound"
 
 
 CASES = [

@@ -1,7 +1,8 @@
 """diagnose-bottleneck: the same number of rows at a low and a high parallelism, and what limits the run.
 
 The NeMo Gym recipe by hand: if throughput doubled from 5 to 20 in flight, parallelism was the limit;
-if it grew under 20%, the model server or the verifier is; errors mean too much. `verdict()` is that
+if it grew under 20%, the model server or the verifier is; errors mean too much. CPU-bound checks that
+ran at their measured capacity at the high level are the limit whatever the ratio. `verdict()` is that
 rule with the figures attached (pure, unit-tested); `diagnose()` runs the two steps as real rollouts.
 """
 
@@ -156,7 +157,11 @@ def verdict(low: StepResult, high: StepResult, verify_processes: int | None = No
             f"{hi_p / lo_p:.1f}. Tune upward from {hi_p} (`rollflow tune`, or `--parallelism auto`).",
             f"{rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
         )
-    if speedup < NO_GAIN:
+    # CPU-bound checks at their measured capacity at the high level cap it, whatever a noisy ratio of two
+    # short steps says: more in flight cannot pass what the checks sustain.
+    checks_capped = verify_processes is not None and verification_limits(low, high, verify_processes)
+    checks_capped = checks_capped and not (high.engine is not None and high.engine.saturated)
+    if speedup < NO_GAIN or checks_capped:
         b_lo, b_hi = low.per_rollout(low.backend_s), high.per_rollout(high.backend_s)
         v_lo, v_hi = low.per_rollout(low.verify_s), high.per_rollout(high.verify_s)
         verify_grew, backend_grew = v_hi - v_lo, b_hi - b_lo
@@ -170,7 +175,8 @@ def verdict(low: StepResult, high: StepResult, verify_processes: int | None = No
             return done(
                 "verifier-bound",
                 f"Verification is the bottleneck: the time to score a rollout grows with load while the "
-                f"backend keeps up. {verify_next_step(verify_processes)} Keep parallelism near {lo_p}.",
+                f"backend keeps up. {verify_next_step(verify_processes)} Keep parallelism near "
+                f"{lo_p if speedup < NO_GAIN else hi_p}.",
                 f"{rates}; {split}; at {hi_p} in flight {load.clause()}.",
             )
         return done(
