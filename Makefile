@@ -24,8 +24,11 @@ lint: $(STAMP)
 	cp -R rollflow/. flows tasks settings infra $(VENV)/lint-tree/rollflow/
 	cd $(VENV)/lint-tree && PYTHONPATH=. ../bin/lint-imports --no-cache --config $(CURDIR)/pyproject.toml
 
+# Tests that check no rate, duration or deadline run two at a time; the rest then run alone.
 test: lint
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra -m concurrent -n 2 --dist loadfile --durations=10; side=$$?; \
+	$(PY) -m pytest -q -ra -m "not concurrent" --durations=15; alone=$$?; \
+	test $$side -eq 0 && test $$alone -eq 0
 
 bench: $(STAMP)
 	$(PY) bench/client_ceiling.py

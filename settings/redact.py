@@ -81,14 +81,17 @@ class _RedactedRecord(logging.LogRecord):
 
 
 def _wrap_factory(make: Any) -> Any:
+    # Bound now: a thread that logs while the interpreter exits finds the modules' globals already cleared.
+    plain, redacted, scrub, scrub_traceback = logging.LogRecord, _RedactedRecord, redact, _redact_traceback
+
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make(*args, **kwargs)
-        if type(record) is logging.LogRecord:
-            record.__class__ = _RedactedRecord
+        if type(record) is plain:
+            record.__class__ = redacted
         else:
             record.msg, record.args = record.getMessage(), None
-            record.msg = redact(record.msg)
-        return _redact_traceback(record)
+            record.msg = scrub(record.msg)
+        return scrub_traceback(record)
 
     return factory
 

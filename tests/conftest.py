@@ -1,5 +1,9 @@
 """Shared fixtures: real servers on 127.0.0.1 (simulated backend, moto S3), one per test session."""
 
+from __future__ import annotations
+
+import pytest
+
 pytest_plugins = [
     "fixtures_dask",
     "fixtures_net",
@@ -10,3 +14,37 @@ pytest_plugins = [
     "fixtures_sim",
     "local_http",
 ]
+
+# Modules whose tests check what was written and said, never a rate, a duration or a deadline: `make test`
+# runs them two at a time (pytest-xdist, a file per worker), the rest one at a time on a quiet machine.
+# A module that times anything stays off this list.
+CONCURRENT = {
+    "test_cli",
+    "test_consistency",
+    "test_deploy",
+    "test_errors",
+    "test_local_server",
+    "test_paths",
+    "test_pipeline_e2e",
+    "test_probe_accounting",
+    "test_replicas_cli",
+    "test_resume",
+    "test_rewards_report",
+    "test_rollout_counts",
+    "test_row_values",
+    "test_rows",
+    "test_seed",
+    "test_serve",
+    "test_settings_sources",
+    "test_sigterm",
+    "test_startup",
+    "test_storage",
+    "test_trust",
+    "test_trust_replies",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__ in CONCURRENT:
+            item.add_marker(pytest.mark.concurrent)
