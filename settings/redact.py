@@ -20,8 +20,28 @@ MASK = "***"
 # Credentials the storage and HTTP clients read from the environment themselves.
 ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
 _lock = threading.Lock()
-_secrets: frozenset[str] = frozenset()
 _installed = False
+
+
+class _Secrets:
+    """The process's secrets and their replacement. Log records hold this object rather than reading the
+    module's globals, which the interpreter clears at exit while a thread or a finalizer may still log."""
+
+    def __init__(self) -> None:
+        self.values: frozenset[str] = frozenset()
+
+    def redact(self, text: str, mask: str = MASK) -> str:
+        for secret in sorted(self.values, key=len, reverse=True):
+            if secret in text:
+                text = text.replace(secret, mask)
+        return text
+
+    def redact_traceback(self, record: logging.LogRecord, fmt: Any = traceback.format_exception) -> None:
+        if record.exc_info and record.exc_info[0] is not None:
+            record.exc_text = self.redact("".join(fmt(*record.exc_info)).rstrip("\n"))
+
+
+_SECRETS = _Secrets()
 
 
 def _secret_values(model: BaseModel) -> set[str]:
@@ -37,18 +57,17 @@ def _secret_values(model: BaseModel) -> set[str]:
 
 def register(settings: BaseModel | None = None, *values: str) -> None:
     """Add every SecretStr of `settings`, the environment's credentials and `values` to the redacted set."""
-    global _secrets
     found = set(values) | {os.environ.get(name, "") for name in ENV_SECRETS}
     if settings is not None:
         found |= _secret_values(settings)
     with _lock:
-        _secrets = _secrets | {s for s in found if s and s.strip()}
+        _SECRETS.values = _SECRETS.values | {s for s in found if s and s.strip()}
     install_log_redaction()
 
 
 def registered() -> frozenset[str]:
     """The secrets of this process, to hand to a helper process it starts (never through argv or env)."""
-    return _secrets
+    return _SECRETS.values
 
 
 class RedactedStream(io.TextIOBase):
@@ -67,22 +86,21 @@ class RedactedStream(io.TextIOBase):
 
 def redact(text: str) -> str:
     """`text` with every registered secret replaced by ***, longest first (a key inside another)."""
-    for secret in sorted(_secrets, key=len, reverse=True):
-        if secret in text:
-            text = text.replace(secret, MASK)
-    return text
+    return _SECRETS.redact(text)
 
 
 class _RedactedRecord(logging.LogRecord):
     """A log record whose message and traceback text never carry a registered secret."""
 
+    secrets = _SECRETS
+
     def getMessage(self) -> str:
-        return redact(super().getMessage())
+        return self.secrets.redact(super().getMessage())
 
 
 def _wrap_factory(make: Any) -> Any:
-    # Bound now: a thread that logs while the interpreter exits finds the modules' globals already cleared.
-    plain, redacted, scrub, scrub_traceback = logging.LogRecord, _RedactedRecord, redact, _redact_traceback
+    # Bound now: a thread or finalizer that logs while the interpreter exits finds the globals cleared.
+    plain, redacted, secrets = logging.LogRecord, _RedactedRecord, _SECRETS
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make(*args, **kwargs)
@@ -90,16 +108,11 @@ def _wrap_factory(make: Any) -> Any:
             record.__class__ = redacted
         else:
             record.msg, record.args = record.getMessage(), None
-            record.msg = scrub(record.msg)
-        return scrub_traceback(record)
+            record.msg = secrets.redact(record.msg)
+        secrets.redact_traceback(record)
+        return record
 
     return factory
-
-
-def _redact_traceback(record: logging.LogRecord) -> logging.LogRecord:
-    if record.exc_info and record.exc_info[0] is not None:
-        record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
-    return record
 
 
 def install_log_redaction() -> None:
