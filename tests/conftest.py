@@ -23,6 +23,7 @@ CONCURRENT = {
     "test_consistency",
     "test_deploy",
     "test_errors",
+    "test_lease_scope",
     "test_local_server",
     "test_paths",
     "test_pipeline_e2e",
@@ -39,6 +40,7 @@ CONCURRENT = {
     "test_sigterm",
     "test_startup",
     "test_storage",
+    "test_storage_lost",
     "test_trust",
     "test_trust_replies",
 }
