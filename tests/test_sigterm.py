@@ -42,48 +42,44 @@ def test_sigterm_before_the_flow_is_one_line(cli_env, rows_input, tmp_path: Path
     assert "Traceback" not in err.decode()
 
 
-def test_an_error_raised_while_a_signal_unwinds_is_still_that_stop():
-    """Prefect's crash handling of a task run the signal stopped before it existed raises ValueError
-    ("Task run is not set") from the TerminationSignal: the CLI must still say one line, exit 143."""
+def crash_handling_error() -> ValueError:
+    """What Prefect's crash handling raises for a task run the signal stopped before it existed: a
+    ValueError ("Task run is not set") raised while the TerminationSignal unwound."""
     from prefect.exceptions import TerminationSignal
 
-    from rollflow.flows.stops import signal_stop_in
-
-    def crash_handling() -> None:
+    try:
         try:
             raise TerminationSignal(signal.SIGTERM)
         except TerminationSignal:
             raise ValueError("Task run is not set") from None
-
-    try:
-        crash_handling()
     except ValueError as exc:
-        assert isinstance(signal_stop_in(exc), TerminationSignal)
+        return exc
+    raise AssertionError("unreachable")
+
+
+def test_an_error_raised_while_a_signal_unwinds_is_still_that_stop():
+    """The CLI must still say one line and exit 143 when the signal comes back as another error."""
+    from prefect.exceptions import TerminationSignal
+
+    from rollflow.flows.stops import signal_stop_in
+
+    assert isinstance(signal_stop_in(crash_handling_error()), TerminationSignal)
     wrapped = ExceptionGroup("tasks", [RuntimeError("x"), ValueError("y")])
     assert signal_stop_in(wrapped) is None and signal_stop_in(ValueError("plain")) is None
 
 
 def test_a_chunk_error_raised_while_a_signal_unwinds_stops_the_run():
-    """A SIGTERM that lands while Prefect creates a chunk's task run comes back as a ValueError from its
-    crash handling: that is the stop, not a failed chunk after which the run would go on to its audit."""
+    """A SIGTERM that lands while Prefect creates a chunk's task run comes back as that ValueError: it is
+    the stop, not a failed chunk after which the run would go on to its audit."""
     from prefect.exceptions import TerminationSignal
 
     from rollflow.flows.stops import chunk_error
 
-    def crash_handling() -> None:
-        try:
-            raise TerminationSignal(signal.SIGTERM)
-        except TerminationSignal:
-            raise ValueError("Task run is not set") from None
-
     try:
-        crash_handling()
-    except ValueError as exc:
-        try:
-            chunk_error(exc)
-        except TerminationSignal as stop:
-            assert stop.signal == signal.SIGTERM
-        else:
-            raise AssertionError("a chunk error raised while a SIGTERM unwound was counted as a failed chunk")
+        chunk_error(crash_handling_error())
+    except TerminationSignal as stop:
+        assert stop.signal == signal.SIGTERM
+    else:
+        raise AssertionError("a chunk error raised while a SIGTERM unwound was counted as a failed chunk")
     plain = RuntimeError("backend gone")
     assert chunk_error(plain) is plain
