@@ -43,6 +43,7 @@ CONCURRENT = {
     "test_storage_lost",
     "test_trust",
     "test_trust_replies",
+    "test_ui",
 }
 
 
