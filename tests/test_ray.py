@@ -1,6 +1,7 @@
 """`--runner ray` on a two-node Ray cluster inside a network namespace with only loopback (fixtures_netns):
 the local runner's bytes on S3, every rollout once after a worker process is SIGKILLed, the backend never
-above --parallelism (below the worker count, with a node joining mid-run), and nothing off 127.0.0.1."""
+above --parallelism (below the worker count, with a node joining mid-run), a hung replica found once for
+every worker, and nothing off 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from types import SimpleNamespace
 
 from cli_runs import ROWS, run_args
 from fixtures_netns import RayWorld
+
+from rollflow.tasks.collect.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 
 ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
 STATS = (
@@ -29,13 +32,19 @@ def _stats(world: RayWorld, url: str) -> dict:
     return json.loads(world.run([sys.executable, "-c", STATS, url], timeout=30).check().stdout)
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120) -> None:
+def _wait_for(
+    predicate, what: str, timeout_s: float = 120, world: RayWorld | None = None, run: int = 0
+) -> None:
+    """Until `predicate`; with `world` and `run`, a run that ends first, or the timeout, shows its output."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
+        if world is not None and not (state := world.wait(run, timeout=0.01)).running:
+            raise AssertionError(f"{what}: the run ended, rc={state.rc}\n{state.stderr[-3000:]}")
         time.sleep(0.2)
-    raise TimeoutError(what)
+    tail = "" if world is None else world.wait(run, timeout=0.01).stderr[-3000:]
+    raise TimeoutError(f"{what}\n{tail}")
 
 
 def _ray_run(world: RayWorld, rows: Path, out: str, sim: str, *extra: str) -> int:
@@ -82,13 +91,55 @@ def test_ray_limit_below_the_workers_holds_when_a_node_joins_mid_run(
     try:
         result = ray_world.wait(run, timeout=300)
     finally:
-        ray_world.kill(id=joined, signal=9)
+        # SIGTERM: `ray start --block` then stops its node's raylet and agents, which leave the cluster.
+        # SIGKILL left them behind, a node that took tasks it could not start for the next run.
+        ray_world.kill(id=joined, signal=15)
+        if ray_world.wait(joined, timeout=30).running:
+            ray_world.kill(id=joined, signal=9)
     assert result.rc == 0, result.stderr[-3000:]
     assert _stats(ray_world, sim)["max_in_flight_seen"] == 1
     report = json.loads((out / "report.json").read_text())
     assert sum(w["rollouts"] for w in report["workers"]) == 1200
     assert len([w for w in report["workers"] if w["rollouts"]]) == 3, report["workers"]
     assert report["metrics"]["peak_in_flight"] == 1
+
+
+HANG = (
+    "import json, sys, urllib.request; urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "
+    "'/admin/config', data=json.dumps({'fault_rate': 1.0, 'fault_kinds': ['hang']}).encode(), "
+    "method='POST'), timeout=10).read()"
+)
+
+
+def test_ray_a_hung_replica_is_found_once_for_every_worker(
+    ray_world: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    """One replica starts hanging mid-run: once a worker takes it out, no worker's chunk sends it work
+    again; it gets only the trials that check whether it is back (as on Dask, through the Ray actor)."""
+    good = ray_world.simulate(["--latency-ms", "20", "--slots", "8"])
+    hung = ray_world.simulate(["--latency-ms", "20", "--hang-s", "30"])
+    out = tmp_path / "out"
+    run = _ray_run(ray_world, rows_input, str(out), good, "--backend-url", f"{good},{hung}", "--timeout-s",
+                   "1", "--parallelism", "16", "--chunk-size", "20", "--limit", "600")  # fmt: skip
+    _wait_for(
+        lambda: len(list(out.glob("chunks/*.json"))) >= 2, "no chunk committed", world=ray_world, run=run
+    )
+    ray_world.run([sys.executable, "-c", HANG, hung], timeout=30).check()
+    time.sleep(2 * 1.0 + 1.0)  # a request timeout to find it, one more for requests already sent
+    seen, t_seen = _stats(ray_world, hung)["requests"], time.monotonic()
+    result = ray_world.wait(run, timeout=300)
+    rest_s = time.monotonic() - t_seen
+    assert result.rc == 0, result.stderr[-3000:]
+    later = _stats(ray_world, hung)["requests"] - seen
+    report = json.loads((out / "report.json").read_text())
+    workers = len(report["workers"])
+    # Trials only: the worker that took it out tries it every BACKOFF_MAX_S, the others every
+    # FOLLOWED_TRIAL_S. Finding it anew in each chunk would cost STREAK_OUT requests per chunk.
+    trials = workers * (1 + rest_s / BACKOFF_MAX_S + rest_s / FOLLOWED_TRIAL_S)
+    chunks = len(list(out.glob("chunks/*.json")))
+    assert later <= trials, f"{later} requests to the hung replica in {rest_s:.1f} s ({chunks} chunks)"
+    rows = {row["url"]: row for row in report["endpoints"]}
+    assert rows[hung]["out_of_rotation_s"] > 0 and report["audit_ok"]
 
 
 def test_ray_without_the_extra_says_how_to_install_it(run_cli, fast_sim, rows_input, tmp_path) -> None:
