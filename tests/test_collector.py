@@ -31,7 +31,7 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     slot.apply(me, {"grants": {me: [2, 16]}})  # an older answer changes nothing
     assert slot.ctx.pool.limits() == {A: 6, B: 2}
 
-    slot.chunks[7] = [100, 0, 0]
+    slot.start(7, 100)
     slot.count(ProgressEvent("attempt", chunk=7, done=10))
     slot.count(ProgressEvent("rollouts", chunk=7, done=5, failed=1))
     slot.count(ProgressEvent("rollouts", chunk=8, done=50))  # another run's chunk: not this slot's

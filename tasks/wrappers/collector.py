@@ -24,7 +24,7 @@ from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
 from rollflow.tasks.collect.endpoints import split_limit
 from rollflow.tasks.collect.http import close_loop_session
-from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.shares import LEASE_S
@@ -71,9 +71,8 @@ class RunSlot:
     run_limits: dict[str, int]
     scope: WorkerScope
     link: ShareLink | None
-    chunks: dict[int, list[int]] = field(default_factory=dict)  # running chunk -> [total, done, failed]
-    done: int = 0
-    failed: int = 0
+    planned: dict[int, int] = field(default_factory=dict)  # running chunk -> its planned rollouts
+    counted: RolloutCount = field(default_factory=RolloutCount)  # what this process finished of them
     chunks_done: int = 0
     applied_seq: int = 0
     reports: int = 0
@@ -82,32 +81,30 @@ class RunSlot:
     cpu0: float = field(default_factory=time.process_time)
     sync: asyncio.Task[None] | None = None
 
+    def start(self, chunk: int, planned: int) -> None:
+        self.planned[chunk] = planned
+        self.counted.chunks[chunk] = [0, 0]
+
+    def end(self, chunk: int) -> None:
+        self.planned.pop(chunk, None)
+        self.counted.chunks.pop(chunk, None)
+
     def count(self, event: ProgressEvent) -> None:
-        counts = self.chunks.get(event.chunk) if event.chunk is not None else None
-        if counts is None:
-            return
-        if event.kind == "attempt":
-            self.done -= counts[1]
-            self.failed -= counts[2]
-            counts[1:] = [event.done, 0]
-            self.done += event.done
-        elif event.kind == "rollouts":
-            counts[1] += event.done
-            counts[2] += event.failed
-            self.done += event.done
-            self.failed += event.failed
+        """A running chunk's attempt or rollouts (the process's hub also carries other runs' events)."""
+        if event.chunk in self.planned and event.kind in ("attempt", "rollouts"):
+            self.counted.add(event)
 
     def report(self, worker: str) -> dict[str, Any]:
         self.reports += 1
         pool, limit = self.ctx.pool, self.ctx.limit
         return {
             "n": self.reports,
-            "demand": sum(max(0, total - d - f) for total, d, f in self.chunks.values()),
+            "demand": sum(max(0, n - sum(self.counted.chunks.get(i, ()))) for i, n in self.planned.items()),
             "in_use": limit.in_use,
             "applied_seq": self.applied_seq,
             "applied": pool.share if pool.share is not None else limit.limit,
             "rotation": {url: list(event) for url, event in pool.rotation().items()},
-            "chunks": {str(i): [d, f] for i, (_, d, f) in self.chunks.items()},
+            "chunks": {str(i): list(counts) for i, counts in self.counted.chunks.items()},
             "snapshot": self.snapshot(worker),
         }
 
@@ -116,8 +113,8 @@ class RunSlot:
         return {
             "worker": worker,
             "seq": self.reports,
-            "rollouts": self.done,
-            "failed": self.failed,
+            "rollouts": self.counted.done,
+            "failed": self.counted.failed,
             "chunks": self.chunks_done,
             "peak_in_flight": self.ctx.limit.peak,
             "share": self.ctx.pool.share,
@@ -164,7 +161,7 @@ class WorkerCollector:
 
     async def _collect(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
         slot = await self._slot(run)
-        slot.chunks[chunk.index] = [chunk.good_rows * run.spec.collection.num_repeats, 0, 0]
+        slot.start(chunk.index, chunk.good_rows * run.spec.collection.num_repeats)
         scope = run.scope
         left = None if scope.stop_at is None else max(0.0, scope.stop_at - time.time())
         try:
@@ -180,7 +177,7 @@ class WorkerCollector:
             outcome.endpoints = outcome.worker["endpoints"]
             return outcome
         finally:
-            slot.chunks.pop(chunk.index, None)
+            slot.end(chunk.index)
             slot.last_active = time.monotonic()
 
     async def _slot(self, run: RemoteRun) -> RunSlot:
@@ -231,7 +228,7 @@ class WorkerCollector:
             if now - slot.last_ok > LEASE_S and slot.ctx.pool.share:
                 slot.ctx.pool.set_share(0, slot.run_limits)  # the book will count this worker as gone
             past_deadline = slot.scope.stop_at is not None and time.time() > slot.scope.stop_at
-            if not slot.chunks and (now - slot.last_active > IDLE_S or past_deadline):
+            if not slot.planned and (now - slot.last_active > IDLE_S or past_deadline):
                 self.slots.pop(key, None)
                 return
             await asyncio.sleep(POLL_S)
