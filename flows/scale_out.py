@@ -17,7 +17,6 @@ from typing import Any
 
 from rollflow.flows.engines import Engine, open_engine
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.flows.stops import chunk_error
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.progress import ProgressEvent, hub
@@ -139,8 +138,7 @@ def _collect_blocking(
                     result.outcomes.append(outcome)
                     board.finish(outcome)
                 except Exception as exc:
-                    error = chunk_error(exc)
-                    result.errors.append(redact.redact(f"{type(error).__name__}: {error}"))
+                    result.errors.append(redact.redact(f"{type(exc).__name__}: {exc}"))
         if pending or unsent:
             engine.cancel(pending)
             result.stopped = True
