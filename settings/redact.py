@@ -27,18 +27,21 @@ class _Secrets:
     """The process's secrets and their replacement. Log records hold this object rather than reading the
     module's globals, which the interpreter clears at exit while a thread or a finalizer may still log."""
 
+    mask = MASK
+    format_exception = staticmethod(traceback.format_exception)
+
     def __init__(self) -> None:
         self.values: frozenset[str] = frozenset()
 
-    def redact(self, text: str, mask: str = MASK) -> str:
+    def redact(self, text: str) -> str:
         for secret in sorted(self.values, key=len, reverse=True):
             if secret in text:
-                text = text.replace(secret, mask)
+                text = text.replace(secret, self.mask)
         return text
 
-    def redact_traceback(self, record: logging.LogRecord, fmt: Any = traceback.format_exception) -> None:
+    def redact_traceback(self, record: logging.LogRecord) -> None:
         if record.exc_info and record.exc_info[0] is not None:
-            record.exc_text = self.redact("".join(fmt(*record.exc_info)).rstrip("\n"))
+            record.exc_text = self.redact("".join(self.format_exception(*record.exc_info)).rstrip("\n"))
 
 
 _SECRETS = _Secrets()
