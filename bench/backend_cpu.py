@@ -15,8 +15,8 @@ from aiohttp import web
 
 from rollflow.infra.local import free_port, wait_http
 from rollflow.settings import BackendSettings
-from rollflow.tasks.collect.backends import BackendClient
-from rollflow.tasks.collect.http import close_loop_session, session_for_loop
+from rollflow.tasks.backends.backends import BackendClient
+from rollflow.tasks.backends.http import close_loop_session, session_for_loop
 
 RESPONSE = (
     b'{"id":"r1","object":"response","model":"m","output":[{"type":"message","role":"assistant",'

@@ -52,13 +52,13 @@ from harness import write_input
 
 from rollflow.infra.local import free_port, wait_http
 from rollflow.settings import RollflowSettings, RunSpec
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.plan import RunPlan, plan_run
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.runtime import collect_context, open_run
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
 from rollflow.tasks.tuning.tune import TuneOptions, tune
-from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollflow-bench"

@@ -25,10 +25,10 @@ import orjson
 from harness import Service, spawn_simulator, write_input
 
 from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.chunk import collect_chunk
-from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import plan_run
-from rollflow.tasks.wrappers.runtime import collect_context, default_chunks_in_flight, open_run
+from rollflow.tasks.collect.runtime import collect_context, default_chunks_in_flight, open_run
 
 SLOTS = (16, 16, 32, 64)
 QUEUE_SHARE = 0.25

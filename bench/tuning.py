@@ -36,14 +36,14 @@ import orjson
 from harness import spawn_simulator, write_input
 
 from rollflow.settings import RollflowSettings, RunSpec
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.plan import plan_run
 from rollflow.tasks.collect.rollouts import RolloutBatch, run_rollouts
+from rollflow.tasks.collect.runtime import collect_context, open_run
 from rollflow.tasks.tuning.adaptive import AdaptiveOptions, adaptive_control
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
 from rollflow.tasks.tuning.tune import TuneOptions, tune
-from rollflow.tasks.wrappers.runtime import collect_context, open_run
 
 PROFILES = [(8, 50.0), (32, 50.0), (48, 100.0), (128, 400.0)]
 ENGINE_PROFILES = ["batching", "kv-limited", "preempting"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 
-from rollflow.tasks.collect.verify_pool import default_processes
+from rollflow.tasks.verify.pool import default_processes
 
 VERIFIERS = {"math": "math", "busy 2 ms": "busy_verifier:score"}
 

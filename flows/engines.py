@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollflow.settings import RunSpec
-from rollflow.tasks.wrappers.runtime import default_chunks_in_flight
-from rollflow.tasks.wrappers.share_links import DaskChannel, DaskLink, RayChannel, RayLink
+from rollflow.tasks.collect.runtime import default_chunks_in_flight
+from rollflow.tasks.scaleout.channels import DaskChannel, DaskLink, RayChannel, RayLink
 
 RAY_MISSING = (
     "--runner ray needs Ray and prefect-ray, which are not installed: pip install 'rollflow[ray]' "

@@ -17,20 +17,21 @@ from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import chunk_error
 from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec, redact
+from rollflow.tasks.backends.engine_metrics import sample_endpoints
+from rollflow.tasks.backends.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.engine_metrics import sample_endpoints
-from rollflow.tasks.collect.http import auth_headers, close_loop_session
+from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
-from rollflow.tasks.collect.verify_pool import close_pools
+from rollflow.tasks.collect.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 from rollflow.tasks.publish.audit import AuditSummary
-from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, render_markdown, write_report
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import (
     collect_chunk_task,
     concatenate_task,
@@ -39,7 +40,6 @@ from rollflow.tasks.wrappers.prefect_tasks import (
     preflight_task,
     verify_task,
 )
-from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 
 
 class RunIncomplete(Exception):

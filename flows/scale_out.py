@@ -3,7 +3,7 @@ and this process keeps the run's share book (one limit for all workers) and coun
 
 The blocking engine calls run in a thread that stops when told (deadline, lease lost, Ctrl-C): it cancels
 the futures and leaves the runner, which closes a local cluster's workers. Workers of an existing cluster
-stop their chunk themselves at the deadline or when the run's lease is gone (tasks/wrappers/remote.py).
+stop their chunk themselves at the deadline or when the run's lease is gone (tasks/scaleout/scope.py).
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.flows.engines import Engine, open_engine
+from rollflow.flows.engines import open_engine
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rows import ChunkSpec
-from rollflow.tasks.collect.shares import ShareBook
-from rollflow.tasks.wrappers.collector import POLL_S
+from rollflow.tasks.scaleout.board import Board
+from rollflow.tasks.scaleout.collector import POLL_S
+from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
-from rollflow.tasks.wrappers.remote import WorkerScope
 
 WATCH_S = 0.02
 SUBMIT_S = 0.05
@@ -40,72 +39,6 @@ class CollectResult:
     peak_allowed: int | None = None  # remote runners: the most the share book let them have at once
 
 
-@dataclass
-class Rotation:
-    """Which replicas are out for the whole run: the newest event any worker reported wins."""
-
-    events: dict[str, tuple[str, float]] = field(default_factory=dict)
-
-    def merge(self, reported: dict[str, Any]) -> None:
-        for url, (state, at) in reported.items():
-            if url not in self.events or self.events[url][1] < at:
-                self.events[url] = (state, at)
-
-    def live_limit(self, limits: dict[str, int]) -> int:
-        """The run's limit over the replicas in rotation (all of them when none is)."""
-        live = sum(n for url, n in limits.items() if self.events.get(url, ("in", 0))[0] == "in")
-        return live or sum(limits.values())
-
-
-class Board:
-    """One round every POLL_S: read the workers' reports, allocate shares, publish them, count progress."""
-
-    def __init__(self, engine: Engine, limits: dict[str, int], loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.limits, self.loop = engine, limits, loop
-        self.book = ShareBook(sum(limits.values()))
-        self.rotation = Rotation()
-        self.finished: set[int] = set()
-        self.workers_seen = 0
-
-    def round(self) -> None:
-        reports = self.engine.channel.reports()
-        for worker, report in reports.items():
-            self.book.update(worker, report)
-            self.rotation.merge(report.get("rotation") or {})
-        self.book.set_limit(self.rotation.live_limit(self.limits))
-        grants = self.book.allocate()
-        self.engine.channel.publish(
-            {"grants": grants, "rotation": {url: list(e) for url, e in self.rotation.events.items()}}
-        )
-        for worker in self.book.workers:
-            for index, (done, failed) in (reports[worker].get("chunks") or {}).items():
-                if int(index) not in self.finished:
-                    self._emit(ProgressEvent("attempt", chunk=int(index), done=done))
-                    self._emit(ProgressEvent("rollouts", chunk=int(index), failed=failed))
-        if len(self.book.workers) != self.workers_seen:
-            self.workers_seen = len(self.book.workers)
-            self._emit(ProgressEvent("workers", total=self.workers_seen))
-
-    def finish(self, outcome: ChunkOutcome) -> None:
-        index = outcome.manifest.chunk
-        self.finished.add(index)
-        self._emit(ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows))
-        self._emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
-        self._emit(ProgressEvent("chunk", chunk=index))
-
-    def workers(self, outcomes: list[ChunkOutcome]) -> list[dict[str, Any]]:
-        """Each worker process's newest figures: its last report's or its last chunk's, whichever is later."""
-        newest = self.book.snapshots()
-        for outcome in outcomes:
-            snap = outcome.worker
-            if snap and snap.get("seq", 0) >= newest.get(snap["worker"], {}).get("seq", -1):
-                newest[snap["worker"]] = snap
-        return [newest[w] for w in sorted(newest)]
-
-    def _emit(self, event: ProgressEvent) -> None:
-        self.loop.call_soon_threadsafe(hub.emit, event)
-
-
 def _collect_blocking(
     spec: RunSpec,
     chunks: list[ChunkSpec],
@@ -117,7 +50,7 @@ def _collect_blocking(
 ) -> CollectResult:
     result = CollectResult()
     with open_engine(spec, f"{secrets.token_hex(6)}", len(chunks)) as engine:
-        board = Board(engine, limits, loop)
+        board = Board(engine.channel, limits, loop)
         task = collect_chunk_remote_task.with_options(retries=retries)
         params = {"share": limits, "scope": scope, "resolve": resolve_secret_blocks, "link": engine.link}
         unsent = list(chunks)

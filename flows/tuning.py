@@ -17,10 +17,11 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import RollflowSettings, RunSpec, TuningSettings
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
-from rollflow.tasks.publish.clock import StageClock
+from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
 from rollflow.tasks.publish.plot import (
     data_uri,
     diagnosis_markdown,
@@ -40,7 +41,6 @@ from rollflow.tasks.tuning.probe import ProbeFeed
 from rollflow.tasks.tuning.tune import TuneOptions
 from rollflow.tasks.wrappers.prefect_tasks import lease_task, plan_task, preflight_task
 from rollflow.tasks.wrappers.prefect_tuning_tasks import diagnose_task, tune_task
-from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
 
 TuningParams = TuningSettings
 

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 
 RESPONSE = {
     "id": "resp_1",

@@ -13,8 +13,8 @@ from local_http import AGENT, RESPONSE, ScriptedServer
 from pydantic import SecretStr
 
 from rollflow.settings import BackendSettings
-from rollflow.tasks.collect.backends import BackendClient, BackendError
-from rollflow.tasks.collect.http import close_loop_session, session_for_loop
+from rollflow.tasks.backends.backends import BackendClient, BackendError
+from rollflow.tasks.backends.http import close_loop_session, session_for_loop
 
 ROW = {
     "responses_create_params": {"input": [{"role": "user", "content": "6 x 7?"}], "temperature": 0.5},

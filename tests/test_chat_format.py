@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollflow.tasks.collect.backends import chat_request, chat_to_response, responses_text
+from rollflow.tasks.backends.backends import chat_request, chat_to_response, responses_text
 
 
 def test_chat_request_conversion() -> None:

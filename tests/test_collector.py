@@ -9,8 +9,8 @@ from pathlib import Path
 
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.progress import ProgressEvent
-from rollflow.tasks.wrappers.collector import RemoteRun, WorkerCollector
-from rollflow.tasks.wrappers.remote import WorkerScope
+from rollflow.tasks.scaleout.collector import RemoteRun, WorkerCollector
+from rollflow.tasks.scaleout.scope import WorkerScope
 
 A, B = "http://127.0.0.1:9", "http://127.0.0.1:10"
 

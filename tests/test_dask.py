@@ -13,7 +13,7 @@ from cli_runs import ROWS, run_args, spawn, wait_until
 from fixtures_dask import PRELOAD, reset_stats, sim_stats
 
 from rollflow.infra.local import spawn_simulator
-from rollflow.tasks.collect.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
+from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 
 
 def children(pid: int) -> list[int]:

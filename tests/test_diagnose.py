@@ -6,7 +6,7 @@ import pytest
 from tuning_support import closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.parts import chunk_parts
 from rollflow.tasks.tuning.diagnose import diagnose, verdict
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, VerifyUsage, probe_step

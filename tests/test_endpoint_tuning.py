@@ -15,9 +15,9 @@ from rollout_data import assert_complete, write_rows
 from tuning_support import setup_run
 
 from rollflow.infra.local import Service, spawn_simulator
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.backends.preflight import BackendUnreachable
 from rollflow.tasks.collect.plan import RunPlan
-from rollflow.tasks.collect.preflight import BackendUnreachable
 from rollflow.tasks.collect.rollouts import CollectContext, RolloutBatch, WorkItem, run_rollouts
 from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
 from rollflow.tasks.tuning.adaptive import adaptive_control
@@ -191,7 +191,7 @@ def test_report_has_one_table_per_endpoint_and_the_sum() -> None:
 
 async def test_a_replica_down_at_the_start_is_left_untuned(fast_sim: Service) -> None:
     """Only the reachable replicas are tuned; the one that was down starts at the smallest tuned limit."""
-    from rollflow.tasks.collect.preflight import check_reachable
+    from rollflow.tasks.backends.preflight import check_reachable
     from rollflow.tasks.tuning.per_endpoint import Timed, combine_endpoints, split_reachable
 
     down = f"http://127.0.0.1:{free_port()}"

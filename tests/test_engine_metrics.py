@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from rollflow.infra.local import Service, free_port, spawn_simulator
-from rollflow.tasks.collect.engine_metrics import EngineSampler, metrics_url, parse_engine_metrics
+from rollflow.tasks.backends.engine_metrics import EngineSampler, metrics_url, parse_engine_metrics
 
 MODEL = 'model_name="Qwen/Qwen3-8B"'
 VLLM = f"""\

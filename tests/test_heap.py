@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from tuning_support import setup_run
 
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect import heap
 from rollflow.tasks.collect.chunk import collect_chunk
-from rollflow.tasks.collect.http import close_loop_session
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
 
 
 async def test_bound_holds_and_fifo() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 from key_server import EchoServer
 
-from rollflow.tasks.collect.verifiers import math_match
+from rollflow.tasks.verify.verifiers import math_match
 
 # (expected_answer, the reply's final answer, equal?)
 PAIRS = [

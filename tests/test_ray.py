@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from cli_runs import ROWS, run_args
 from fixtures_netns import RayWorld
 
-from rollflow.tasks.collect.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
+from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 
 ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
 STATS = (

@@ -15,12 +15,12 @@ from rollout_data import assert_complete, write_rows
 
 from rollflow.infra.local import Service, spawn_simulator
 from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
-from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.plan import plan_run
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.runtime import collect_context, default_chunks_in_flight, open_run
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
-from rollflow.tasks.wrappers.runtime import collect_context, default_chunks_in_flight, open_run
 
 SLOTS = (8, 16, 32)
 LATENCY_MS = "50"

@@ -13,8 +13,8 @@ from pydantic import SecretStr
 
 from rollflow.infra.local import free_port
 from rollflow.settings import BackendSettings
-from rollflow.tasks.collect.backends import BackendClient, BackendError
-from rollflow.tasks.collect.http import close_loop_session, session_for_loop
+from rollflow.tasks.backends.backends import BackendClient, BackendError
+from rollflow.tasks.backends.http import close_loop_session, session_for_loop
 
 ROW = {"responses_create_params": {"input": "hi"}}
 REPLY = b'{"output": [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}], "usage": {"output_tokens": 3}}'  # noqa: E501

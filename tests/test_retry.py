@@ -10,10 +10,10 @@ from local_http import ScriptedServer, serve_garbage
 
 from rollflow.infra.local import free_port
 from rollflow.settings import BackendSettings
-from rollflow.tasks.collect.backends import BackendClient, BackendError
-from rollflow.tasks.collect.http import close_loop_session, session_for_loop
-from rollflow.tasks.collect.observe import AttemptLog
-from rollflow.tasks.collect.retry import RetryPolicy, parse_retry_after
+from rollflow.tasks.backends.backends import BackendClient, BackendError
+from rollflow.tasks.backends.http import close_loop_session, session_for_loop
+from rollflow.tasks.backends.observe import AttemptLog
+from rollflow.tasks.backends.retry import RetryPolicy, parse_retry_after
 
 ROW = {"responses_create_params": {"input": "hi"}}
 

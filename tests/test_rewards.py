@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollflow.settings import VerifySettings
-from rollflow.tasks.collect.backends import RolloutResult
-from rollflow.tasks.collect.verifiers import VerifierError, exact_match, last_boxed, make_verifier, math_match
+from rollflow.tasks.backends.backends import RolloutResult
+from rollflow.tasks.verify.verifiers import VerifierError, exact_match, last_boxed, make_verifier, math_match
 
 
 def result(text: str) -> RolloutResult:

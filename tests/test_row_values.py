@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from test_errors import args_for, one_paragraph
 
 from rollflow.settings import BackendSettings, CollectionSettings
-from rollflow.tasks.collect.http import close_loop_session
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.rollouts import CollectContext, RolloutBatch, run_rollouts
 from rollflow.tasks.collect.rows import iter_chunk_rows, scan_input
 from rollflow.tasks.storage.ledger import Ledger

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollflow.tasks.collect.shares import ShareBook, water_fill
+from rollflow.tasks.scaleout.book import ShareBook, water_fill
 
 
 def test_water_fill_splits_evenly_and_never_past_a_demand():

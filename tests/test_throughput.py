@@ -6,7 +6,7 @@ import pytest
 from tuning_support import closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.rollouts import RequestRecord
 from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
 from rollflow.tasks.tuning.throughput import measure_step, percentiles

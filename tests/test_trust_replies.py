@@ -12,11 +12,11 @@ from rollout_data import write_rows
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.settings import BackendSettings, CollectionSettings, VerifySettings
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.rollouts import CollectContext, RolloutBatch, run_rollouts
-from rollflow.tasks.collect.verifiers import make_verifier
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store
+from rollflow.tasks.verify.verifiers import make_verifier
 
 
 def _args(inp: Path, out: Path, url: str, *extra: str) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 from tuning_support import assert_nothing_wasted, closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.tuning.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult

@@ -14,7 +14,7 @@ import pytest
 from tuning_support import Setup, setup_run
 
 from rollflow.infra.local import spawn_simulator
-from rollflow.tasks.collect.http import close_loop_session
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, probe_step
 from rollflow.tasks.tuning.tune import TuneOptions, Tuning, tune

@@ -10,9 +10,9 @@ from aiohttp import web
 from local_http import RESPONSE, ScriptedServer
 
 from rollflow.settings import VerifySettings
-from rollflow.tasks.collect.backends import BackendError, RolloutResult
-from rollflow.tasks.collect.retry import RetryPolicy
-from rollflow.tasks.collect.verifiers import (
+from rollflow.tasks.backends.backends import BackendError, RolloutResult
+from rollflow.tasks.backends.retry import RetryPolicy
+from rollflow.tasks.verify.verifiers import (
     CachedVerifier,
     VerifierError,
     exact_match,

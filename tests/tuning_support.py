@@ -12,15 +12,15 @@ import orjson
 from rollout_data import write_rows
 
 from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.chunk import collect_chunk
-from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.parts import chunk_parts
 from rollflow.tasks.collect.plan import RunPlan, plan_run
 from rollflow.tasks.collect.rollouts import CollectContext, RequestRecord
+from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
 from rollflow.tasks.publish.plot import throughput_png, tuning_markdown
 from rollflow.tasks.tuning.diagnose import Diagnosis
 from rollflow.tasks.tuning.tune import Tuning
-from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
 
 
 @dataclass

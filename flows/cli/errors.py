@@ -41,13 +41,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """
     from rollflow.flows.cli.local_server import LocalServerError
     from rollflow.flows.secrets import SecretBlockError
-    from rollflow.tasks.collect.preflight import BackendUnreachable
+    from rollflow.tasks.backends.preflight import BackendUnreachable
     from rollflow.tasks.collect.rows import InputError
-    from rollflow.tasks.collect.verifiers import VerifierError
     from rollflow.tasks.storage.lease import LeaseHeld, LeaseLost
     from rollflow.tasks.storage.ledger import IdentityMismatch
     from rollflow.tasks.storage.store import StorageError
     from rollflow.tasks.tuning.diagnose import TuningError
+    from rollflow.tasks.verify.verifiers import VerifierError
 
     return (
         InputError,

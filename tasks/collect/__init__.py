@@ -1,4 +1,4 @@
-"""Collecting rollouts: input rows, the chunk plan, backends, retries, in-flight limit, parts, verifiers.
+"""Collecting rollouts: input rows, the chunk plan, parts, chunks, rollouts and progress.
 
 Imports no Prefect.
 """

@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.settings import BackendSettings, CollectionSettings, redact
-from rollflow.tasks.collect.backends import BackendClient, BackendError, RolloutResult
-from rollflow.tasks.collect.endpoints import EndpointPool
-from rollflow.tasks.collect.http import session_for_loop
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
-from rollflow.tasks.collect.observe import AttemptObserver
+from rollflow.tasks.backends.backends import BackendClient, BackendError, RolloutResult
+from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.http import session_for_loop
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.observe import AttemptObserver
 from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.seeds import seeded
-from rollflow.tasks.collect.verifiers import Verifier
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.verify.verifiers import Verifier
 
 RolloutKey = tuple[int, int]
 WorkItem = tuple[int, dict[str, Any], int]

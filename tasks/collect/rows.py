@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from rollflow.tasks.collect.formats import chat_problem
+from rollflow.tasks.backends.formats import chat_problem
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.store import describe_error, open_input
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollflow.tasks.backends.endpoints import EndpointPool
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.endpoints import EndpointPool
 
 ENDPOINT_COLUMNS = ("endpoint", "rollouts", "rollouts/s", "errors", "limit", "out s", "engine")
 

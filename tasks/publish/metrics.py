@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.rollouts import CollectContext
-from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.publish.report import RunMetrics
 
 

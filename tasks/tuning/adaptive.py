@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Protocol
 
-from rollflow.tasks.collect.endpoints import EndpointPool
-from rollflow.tasks.collect.observe import AttemptLog
+from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.observe import AttemptLog
 from rollflow.tasks.collect.rollouts import CollectContext
 
 

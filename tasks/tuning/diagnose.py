@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.tasks.collect.engine_metrics import EngineSampler
+from rollflow.tasks.backends.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.engine import engine_clause, engine_sampler

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollflow.tasks.collect.engine_metrics import EngineSample, EngineSampler
-from rollflow.tasks.collect.http import auth_headers, session_for_loop
+from rollflow.tasks.backends.engine_metrics import EngineSample, EngineSampler
+from rollflow.tasks.backends.http import auth_headers, session_for_loop
 from rollflow.tasks.collect.rollouts import CollectContext, RequestRecord
 
 

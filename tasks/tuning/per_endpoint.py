@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from rollflow.tasks.collect.endpoints import EndpointPool
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext, WorkItem
 from rollflow.tasks.tuning.diagnose import TuningError

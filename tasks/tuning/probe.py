@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from rollflow.tasks.backends.engine_metrics import EngineSampler
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.observe import AttemptLog, rate_limited
 from rollflow.tasks.collect.chunk import committed_rows
-from rollflow.tasks.collect.engine_metrics import EngineSampler
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
-from rollflow.tasks.collect.observe import AttemptLog, rate_limited
 from rollflow.tasks.collect.parts import PROBE, chunk_parts, write_part
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import (

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rollflow.tasks.collect.engine_metrics import EngineSampler
+from rollflow.tasks.backends.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, merge_steps, probe_next

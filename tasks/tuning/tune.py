@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.tasks.collect.engine_metrics import EngineSampler
+from rollflow.tasks.backends.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.diagnose import TuningError

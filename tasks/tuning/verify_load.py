@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollflow.tasks.collect.verify_pool import cores
 from rollflow.tasks.tuning.probe import StepResult
+from rollflow.tasks.verify.pool import cores
 
 # Verifiers on the event loop: verification is the limit when it is at least this share of a rollout's
 # time at the higher level and grew with load at least as fast as the backend's part.

@@ -1,3 +1,3 @@
-"""Where Prefect begins under tasks/: the @task wrappers and the wiring that opens a run (store, ledger,
-limit, verifier) for the flows and for Dask workers. Everything else under tasks/ imports no Prefect.
+"""Where Prefect begins under tasks/: thin @task wrappers that call the plain cores of the other rooms, and
+the module a Dask worker preloads. Everything else under tasks/ imports no Prefect.
 """

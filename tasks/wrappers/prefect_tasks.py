@@ -10,17 +10,17 @@ from prefect.client.schemas.objects import State
 from prefect.runtime import task_run
 
 from rollflow.settings import RunSpec, redact
+from rollflow.tasks.backends.preflight import check_reachable
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
 from rollflow.tasks.collect.plan import RunPlan, plan_run
-from rollflow.tasks.collect.preflight import check_reachable
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.collect.runtime import RunHandles
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.scaleout.collector import RemoteRun, ShareLink, WorkerCollector
+from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
-from rollflow.tasks.wrappers.collector import RemoteRun, ShareLink, WorkerCollector
-from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope
-from rollflow.tasks.wrappers.runtime import RunHandles
 
 
 @task(name="plan", cache_policy=NONE)

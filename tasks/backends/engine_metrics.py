@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollflow.tasks.collect.endpoints import EndpointPool
-from rollflow.tasks.collect.http import session_for_loop
+from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.http import session_for_loop
 
 # Gauge names by field, vLLM first; gpu_cache_usage_perc is vLLM's name before kv_cache_usage_perc.
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")

@@ -14,8 +14,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
-from rollflow.tasks.collect.observe import AttemptObserver
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.observe import AttemptObserver
 
 STREAK_OUT = 5
 BACKOFF_BASE_S = 0.25

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.settings import RollflowSettings, RunSpec, redact
-from rollflow.tasks.collect.endpoints import EndpointPool, split_limit
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.endpoints import EndpointPool, split_limit
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
+from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.rollouts import CollectContext
-from rollflow.tasks.collect.verifiers import make_verifier
-from rollflow.tasks.publish.clock import StageClock
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store
+from rollflow.tasks.verify.verifiers import make_verifier
 
 
 @dataclass

@@ -11,12 +11,12 @@ import aiohttp
 import orjson
 
 from rollflow.settings import BackendKind, BackendSettings, redact
-from rollflow.tasks.collect.endpoints import Endpoint, EndpointPool
-from rollflow.tasks.collect.formats import chat_request
-from rollflow.tasks.collect.http import auth_headers
-from rollflow.tasks.collect.limiter import ConcurrencyLimit
-from rollflow.tasks.collect.observe import AttemptObserver
-from rollflow.tasks.collect.replies import (
+from rollflow.tasks.backends.endpoints import Endpoint, EndpointPool
+from rollflow.tasks.backends.formats import chat_request
+from rollflow.tasks.backends.http import auth_headers
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
+from rollflow.tasks.backends.observe import AttemptObserver
+from rollflow.tasks.backends.replies import (
     ReplyShapeError,
     agent_response,
     agent_reward,
@@ -24,7 +24,7 @@ from rollflow.tasks.collect.replies import (
     check_response,
     responses_text,
 )
-from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.tasks.backends.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
 from rollflow.tasks.storage import rowjson
 
 # ServerDisconnectedError is a ClientConnectionError. Any other aiohttp.ClientError (a garbled status line,

@@ -18,11 +18,11 @@ import aiohttp
 import orjson
 
 from rollflow.settings import VerifySettings
-from rollflow.tasks.collect.backends import BackendError, RolloutResult
-from rollflow.tasks.collect.http import session_for_loop
-from rollflow.tasks.collect.math_verifier import math_verify_match
-from rollflow.tasks.collect.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
-from rollflow.tasks.collect.verify_pool import VerifyMeter, default_processes, shared_pool
+from rollflow.tasks.backends.backends import BackendError, RolloutResult
+from rollflow.tasks.backends.http import session_for_loop
+from rollflow.tasks.backends.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.tasks.verify.mathcheck import math_verify_match
+from rollflow.tasks.verify.pool import VerifyMeter, default_processes, shared_pool
 
 Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000

@@ -1,6 +1,6 @@
 """One verifier process: reads (row, text) checks from stdin, writes rewards to stdout, one at a time.
 
-Run as `python -m rollflow.tasks.collect.verify_worker SPEC` by the verify pool. It is a plain subprocess,
+Run as `python -m rollflow.tasks.verify.worker SPEC` by the verify pool. It is a plain subprocess,
 not a multiprocessing child, so Dask's daemonic workers may start it too. Checks run in the process's
 main thread, where math-verify's SIGALRM timeouts work. Messages are a 4-byte length and a pickle.
 """
@@ -50,7 +50,7 @@ def receive(stream: IO[bytes]) -> Any:
 def resolve(spec: str) -> CheckFn:
     """The synchronous check a verifier spec names (built-ins by name, else module:function)."""
     if spec == "math":
-        from rollflow.tasks.collect.math_verifier import math_verify_match, warm_up
+        from rollflow.tasks.verify.mathcheck import math_verify_match, warm_up
 
         warm_up()
         return math_verify_match

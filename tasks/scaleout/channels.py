@@ -1,7 +1,7 @@
 """How worker processes reach the run's share book, through the engine's own primitives.
 
 Dask: the scheduler's metadata store, which every worker and the flow's client already talk to. Ray: a
-small named actor the flow starts. Either way the flow process runs the book (tasks/collect/shares.py);
+small named actor the flow starts. Either way the flow process runs the book (tasks/scaleout/book.py);
 the engine only carries reports up and the book's answer down, a few times a second per worker.
 """
 

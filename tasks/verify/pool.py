@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from rollflow.settings import redact
-from rollflow.tasks.collect.backends import BackendError
-from rollflow.tasks.collect.verify_worker import READY, receive, send
+from rollflow.tasks.backends.backends import BackendError
+from rollflow.tasks.verify.worker import READY, receive, send
 
 START_TIMEOUT_S = 120.0  # a worker's import and warm-up (SymPy), never counted against a check
 
@@ -50,7 +50,7 @@ class _Worker:
     def __init__(self, spec: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollflow.tasks.collect.verify_worker", spec],
+            [sys.executable, "-m", "rollflow.tasks.verify.worker", spec],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,  # unbuffered: a reply read ahead into a buffer would hide from select()

@@ -4,7 +4,7 @@ hands its work to it.
 Chunks of a run then share one event loop, HTTP session, endpoint pool (with its rotation state), S3
 filesystem and verifier, as in the local runner; several chunks can be in flight in one process, and a
 chunk's tail never idles the process's share. The share itself comes from the flow's share book
-(tasks/collect/shares.py) through a `ShareLink`, a few times a second, never once per request.
+(tasks/scaleout/book.py) through a `ShareLink`, a few times a second, never once per request.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.backends.endpoints import split_limit
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
-from rollflow.tasks.collect.endpoints import split_limit
-from rollflow.tasks.collect.http import close_loop_session
 from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
-from rollflow.tasks.collect.shares import LEASE_S
-from rollflow.tasks.collect.verify_pool import close_pools
+from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
+from rollflow.tasks.scaleout.book import LEASE_S
+from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
-from rollflow.tasks.wrappers.remote import SettingsResolver, WorkerScope
-from rollflow.tasks.wrappers.runtime import RunHandles, collect_context, open_run
+from rollflow.tasks.verify.pool import close_pools
 
 log = logging.getLogger(__name__)
 

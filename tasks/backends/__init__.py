@@ -1,0 +1,1 @@
+"""How rollflow talks to inference servers: request shapes, replies, endpoints, retries and limits."""

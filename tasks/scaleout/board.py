@@ -1,0 +1,86 @@
+"""The flow's side of the share book: each round reads the workers' reports, allocates their shares over
+the replicas in rotation, publishes the answer and turns the reports into progress events."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.scaleout.book import ShareBook
+
+
+class Channel(Protocol):
+    """The flow's end of an engine channel (Dask scheduler metadata, a Ray actor)."""
+
+    def reports(self) -> dict[str, dict[str, Any]]: ...
+
+    def publish(self, board: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Rotation:
+    """Which replicas are out for the whole run: the newest event any worker reported wins."""
+
+    events: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def merge(self, reported: dict[str, Any]) -> None:
+        for url, (state, at) in reported.items():
+            if url not in self.events or self.events[url][1] < at:
+                self.events[url] = (state, at)
+
+    def live_limit(self, limits: dict[str, int]) -> int:
+        """The run's limit over the replicas in rotation (all of them when none is)."""
+        live = sum(n for url, n in limits.items() if self.events.get(url, ("in", 0))[0] == "in")
+        return live or sum(limits.values())
+
+
+class Board:
+    """One round every POLL_S: read the workers' reports, allocate shares, publish them, count progress."""
+
+    def __init__(self, channel: Channel, limits: dict[str, int], loop: asyncio.AbstractEventLoop) -> None:
+        self.channel, self.limits, self.loop = channel, limits, loop
+        self.book = ShareBook(sum(limits.values()))
+        self.rotation = Rotation()
+        self.finished: set[int] = set()
+        self.workers_seen = 0
+
+    def round(self) -> None:
+        reports = self.channel.reports()
+        for worker, report in reports.items():
+            self.book.update(worker, report)
+            self.rotation.merge(report.get("rotation") or {})
+        self.book.set_limit(self.rotation.live_limit(self.limits))
+        grants = self.book.allocate()
+        self.channel.publish(
+            {"grants": grants, "rotation": {url: list(e) for url, e in self.rotation.events.items()}}
+        )
+        for worker in self.book.workers:
+            for index, (done, failed) in (reports[worker].get("chunks") or {}).items():
+                if int(index) not in self.finished:
+                    self._emit(ProgressEvent("attempt", chunk=int(index), done=done))
+                    self._emit(ProgressEvent("rollouts", chunk=int(index), failed=failed))
+        if len(self.book.workers) != self.workers_seen:
+            self.workers_seen = len(self.book.workers)
+            self._emit(ProgressEvent("workers", total=self.workers_seen))
+
+    def finish(self, outcome: ChunkOutcome) -> None:
+        index = outcome.manifest.chunk
+        self.finished.add(index)
+        self._emit(ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows))
+        self._emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
+        self._emit(ProgressEvent("chunk", chunk=index))
+
+    def workers(self, outcomes: list[ChunkOutcome]) -> list[dict[str, Any]]:
+        """Each worker process's newest figures: its last report's or its last chunk's, whichever is later."""
+        newest = self.book.snapshots()
+        for outcome in outcomes:
+            snap = outcome.worker
+            if snap and snap.get("seq", 0) >= newest.get(snap["worker"], {}).get("seq", -1):
+                newest[snap["worker"]] = snap
+        return [newest[w] for w in sorted(newest)]
+
+    def _emit(self, event: ProgressEvent) -> None:
+        self.loop.call_soon_threadsafe(hub.emit, event)
