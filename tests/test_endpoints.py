@@ -8,10 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from rollflow.settings import BackendParams, BackendSettings
+from rollflow.tasks.backends import endpoints as ep_module
 from rollflow.tasks.backends.endpoints import EndpointPool, scale_limits, split_limit
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptLog
-from rollflow.tasks.backends import endpoints as ep_module
 from rollflow.tasks.publish.endpoints import merge_rows
 
 A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
