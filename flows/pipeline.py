@@ -93,7 +93,7 @@ async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: Run
     lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
     await lease_task(handles, lease)
     handles.ledger.fence = lease.check
-    handles.lease_owner = lease.owner
+    handles.lease_owner, handles.lease_margin_s = lease.owner, lease.margin_s
     try:
         return await lease.guard(_collect_verify_publish(spec, settings, handles))
     finally:
@@ -211,7 +211,13 @@ async def _dispatch(
     ctx, col = collected.ctx, spec.collection
     if spec.runner != "local":
         return await collect_remote(
-            spec, plan.pending, ctx.pool.limits(), col.chunk_retries, left_s, handles.lease_owner
+            spec,
+            plan.pending,
+            ctx.pool.limits(),
+            col.chunk_retries,
+            left_s,
+            handles.lease_owner,
+            handles.lease_margin_s,
         )
     in_flight = col.chunks_in_flight or default_chunks_in_flight(
         ctx.limit.limit, col.chunk_size, col.num_repeats

@@ -99,6 +99,7 @@ async def collect_remote(
     retries: int,
     deadline_s: float | None = None,
     owner: str | None = None,
+    margin_s: float = 0.0,
 ) -> CollectResult:
     """`limits` are the run's per-endpoint limits; the workers share them through the share book.
 
@@ -107,7 +108,7 @@ async def collect_remote(
     """
     stop = threading.Event()
     stop_at = None if deadline_s is None else time.time() + deadline_s
-    scope = WorkerScope(stop_at=stop_at, owner=owner)
+    scope = WorkerScope(stop_at=stop_at, owner=owner, margin_s=margin_s)
     loop = asyncio.get_running_loop()
     work = asyncio.ensure_future(
         asyncio.to_thread(_collect_blocking, spec, chunks, limits, retries, scope, stop, loop)

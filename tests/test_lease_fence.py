@@ -118,7 +118,7 @@ def test_worker_commit_is_fenced_by_the_runs_lease(where, tmp_path, moto_s3):
     run.acquire()
     worker = Ledger(Store(store.root_url))
     worker._run_id = "r1"
-    worker.fence = owner_fence(worker.store, run.owner)
+    worker.fence = owner_fence(worker.store, run.owner, run.margin_s)
     worker.commit(0, b"row\n", None, _manifest())
     assert store.exists("chunks/00000.json")
     store.write_bytes(

@@ -24,6 +24,7 @@ class RunHandles:
     output_options: dict[str, Any]
     dataset_options: dict[str, Any]
     lease_owner: str | None = None  # set while the run holds the output's lease; remote workers check it
+    lease_margin_s: float = 0.0  # how much of the lease must be left for a worker to count it as held
     clock: StageClock = field(default_factory=StageClock)
 
 

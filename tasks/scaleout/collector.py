@@ -170,7 +170,7 @@ class WorkerCollector:
                 if scope.owner is None:
                     outcome = await work
                 else:
-                    watcher = follow(slot.handles.store, scope.owner, scope.check_s)
+                    watcher = follow(slot.handles.store, scope.owner, scope.check_s, scope.margin_s)
                     outcome = await run_guarded(work, watcher)
             slot.chunks_done += 1
             outcome.worker = slot.snapshot(self.worker)
@@ -203,7 +203,7 @@ class WorkerCollector:
             settings = await run.resolve(settings)
         handles = open_run(run.spec, settings)
         if run.scope.owner is not None:
-            handles.ledger.fence = owner_fence(handles.store, run.scope.owner)
+            handles.ledger.fence = owner_fence(handles.store, run.scope.owner, run.scope.margin_s)
         ctx = collect_context(handles, settings, run.share, shared=run.link is not None)
         urls = run.spec.backend.urls
         limits = run.share if isinstance(run.share, dict) else split_limit(run.share, urls)

@@ -18,8 +18,10 @@ SettingsResolver = Callable[[RollflowSettings], Awaitable[RollflowSettings]]
 
 @dataclass(frozen=True)
 class WorkerScope:
-    """What bounds a chunk on a worker: the run's deadline (epoch seconds) and the run's lease owner."""
+    """What bounds a chunk on a worker: the run's deadline (epoch seconds) and the run's lease owner, whose
+    lease counts as held only with more than `margin_s` left (the flow's own margin)."""
 
     stop_at: float | None = None
     owner: str | None = None
     check_s: float = 1.0
+    margin_s: float = 0.0

@@ -25,6 +25,9 @@ from rollflow.tasks.storage.cas import ObjectCas
 from rollflow.tasks.storage.store import StorageError, Store
 
 LEASE = "lease.json"
+MARGIN_PARTS = 6  # a lease counts as held only while more than ttl / MARGIN_PARTS of it is left
+READ_TRIES = 3  # a lease read that fails is tried this often before the error counts
+READ_BACKOFF_S = 0.2
 T = TypeVar("T")
 
 
@@ -104,7 +107,7 @@ class Lease:
         self.lost = False
         self.lost_reason = ""
         self.lost_error: Exception | None = None
-        self.margin_s = ttl_s / 6
+        self.margin_s = ttl_s / MARGIN_PARTS
         self.valid_until = time.monotonic() + ttl_s - self.margin_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollflow-lease")
 
@@ -270,35 +273,67 @@ async def run_guarded(work: Coroutine[Any, Any, T], watcher: Coroutine[Any, Any,
     return job.result()
 
 
-def _not_owner(store: Store, owner: str, info: LeaseInfo | None) -> LeaseLost | None:
-    if info is None or info.owner != owner or info.expires_at <= time.time():
-        return LeaseLost(
-            f"The lease on {store.root_url} is no longer held by the run this worker writes for "
-            f"({owner}); the chunk stopped without committing."
-        )
-    return None
+class OwnerCheck:
+    """Whether `owner` surely still holds the output's lease, read from storage, for a process that writes
+    for a run without holding its lease (a Dask or Ray worker).
 
+    The one check with the flow's margin: the lease counts only while it has more than `margin_s` left,
+    as `Lease.check` counts its own renewal. A read that fails (throttling, a timeout) is retried: while
+    the last lease read is still valid by the margin, the run still holds it (a takeover needs expiry).
+    """
 
-def owner_fence(store: Store, owner: str) -> Callable[[], None]:
-    """A commit fence for a process that writes for a run without holding its lease (a Dask worker):
-    reads the lease before each commit and raises LeaseLost unless `owner` still holds it."""
-    cas = ObjectCas(store, LEASE)
+    def __init__(self, store: Store, owner: str, margin_s: float) -> None:
+        self.cas = ObjectCas(store, LEASE)
+        self.store, self.owner, self.margin_s = store, owner, margin_s
+        self.valid_until = 0.0  # epoch seconds: the last lease read, less the margin
 
-    def fence() -> None:
-        lost = _not_owner(store, owner, _parse(cas.read()[0]))
+    def judge(self, info: LeaseInfo | None) -> LeaseLost | None:
+        if info is None or info.owner != self.owner or info.expires_at - self.margin_s <= time.time():
+            return LeaseLost(
+                f"The lease on {self.store.root_url} is no longer held by the run this worker writes for "
+                f"({self.owner}); the chunk stopped without committing."
+            )
+        self.valid_until = info.expires_at - self.margin_s
+        return None
+
+    def read(self) -> LeaseInfo | None:
+        """The stored lease; read errors are retried for READ_TRIES, then raised."""
+        for attempt in range(READ_TRIES):
+            try:
+                return _parse(self.cas.read()[0])
+            except Exception:
+                if attempt == READ_TRIES - 1:
+                    raise
+                time.sleep(READ_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def fence(self) -> None:
+        """The ledger's commit fence: raise LeaseLost unless `owner` surely still holds the lease."""
+        lost = self.judge(self.read())
         if lost is not None:
             raise lost
 
-    return fence
+    async def follow(self, interval_s: float) -> None:
+        """Raise LeaseLost once the lease is no longer `owner`'s; a read that keeps failing past the last
+        good read's validity is an error, one that fails for a while is not."""
+        while True:
+            try:
+                info = await asyncio.to_thread(self.read)
+            except Exception:
+                if time.time() >= self.valid_until:
+                    raise
+            else:
+                lost = self.judge(info)
+                if lost is not None:
+                    raise lost
+            await asyncio.sleep(interval_s)
 
 
-async def follow(store: Store, owner: str, interval_s: float) -> None:
-    """Raise LeaseLost once the output's lease is no longer `owner`'s live lease (for remote workers,
-    which write for a run without holding its lease)."""
-    cas = ObjectCas(store, LEASE)
-    while True:
-        data, _ = await asyncio.to_thread(cas.read)
-        lost = _not_owner(store, owner, _parse(data))
-        if lost is not None:
-            raise lost
-        await asyncio.sleep(interval_s)
+def owner_fence(store: Store, owner: str, margin_s: float) -> Callable[[], None]:
+    """A commit fence for a worker that writes for the run `owner` (see OwnerCheck)."""
+    return OwnerCheck(store, owner, margin_s).fence
+
+
+async def follow(store: Store, owner: str, interval_s: float, margin_s: float) -> None:
+    """Raise LeaseLost once the output's lease is no longer `owner`'s live lease (see OwnerCheck)."""
+    await OwnerCheck(store, owner, margin_s).follow(interval_s)
