@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollflow.flows.pipeline import rollflow_run
+from rollflow.flows.reverify import rollflow_reverify
 from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
 from rollflow.settings import RollflowSettings, RunSpec
 
@@ -31,7 +32,7 @@ def default_parameters(settings: RollflowSettings) -> dict[str, Any]:
 
 
 def deployments(name: str, params: dict[str, Any], schedule: dict[str, Any]) -> list[Any]:
-    """rollflow-run (with its schedule, if any), rollflow-diagnose and rollflow-tune as deployments."""
+    """rollflow-run (with its schedule, if any), rollflow-diagnose, rollflow-tune and rollflow-reverify."""
     tags = ["rollflow"]
     return [
         rollflow_run.to_deployment(
@@ -40,4 +41,5 @@ def deployments(name: str, params: dict[str, Any], schedule: dict[str, Any]) -> 
         ),
         rollflow_diagnose.to_deployment(name=name, parameters=params, tags=tags),
         rollflow_tune.to_deployment(name=name, parameters=params, tags=tags),
+        rollflow_reverify.to_deployment(name=name, tags=tags, description="rescore a published output"),
     ]  # fmt: skip

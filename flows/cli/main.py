@@ -1,4 +1,4 @@
-"""The `rollflow` command: run, collect, diagnose, tune, serve, simulate, demo.
+"""The `rollflow` command: run, collect, diagnose, tune, reverify, serve, simulate, demo.
 
 Each command imports its module when it runs, so `rollflow simulate` starts without loading Prefect.
 """
@@ -245,6 +245,9 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     from rollflow.flows.cli.serve_cmd import add_serve_parser
 
     add_serve_parser(sub)
+    from rollflow.flows.cli.reverify_cmd import add_reverify_parser
+
+    add_reverify_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
     demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
     demo.add_argument("--parallelism", type=parallelism_value, default="auto", help="N, auto or adaptive")
@@ -282,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, build_spec(args, []))
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "reverify":
+            from rollflow.flows.cli.reverify_cmd import cmd_reverify
+
+            return cmd_reverify(args)
         if args.command == "serve":
             from rollflow.flows.cli.serve_cmd import cmd_serve
 

@@ -197,7 +197,11 @@ async def _rollout_line(
     t1 = time.perf_counter()
     reward = result.reward
     if reward is None and ctx.verifier is not None:
-        reward = await _verify(ctx.verifier, row, result)
+        try:
+            reward = await _verify(ctx.verifier, row, result)
+        except BackendError as exc:
+            exc.output = result.fields  # type: ignore[attr-defined]  # kept: `reverify --failed-only` rescores it
+            raise
         stats.verify_s += time.perf_counter() - t1
     _check_reward(reward, result.attempts)
     stats.backend_s += t1 - t0
@@ -256,9 +260,13 @@ def _failure_line(
         },
         "row": row,
     }
+    output = getattr(exc, "output", None)  # a failed check's reply, so it can be scored again later
+    if output is not None:
+        record["output"] = output
     try:
         return rowjson.dumps(record)
     except (TypeError, ValueError) as dump_error:
         record["row"] = None
+        record.pop("output", None)
         record["row_not_stored"] = f"{type(dump_error).__name__}: {dump_error}; see the input file"
         return rowjson.dumps(record)

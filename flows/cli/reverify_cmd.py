@@ -1,0 +1,148 @@
+"""`rollflow reverify SOURCE --output OUT --verifier V`: rescore a published output, print the comparison."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from rollflow.flows.cli.errors import (
+    EXIT_ERROR,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    Terminated,
+    UsageError,
+    known_errors_quiet,
+    load_settings,
+    quiet_prefect,
+    user_errors,
+)
+
+
+def add_reverify_parser(sub: Any) -> None:
+    p = sub.add_parser("reverify", help="rescore a published output with another verifier (no backend)")
+    p.add_argument("source", help="a published output folder or dataset file (local path or s3://...)")
+    p.add_argument("--output", required=True, help="where the rescored dataset and its report go")
+    p.add_argument("--verifier", help="exact_match, math, math_fast, http or module:function")
+    p.add_argument("--verifier-url", help="resources server for --verifier http")
+    p.add_argument("--verify-processes", type=int, help="processes for math and module:function checks")
+    p.add_argument("--verify-check-timeout-s", type=float, help="longest one check may run")
+    p.add_argument("--correct-threshold", type=float, help="a rollout is correct at reward >= this")
+    p.add_argument("--failed-only", action="store_true", help="rescore only the source's failed checks")
+    p.add_argument("--format", choices=("jsonl", "parquet"), help="dataset format (default jsonl)")
+    p.add_argument("--chunk-size", type=int, help="rollouts per chunk task (default 10000)")
+    p.add_argument("--parallelism", type=int, help="checks in flight at once (default 64)")
+    p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
+    p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
+    p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
+    p.add_argument("--verbose", action="store_true", help="show Prefect's logs")
+
+
+VERIFY_FLAGS = {
+    "verifier": "verifier",
+    "verifier_url": "url",
+    "verify_processes": "processes",
+    "verify_check_timeout_s": "check_timeout_s",
+    "correct_threshold": "correct_threshold",
+}
+TOP_FLAGS = ("format", "chunk_size", "parallelism")
+
+
+def build_reverify_spec(args: argparse.Namespace) -> Any:
+    """The verifier settings from env/.env (ROLLFLOW_VERIFY__*), then the flags."""
+    from pydantic import ValidationError
+
+    from rollflow.settings.reverify import ReverifySpec
+
+    verify = load_settings().verify.model_dump()
+    verify.update(
+        {
+            field: getattr(args, flag)
+            for flag, field in VERIFY_FLAGS.items()
+            if getattr(args, flag) is not None
+        }
+    )
+    fields: dict[str, Any] = {"source": args.source, "output": args.output, "verify": verify}
+    fields.update({k: getattr(args, k) for k in TOP_FLAGS if getattr(args, k) is not None})
+    fields.update(failed_only=args.failed_only, restart=args.restart, allow_incomplete=args.allow_incomplete)
+    try:
+        return ReverifySpec.model_validate(fields)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise UsageError(f"Invalid settings: {problems}.") from exc
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    table = Table(title="rollflow reverify", show_header=False, title_justify="left")
+    table.add_column("metric", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    before, after = report.get("before") or {}, report.get("after") or {}
+
+    def mean(d: dict[str, Any]) -> str:
+        return "-" if d.get("mean") is None else f"{d['mean']:.4f}"
+
+    rows = [
+        ("dataset", report.get("dataset") or "not published"),
+        ("verifier", report["verifier"]["name"]),
+        ("rollouts written", f"{report['rows_written']:,}"),
+        ("rescored", f"{report['rescored']:,}"),
+        ("rewards changed", f"{report['changed']:,}"),
+        ("failed", f"{report['failed']:,}"),
+        ("reward mean", f"{mean(before)} -> {mean(after)}"),
+        ("rows/s", str(report["metrics"].get("rows_per_s") or "-")),
+        ("wall time", f"{report['metrics']['wall_s']:,.1f} s"),
+        ("report", f"{report['output'].rstrip('/')}/report.md"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def cmd_reverify(args: argparse.Namespace) -> int:
+    spec = build_reverify_spec(args)
+    quiet_prefect(args.verbose)
+    from rollflow.flows.cli.prefect_api import choose_api, using
+    from rollflow.flows.reverify import ReverifyIncomplete, rollflow_reverify
+    from rollflow.flows.stops import signal_stop_in
+    from rollflow.settings import RollflowSettings, redact
+
+    prefect = load_settings().prefect
+    api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
+    console = Console(stderr=True)
+    known = user_errors()
+    status = EXIT_OK
+    try:
+        redact.register(RollflowSettings())
+        with known_errors_quiet((*known, ReverifyIncomplete), args.verbose), using(api):
+            report = asyncio.run(rollflow_reverify(spec))
+    except ReverifyIncomplete as exc:
+        report, status = exc.report, EXIT_INCOMPLETE
+        console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
+    except known as exc:
+        console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
+        return EXIT_ERROR
+    except BaseException as exc:
+        stop = signal_stop_in(exc)
+        if stop is None:
+            raise
+        interrupt = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Terminated)
+        console.print(
+            f"[bold yellow]rollflow:[/] {'interrupted' if interrupt else 'terminated (SIGTERM)'}. Committed "
+            "chunks are kept; run the same command again to resume.",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return EXIT_INTERRUPTED if interrupt else EXIT_TERMINATED
+    finally:
+        api.stop_ephemeral()
+    console.print(summary_table(report))
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return status

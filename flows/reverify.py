@@ -1,0 +1,152 @@
+"""rollflow-reverify: a published output scored again, chunk by chunk, under the output's lease.
+
+plan -> rescore chunks (retryable tasks, a bounded number at once) -> compare -> publish -> report.
+No backend is asked; a run stopped anywhere resumes at its first uncommitted chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import acreate_markdown_artifact
+
+from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.flows.stops import chunk_error
+from rollflow.settings import RollflowSettings, redact
+from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
+from rollflow.tasks.reverify.plan import ReverifyPlan
+from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
+from rollflow.tasks.reverify.runtime import ReverifyHandles, open_reverify, reverify_context
+from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.verify.pool import close_pools
+from rollflow.tasks.wrappers.prefect_tasks import lease_task
+from rollflow.tasks.wrappers.reverify_tasks import (
+    compare_task,
+    failures_task,
+    plan_reverify_task,
+    publish_task,
+    reverify_chunk_task,
+)
+
+
+class ReverifyIncomplete(Exception):
+    """Some rollouts failed verification or chunks are missing, so nothing was published."""
+
+    def __init__(self, message: str, report: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class Rescored:
+    outcomes: list[ReverifyOutcome] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+async def rescore_stage(ctx: ReverifyContext, plan: ReverifyPlan, spec: ReverifySpec) -> Rescored:
+    """The pending chunks as tasks, `chunks_in_flight` at once; a chunk that fails for good is a gap."""
+    gate = asyncio.Semaphore(spec.chunks_in_flight)
+    task = reverify_chunk_task.with_options(retries=spec.chunk_retries)
+    done = Rescored()
+
+    async def one(chunk: Any) -> None:
+        async with gate:
+            try:
+                done.outcomes.append(await task(ctx, chunk))
+            except Exception as exc:
+                err = chunk_error(exc)
+                done.errors.append(redact.redact(f"chunk {chunk.index}: {type(err).__name__}: {err}"))
+
+    t0 = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for chunk in plan.pending:
+            group.create_task(one(chunk))
+    done.seconds = time.perf_counter() - t0
+    return done
+
+
+def _metrics(
+    rescored: Rescored, stages: dict[str, float], wall_s: float, plan: ReverifyPlan
+) -> dict[str, Any]:
+    run = [o for o in rescored.outcomes if not o.skipped]
+    rows = sum(o.manifest.rows + o.manifest.failed - o.kept for o in run)
+    sums = {k: round(sum(o.timings.get(k, 0.0) for o in run), 3) for k in ("read_s", "verify_s", "write_s")}
+    return {
+        "wall_s": round(wall_s, 3),
+        "rescore_s": round(rescored.seconds, 3),
+        "rows_processed": rows,
+        "rows_per_s": round(rows / rescored.seconds, 1) if rescored.seconds > 0 else None,
+        "chunks_run": len(run),
+        "chunks_skipped": len(plan.source.chunks) - len(plan.pending),
+        "chunk_errors": rescored.errors[:20],
+        "chunk_time_s": sums,
+        "stages": {k: round(v, 3) for k, v in stages.items()},
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+async def _reverify(handles: ReverifyHandles) -> dict[str, Any]:
+    spec, t_start = handles.spec, time.perf_counter()
+    stages: dict[str, float] = {}
+    plan = await plan_reverify_task(handles)
+    ctx = reverify_context(handles, plan)
+    stages["plan"] = time.perf_counter() - t_start
+    rescored = await rescore_stage(ctx, plan, spec)
+    stages["rescore"] = rescored.seconds
+    t = time.perf_counter()
+    summary = await compare_task(handles, plan)
+    failures: Counter[str] = await failures_task(handles, plan)
+    stages["compare"] = time.perf_counter() - t
+    ok = summary.complete and (summary.failed == 0 or spec.allow_incomplete)
+    t = time.perf_counter()
+    if ok:
+        await publish_task(handles, plan)
+    stages["publish"] = time.perf_counter() - t
+    source = {
+        "url": plan.source.url,
+        "given": spec.source,
+        "sha256": plan.source.fingerprint,
+        "rows": plan.source.rows,
+        "tasks": plan.source.tasks,
+        "mode": plan.source.mode,
+    }
+    metrics = _metrics(rescored, stages, time.perf_counter() - t_start, plan)
+    report = build_report(spec, summary, source=source, published=ok, failures=failures, metrics=metrics)
+    await asyncio.to_thread(write_report, handles.store, report)
+    await acreate_markdown_artifact(
+        render_markdown(report), key="rollflow-reverify-report", description="rollflow reverify report"
+    )
+    if not ok:
+        why = (
+            f"{summary.failed:,} rollouts failed verification ({dict(failures)}); they are in "
+            f"{spec.output.rstrip('/')}/failures.jsonl. Run the same command again to retry them, or pass "
+            f"--allow-incomplete to publish without them"
+            if summary.complete
+            else f"the rescored output is incomplete: {'; '.join(summary.problems[:5])}. Run the same "
+            f"command again to resume"
+        )
+        raise ReverifyIncomplete(f"Nothing was published: {why}.", report)
+    return report
+
+
+@flow(name="rollflow-reverify", log_prints=False)
+async def rollflow_reverify(spec: ReverifySpec) -> dict[str, Any]:
+    """Rescore a published output with another verifier: no backend request, resumable by chunk."""
+    settings = await resolve_secret_blocks(RollflowSettings())
+    handles = open_reverify(spec, settings)
+    lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
+    await lease_task(handles, lease)
+    handles.ledger.fence = lease.check
+    try:
+        return await lease.guard(_reverify(handles))
+    finally:
+        await asyncio.to_thread(lease.release)
+        close_pools()

@@ -1,0 +1,150 @@
+"""A reverify chunk: read its source rows, score them again, commit them like a collected chunk.
+
+The commit is the collection's (data object, failures, then the manifest), so a kill at any point leaves
+either nothing of the chunk or all of it; a chunk committed with failures redoes only those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from rollflow.tasks.backends.backends import BackendError
+from rollflow.tasks.collect.chunk import committed_rows
+from rollflow.tasks.reverify.rescore import failure_line, new_reward, rescored_line, row_of_failure
+from rollflow.tasks.reverify.source import (
+    Mode,
+    RolloutKey,
+    SourceChunk,
+    is_rescorable,
+    iter_dataset_lines,
+    iter_failed_chunk,
+)
+from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+from rollflow.tasks.verify.verifiers import Verifier
+
+
+@dataclass
+class ReverifyContext:
+    """What every chunk of one reverify shares in a process."""
+
+    ledger: Ledger
+    source_url: str
+    mode: Mode
+    source_options: dict[str, Any]
+    verifier: Verifier
+    verifier_name: str
+    parallelism: int
+
+
+@dataclass
+class ReverifyOutcome:
+    manifest: ChunkManifest
+    skipped: bool
+    rescored: int = 0
+    kept: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _read(ctx: ReverifyContext, chunk: SourceChunk) -> list[tuple[bytes, bool]]:
+    if ctx.mode == "failed":
+        return list(iter_failed_chunk(ctx.source_url, chunk, ctx.source_options))
+    return [(line, False) for line in iter_dataset_lines(ctx.source_url, chunk, ctx.source_options)]
+
+
+@dataclass
+class _Work:
+    """The chunk's lines in, output lines and failure lines out, in source order."""
+
+    ctx: ReverifyContext
+    lines: list[tuple[bytes, bool]]
+    kept: dict[RolloutKey, bytes]
+    results: list[bytes | None] = field(default_factory=list)
+    failures: dict[RolloutKey, bytes] = field(default_factory=dict)
+    rescored: int = 0
+    parse_s: float = 0.0
+    dump_s: float = 0.0
+
+    async def one(self, i: int) -> None:
+        line, failed = self.lines[i]
+        if self.ctx.mode == "failed" and not failed:
+            self.results[i] = line  # a committed rollout of the source: not scored again
+            return
+        t0 = time.perf_counter()
+        parsed = rowjson.loads(line)
+        if failed and not is_rescorable(parsed):
+            self.failures[(parsed["_ng_task_index"], parsed["_ng_rollout_index"])] = line  # stays failed
+            return
+        row = row_of_failure(parsed) if failed else parsed
+        key = (row["_ng_task_index"], row["_ng_rollout_index"])
+        self.parse_s += time.perf_counter() - t0
+        if key in self.kept:
+            self.results[i] = self.kept[key]
+            return
+        try:
+            reward = await new_reward(self.ctx.verifier, row)
+        except BackendError as exc:
+            self.failures[key] = failure_line(row, exc)
+            return
+        t1 = time.perf_counter()
+        self.results[i] = rescored_line(row, reward, self.ctx.verifier_name)
+        self.rescored += 1
+        self.dump_s += time.perf_counter() - t1
+
+    async def run(self) -> None:
+        self.results = [None] * len(self.lines)
+        todo = iter(range(len(self.lines)))
+
+        async def worker() -> None:
+            for i in todo:
+                await self.one(i)
+
+        await asyncio.gather(*(worker() for _ in range(min(self.ctx.parallelism, len(self.lines)) or 1)))
+
+
+async def reverify_chunk(ctx: ReverifyContext, chunk: SourceChunk, attempt: int = 1) -> ReverifyOutcome:
+    """Score the chunk's rows and commit them; a committed chunk without failures is skipped."""
+    ledger = ctx.ledger
+    previous = await asyncio.to_thread(ledger.manifest, chunk.index)
+    if previous is not None and previous.failed == 0:
+        return ReverifyOutcome(previous, skipped=True)
+    kept: dict[RolloutKey, bytes] = {}
+    if previous is not None:
+        kept, _ = await asyncio.to_thread(committed_rows, ledger, previous)
+    started_at = datetime.now(UTC).isoformat()
+    t0 = time.perf_counter()
+    lines = await asyncio.to_thread(_read, ctx, chunk)
+    t1 = time.perf_counter()
+    work = _Work(ctx, lines, kept)
+    await work.run()
+    t2 = time.perf_counter()
+    data = b"".join(line + b"\n" for line in work.results if line is not None)
+    fail_data = b"".join(work.failures[key] + b"\n" for key in sorted(work.failures)) or None
+    timings = {
+        "read_s": round(t1 - t0 + work.parse_s, 6),
+        "verify_s": round(max(0.0, t2 - t1 - work.parse_s - work.dump_s), 6),
+    }
+    manifest = ChunkManifest(
+        chunk=chunk.index,
+        first_task=chunk.first_task,
+        num_tasks=chunk.num_tasks,
+        rows_expected=chunk.rows,
+        rows=sum(line is not None for line in work.results),
+        failed=len(work.failures),
+        sha256="",
+        bytes=len(data),
+        started_at=started_at,
+        committed_at="",
+        wall_s=0.0,
+        attempt=attempt,
+        stats={"rescored": work.rescored, "kept": len(kept), **timings},
+    )
+    t3 = time.perf_counter()
+    manifest.wall_s = round(t3 - t0, 6)
+    await asyncio.to_thread(ledger.commit, chunk.index, data, fail_data, manifest)
+    timings["write_s"] = round(time.perf_counter() - t3 + work.dump_s, 6)
+    return ReverifyOutcome(manifest, False, work.rescored, len(kept), timings)

@@ -1,0 +1,252 @@
+"""Before and after, chunk by chunk: each committed chunk is checked against its manifest and its rows'
+old and new rewards are counted in one streaming pass; the chunks' counts merge into the run's."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.publish.audit import AUDIT_DIR, tasks_path
+from rollflow.tasks.publish.rewards import RewardStats, TaskRewards
+from rollflow.tasks.reverify.source import SourceChunk
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+
+TOP_TASKS = 10
+FAILED = "failed"  # the before side of a rollout the source had no reward for
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class _Task:
+    """One task's rollouts: the new rewards' sums (and squares, for the std) and the old ones'."""
+
+    index: int
+    n: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    correct: int = 0
+    old_n: int = 0
+    old_total: float = 0.0
+    old_correct: int = 0
+
+    def line(self) -> bytes:
+        mean = self.total / self.n
+        std = math.sqrt(max(0.0, self.squares / self.n - mean * mean))
+        row = {
+            "task_index": self.index,
+            "rollouts": self.n,
+            "correct": self.correct,
+            "mean_reward": mean,
+            "std_reward": round(std, 12),
+            "previous_mean_reward": self.old_total / self.old_n if self.old_n else None,
+        }
+        return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+    def delta(self) -> float | None:
+        if not self.n or not self.old_n:
+            return None
+        return self.total / self.n - self.old_total / self.old_n
+
+
+@dataclass
+class ChunkComparison:
+    chunk: int
+    sha256: str = ""
+    rows: int = 0
+    failed: int = 0
+    committed: bool = True
+    sha_matches: bool = True
+    invalid: int = 0
+    rescored: int = 0
+    changed: int = 0
+    agreement: dict[str, int] = field(default_factory=dict)
+    top: list[list[Any]] = field(default_factory=list)  # [|delta|, task, before mean, after mean]
+    before: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    threshold: float
+    max_k: int
+    out: ChunkComparison
+    before: RewardStats = field(init=False)
+    after: RewardStats = field(init=False)
+    task: _Task | None = None
+    last: tuple[int, int] = (-1, -1)
+    lines: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.before = RewardStats(threshold=self.threshold, max_k=self.max_k)
+        self.after = RewardStats(threshold=self.threshold, max_k=self.max_k)
+
+    def side(self, reward: float | None) -> str:
+        if reward is None:
+            return FAILED
+        return "correct" if reward >= self.threshold else "incorrect"
+
+    def close_task(self) -> None:
+        task, self.task = self.task, None
+        if task is None or not task.n:
+            return
+        self.lines.append(task.line())
+        self.after.add_task(TaskRewards(task.index, task.n, task.correct, task.total))
+        if task.old_n:
+            self.before.add_task(TaskRewards(task.index, task.old_n, task.old_correct, task.old_total))
+        delta = task.delta()
+        if delta is not None:
+            item = [abs(delta), task.index, task.old_total / task.old_n, task.total / task.n]
+            heapq.heappush(self.out.top, item)
+            if len(self.out.top) > TOP_TASKS:
+                heapq.heappop(self.out.top)
+
+    def row(self, lineno: int, line: bytes) -> None:
+        out = self.out
+        out.rows += 1
+        try:
+            row = orjson.loads(line)
+            key = (row["_ng_task_index"], row["_ng_rollout_index"])
+            reward = row["reward"]
+            rf = row.get("_rf") or {}
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            out.invalid += 1
+            out.problems.append(f"line {lineno}: not a valid output row ({exc})")
+            return
+        if not _number(reward) or key <= self.last:
+            out.invalid += 1
+            out.problems.append(f"line {lineno}: rollout {key} has reward {reward!r} or is out of order")
+            return
+        self.last = key
+        rescored = "reverified_with" in rf
+        old = rf.get("previous_reward") if rescored else reward
+        old = old if _number(old) else None
+        out.rescored += int(rescored)
+        out.changed += int(old is not None and old != reward)
+        cell = f"{self.side(old)}>{self.side(reward)}"
+        out.agreement[cell] = out.agreement.get(cell, 0) + 1
+        if self.task is not None and self.task.index != key[0]:
+            self.close_task()
+        if self.task is None:
+            self.task = _Task(key[0])
+        task = self.task
+        self.after.add_reward(float(reward))
+        task.n += 1
+        task.total += reward
+        task.squares += reward * reward
+        task.correct += int(reward >= self.threshold)
+        if old is not None:
+            self.before.add_reward(float(old))
+            task.old_n += 1
+            task.old_total += old
+            task.old_correct += int(old >= self.threshold)
+
+
+def compare_chunk(
+    ledger: Ledger, chunk: SourceChunk, manifest: ChunkManifest, threshold: float, max_k: int
+) -> ChunkComparison:
+    """Stream one committed chunk: its hash against the manifest, its rows' old and new rewards.
+
+    Kept in audit/ beside the collection's per-chunk results while the object is unchanged.
+    """
+    cache = f"{AUDIT_DIR}/{chunk.index:05d}.compare.json"
+    store = ledger.store
+    if store.exists(cache) and store.exists(tasks_path(chunk.index)):
+        cached = orjson.loads(store.read_bytes(cache))
+        if cached.pop("key") == [manifest.sha256, threshold, max_k]:
+            return ChunkComparison(**cached)
+    check = _Pass(threshold, max_k, ChunkComparison(chunk.index, failed=manifest.failed))
+    digest = hashlib.sha256()
+    with ledger.open_chunk(chunk.index) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            digest.update(line)
+            check.row(lineno, line)
+    check.close_task()
+    out = check.out
+    out.sha256 = digest.hexdigest()
+    out.sha_matches = out.sha256 == manifest.sha256
+    out.before, out.after = check.before.state(), check.after.state()
+    del out.problems[20:]
+    if not out.sha_matches:
+        out.problems.append("its data object changed after commit: the commit was withdrawn; run again")
+        ledger.uncommit(chunk.index)
+        return out
+    store.write_bytes(tasks_path(chunk.index), b"".join(check.lines))
+    store.write_bytes(cache, orjson.dumps({**asdict(out), "key": [manifest.sha256, threshold, max_k]}))
+    return out
+
+
+@dataclass
+class Comparison:
+    """The run's verdict and its before/after figures, merged from its chunks."""
+
+    threshold: float
+    max_k: int
+    rows_expected: int = 0
+    rows: int = 0
+    failed: int = 0
+    invalid: int = 0
+    rescored: int = 0
+    changed: int = 0
+    chunks_total: int = 0
+    chunks_committed: int = 0
+    changed_chunks: list[int] = field(default_factory=list)
+    agreement: dict[str, int] = field(default_factory=dict)
+    top: list[list[Any]] = field(default_factory=list)
+    before: RewardStats | None = None
+    after: RewardStats | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every chunk committed and intact, every row valid (failures aside)."""
+        return self.chunks_committed == self.chunks_total and not self.invalid and not self.changed_chunks
+
+    def add(self, part: ChunkComparison) -> None:
+        self.rows += part.rows
+        self.failed += part.failed
+        self.invalid += part.invalid
+        self.rescored += part.rescored
+        self.changed += part.changed
+        self.chunks_committed += int(part.committed and part.sha_matches)
+        if not part.sha_matches:
+            self.changed_chunks.append(part.chunk)
+        for cell, n in part.agreement.items():
+            self.agreement[cell] = self.agreement.get(cell, 0) + n
+        self.top = heapq.nlargest(TOP_TASKS, self.top + [list(t) for t in part.top])
+        self.problems.extend(f"chunk {part.chunk}: {p}" for p in part.problems[:5])
+        for name in ("before", "after"):
+            if getattr(part, name):
+                stats = RewardStats.from_state(getattr(part, name))
+                mine = getattr(self, name)
+                if mine is None:
+                    setattr(self, name, stats)
+                else:
+                    mine.merge(stats)
+
+
+def compare_run(
+    ledger: Ledger,
+    chunks: list[SourceChunk],
+    manifests: dict[int, ChunkManifest],
+    threshold: float,
+    max_k: int,
+) -> Comparison:
+    summary = Comparison(threshold, max_k, chunks_total=len(chunks))
+    for chunk in chunks:
+        summary.rows_expected += chunk.rows
+        manifest = manifests.get(chunk.index)
+        if manifest is None:
+            summary.add(ChunkComparison(chunk.index, committed=False))
+            summary.problems.append(f"chunk {chunk.index}: not committed")
+            continue
+        summary.add(compare_chunk(ledger, chunk, manifest, threshold, max_k))
+    return summary

@@ -1,0 +1,99 @@
+"""Planning a reverify: scan the source once and bind the output to it (resume, refuse or restart)."""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import fsspec
+
+from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.collect.plan import config_hash
+from rollflow.tasks.collect.rows import InputError
+from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
+from rollflow.tasks.storage.store import Store, storage_options_for
+
+
+@dataclass
+class ReverifyPlan:
+    source: SourcePlan
+    identity: RunIdentity
+    committed: dict[int, ChunkManifest]
+
+    @property
+    def pending(self) -> list[SourceChunk]:
+        return [
+            c for c in self.source.chunks if c.index not in self.committed or self.committed[c.index].failed
+        ]
+
+
+def rollflow_version() -> str:
+    try:
+        return version("rollflow")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def reverify_config(spec: ReverifySpec, mode: str) -> dict[str, Any]:
+    """What changes the rescored dataset: the verifier and how the source is read; not parallelism."""
+    return {
+        "reverify": mode,
+        "verifier": spec.verify.verifier,
+        "verifier_url": spec.verify.url if spec.verify.verifier == "http" else None,
+        "format": spec.format,
+    }
+
+
+def _where(url: str, options: dict[str, Any]) -> tuple[str, str]:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol, posixpath.normpath(fs._strip_protocol(path)).rstrip("/")
+
+
+def check_apart(source: str, output: str, options: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """The source is never written: refuse an output that is the source or holds it, or lies inside it."""
+    (sp, src), (op, out) = _where(source, options[0]), _where(output, options[1])
+    if sp == op and (src == out or src.startswith(out + "/") or out.startswith(src + "/")):
+        raise InputError(
+            f"Source {source} and output {output} overlap; reverify never writes into its source. Choose an "
+            f"--output outside the source folder."
+        )
+
+
+def plan_reverify(
+    spec: ReverifySpec,
+    store: Store,
+    ledger: Ledger,
+    source_options: dict[str, Any],
+    output_options: dict[str, Any],
+) -> ReverifyPlan:
+    """Fail fast (bad source, overlap, a different reverify in the output) before any check runs."""
+    store.check_writable()
+    check_apart(spec.source, spec.output, (source_options, output_options))
+    if spec.failed_only:
+        source = scan_failed(spec.source, source_options)
+    else:
+        source = scan_dataset(dataset_file(spec.source, source_options), spec.chunk_size, source_options)
+    config = reverify_config(spec, source.mode)
+    chunk_size = spec.chunk_size if source.mode == "dataset" else 0
+    identity = RunIdentity(
+        input_url=source.url,
+        input_fingerprint=source.fingerprint,
+        rows=source.rows,
+        tasks=source.tasks,
+        num_repeats=source.max_k,
+        chunk_size=chunk_size,
+        config=config,
+        config_hash=config_hash(config, source.max_k, chunk_size),
+        chunks=[dataclasses.asdict(c) for c in source.chunks],
+        created_at=datetime.now(UTC).isoformat(),
+        rollflow_version=rollflow_version(),
+        dataset_url=spec.dataset_url(),
+    )
+    identity = ledger.open_run(identity, restart=spec.restart)
+    return ReverifyPlan(source, identity, ledger.committed())

@@ -1,0 +1,46 @@
+"""Publishing a reverify: the dataset from its committed chunks (collection's concatenation, or Parquet),
+tasks.jsonl, and failures.jsonl (every rollout that still failed, with its kind and response)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import orjson
+
+from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.reverify.source import SourceChunk
+from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+
+FAILURES_NAME = "failures.jsonl"
+
+
+def write_failures(
+    ledger: Ledger, chunks: list[SourceChunk], manifests: dict[int, ChunkManifest]
+) -> Counter[str]:
+    """failures.jsonl in the output (empty when none failed); returns the failures by kind."""
+    kinds: Counter[str] = Counter()
+    with ledger.store.open_write(FAILURES_NAME) as out:
+        for chunk in chunks:
+            manifest = manifests.get(chunk.index)
+            if manifest is None or not manifest.failed:
+                continue
+            data = ledger.store.read_bytes(ledger.failures_path(chunk.index))
+            for line in data.splitlines():
+                if line.strip():
+                    kinds[str((orjson.loads(line).get("error") or {}).get("kind"))] += 1
+            out.write(data)
+    return kinds
+
+
+def publish_jsonl(
+    ledger: Ledger,
+    chunks: list[SourceChunk],
+    manifests: dict[int, ChunkManifest],
+    dataset_url: str,
+    options: dict[str, Any],
+) -> int:
+    """rollouts.jsonl and tasks.jsonl, copied from the committed chunks as collection publishes them."""
+    written = concatenate(ledger, chunks, manifests, dataset_url, options)  # type: ignore[arg-type]
+    concatenate_tasks(ledger, chunks, manifests, dataset_url, options)  # type: ignore[arg-type]
+    return written

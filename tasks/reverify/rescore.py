@@ -1,0 +1,85 @@
+"""One rollout scored again: its stored response read as the verifier's text, the old reward kept under `_rf`.
+
+No backend is asked: the verifier is the collection's (same settings, pool, timeouts), and so are its
+failure kinds (verifier, verifier_timeout, verifier_crash, no_reward): a failure is no reward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rollflow.settings import redact
+from rollflow.tasks.backends.backends import BackendError, RolloutResult
+from rollflow.tasks.backends.replies import responses_text
+from rollflow.tasks.storage import rowjson
+from rollflow.tasks.verify.verifiers import Verifier
+
+# What the rollout produced or rollflow added; the rest is the row the verifier saw when collecting.
+OUTPUT_KEYS = frozenset({"response", "reward", "_ng_task_index", "_ng_rollout_index", "_rf"})
+
+
+def verifier_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in OUTPUT_KEYS}
+
+
+async def new_reward(verifier: Verifier, row: dict[str, Any]) -> float:
+    """The verifier's reward for the row's stored response; BackendError (a failure kind) otherwise."""
+    response = row.get("response")
+    if not isinstance(response, dict):
+        raise BackendError(
+            f"the row has no response object to score (found {type(response).__name__})", kind="malformed"
+        )
+    result = RolloutResult({"response": response}, None, responses_text(response), 0, 0.0, 1)
+    try:
+        reward = await verifier(verifier_row(row), result)
+    except BackendError:
+        raise
+    except Exception as exc:
+        raise BackendError(f"verifier failed: {type(exc).__name__}: {exc}", kind="verifier") from exc
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise BackendError(f"no numeric reward: it is {reward!r}", kind="no_reward")
+    return reward
+
+
+def rescored_line(row: dict[str, Any], reward: float, verifier_name: str) -> bytes:
+    """The same row and response with the new reward; the previous one (None if it had none) under _rf."""
+    out = dict(row)
+    previous = row.get("reward")
+    out["reward"] = reward
+    rf = dict(row.get("_rf") or {})
+    rf["previous_reward"] = previous
+    rf["reverified_with"] = verifier_name
+    out["_rf"] = rf
+    return rowjson.dumps(out)
+
+
+def failure_line(row: dict[str, Any], exc: BackendError) -> bytes:
+    """Collection's failure record shape, with the response under `output` so a later run can score it."""
+    record: dict[str, Any] = {
+        "_ng_task_index": row.get("_ng_task_index"),
+        "_ng_rollout_index": row.get("_ng_rollout_index"),
+        "error": {
+            "kind": exc.kind,
+            "status": exc.status,
+            "attempts": exc.attempts,
+            "message": redact.redact(str(exc)),
+        },
+        "row": verifier_row(row),
+        "output": {"response": row.get("response")},
+        "previous_reward": row.get("reward"),
+    }
+    if "_rf" in row:
+        record["_rf"] = row["_rf"]
+    return rowjson.dumps(record)
+
+
+def row_of_failure(record: dict[str, Any]) -> dict[str, Any]:
+    """A failure record as the output row it would have been, to score again."""
+    row = {**(record.get("row") or {}), **(record.get("output") or {})}
+    row["reward"] = record.get("previous_reward")  # a collection's failure had none
+    row["_ng_task_index"] = record["_ng_task_index"]
+    row["_ng_rollout_index"] = record["_ng_rollout_index"]
+    if "_rf" in record:
+        row["_rf"] = record["_rf"]
+    return row

@@ -1,0 +1,219 @@
+"""What a reverify reads: a published dataset file, or (--failed-only) a collection's committed chunks and
+their failures; planned once into chunks that end on task boundaries, so per-task statistics stay whole."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import fsspec
+import orjson
+
+from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
+from rollflow.tasks.collect.rows import InputError
+from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.store import Store, open_input, storage_options_for
+
+DATASET_NAME = "rollouts.jsonl"
+_KEY = re.compile(rb'"_ng_task_index":(\d+),"_ng_rollout_index":(\d+)')
+
+Mode = Literal["dataset", "failed"]
+RolloutKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class SourceChunk:
+    """Rollouts `rows` of the source from line `first_line` (byte `byte_offset`), tasks first_task.. on.
+
+    For --failed-only, `index` is the source's own chunk index and the offsets are unused.
+    """
+
+    index: int
+    first_task: int
+    num_tasks: int
+    rows: int
+    byte_offset: int = 0
+    first_line: int = 0
+
+
+@dataclass
+class SourcePlan:
+    url: str  # the dataset file, or the output folder for --failed-only
+    mode: Mode
+    fingerprint: str
+    rows: int
+    tasks: int
+    max_k: int  # most rollouts of one task: the pass@k the report can give
+    chunks: list[SourceChunk]
+    to_rescore: int
+
+
+def line_key(line: bytes) -> RolloutKey:
+    """(task, rollout) of an output line: rollflow writes both keys side by side; anything else is parsed."""
+    found = _KEY.findall(line)
+    if len(found) == 1:
+        return int(found[0][0]), int(found[0][1])
+    row = orjson.loads(line)
+    return int(row["_ng_task_index"]), int(row["_ng_rollout_index"])
+
+
+def _is_dir(url: str, options: dict[str, Any]) -> bool:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
+    return bool(fs.isdir(path))
+
+
+def dataset_file(url: str, options: dict[str, Any]) -> str:
+    """The dataset a SOURCE names: the file itself, or a folder's rollouts.jsonl."""
+    if not _is_dir(url, options):
+        return url
+    inner = f"{url.rstrip('/')}/{DATASET_NAME}"
+    if not Store(url, options).exists(DATASET_NAME):
+        raise InputError(
+            f"Source {url} is a folder without {DATASET_NAME}: its run published no dataset. Pass the "
+            f"dataset file itself, or --failed-only to complete the run from its committed chunks."
+        )
+    return inner
+
+
+@dataclass
+class _Cutter:
+    """Chunks of about `size` rollouts, closed only where the task index changes."""
+
+    size: int
+    chunks: list[SourceChunk]
+    start: tuple[int, int, int] | None = None  # (first_task, byte_offset, first_line)
+    rows: int = 0
+    tasks: int = 0
+
+    def close(self) -> None:
+        if self.start is not None:
+            first, offset, line = self.start
+            self.chunks.append(SourceChunk(len(self.chunks), first, self.tasks, self.rows, offset, line))
+        self.start, self.rows, self.tasks = None, 0, 0
+
+
+def scan_dataset(url: str, chunk_size: int, options: dict[str, Any]) -> SourcePlan:
+    """One streaming pass: fingerprint, count, check every line's key order, and cut the chunks."""
+    digest = hashlib.sha256()
+    cutter = _Cutter(chunk_size, [])
+    offset = rows = tasks = max_k = run = 0
+    last: RolloutKey = (-1, -1)
+    with open_input(url, options) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            line_offset, offset = offset, offset + len(line)
+            digest.update(line)
+            if not line.strip():
+                continue
+            try:
+                key = line_key(line)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise InputError(
+                    f"Source {url}, line {lineno}: not an output row of rollflow or NeMo Gym ({exc}). Each "
+                    f"line must be a JSON object with _ng_task_index, _ng_rollout_index and response."
+                ) from None
+            if key <= last:
+                raise InputError(
+                    f"Source {url}, line {lineno}: rollout {key} comes after {last}; a published dataset is "
+                    f"ordered by (task, rollout) with each once. Pass a dataset rollflow published."
+                )
+            if key[0] != last[0]:
+                if cutter.rows >= chunk_size:
+                    cutter.close()
+                tasks += 1
+                cutter.tasks += 1
+                run = 0
+            if cutter.start is None:
+                cutter.start = (key[0], line_offset, lineno)
+            run += 1
+            max_k = max(max_k, run)
+            cutter.rows += 1
+            rows += 1
+            last = key
+    cutter.close()
+    if rows == 0:
+        raise InputError(f"Source {url} holds no rollouts: there is nothing to rescore.")
+    return SourcePlan(url, "dataset", digest.hexdigest(), rows, tasks, max_k, cutter.chunks, rows)
+
+
+def iter_dataset_lines(url: str, chunk: SourceChunk, options: dict[str, Any]) -> Iterator[bytes]:
+    """The chunk's rows (without newline), read from its byte offset."""
+    left = chunk.rows
+    with open_input(url, options) as fh:
+        fh.seek(chunk.byte_offset)
+        for line in fh:
+            if left == 0:
+                return
+            if line.strip():
+                left -= 1
+                yield line.rstrip(b"\r\n")
+
+
+def is_rescorable(record: dict[str, Any]) -> bool:
+    """A failure line of a verification failure that kept its reply (the response to score again)."""
+    kind = (record.get("error") or {}).get("kind")
+    return kind in VERIFY_FAILURE_KINDS and isinstance(record.get("output"), dict)
+
+
+def scan_failed(url: str, options: dict[str, Any]) -> SourcePlan:
+    """--failed-only: the source output's chunk plan; every chunk must be committed (else collect first)."""
+    ledger = Ledger(Store(url, options))
+    identity = ledger.stored_identity()
+    if identity is None:
+        raise InputError(
+            f"Source {url} is not a rollflow output folder (no run.json), which --failed-only needs: it "
+            f"reads the committed chunks and their failures. Pass the folder given as --output when "
+            f"collecting."
+        )
+    committed = ledger.committed()
+    missing = [c["index"] for c in identity.chunks if c["index"] not in committed]
+    if missing:
+        raise InputError(
+            f"Source {url}: chunks {missing[:10]} are not committed, so the dataset cannot be completed. "
+            f"Run the collection's command again to collect them first."
+        )
+    digest = hashlib.sha256(identity.run_id.encode())
+    chunks, to_rescore, rows = [], 0, 0
+    for spec in identity.chunks:
+        manifest = committed[spec["index"]]
+        digest.update(manifest.sha256.encode())
+        fails = _failure_records(ledger, spec["index"]) if manifest.failed else []
+        for raw in fails:
+            digest.update(raw)
+        to_rescore += sum(is_rescorable(orjson.loads(raw)) for raw in fails)
+        rows += manifest.rows + manifest.failed
+        chunks.append(
+            SourceChunk(spec["index"], spec["first_task"], spec["num_tasks"], manifest.rows + manifest.failed)
+        )
+    return SourcePlan(
+        url, "failed", digest.hexdigest(), rows, identity.tasks, identity.num_repeats, chunks, to_rescore
+    )
+
+
+def _failure_records(ledger: Ledger, chunk: int) -> list[bytes]:
+    rel = ledger.failures_path(chunk)
+    if not ledger.store.exists(rel):
+        return []
+    return [line for line in ledger.store.read_bytes(rel).splitlines() if line.strip()]
+
+
+def iter_failed_chunk(url: str, chunk: SourceChunk, options: dict[str, Any]) -> Iterator[tuple[bytes, bool]]:
+    """(line, is a failure record) of a source chunk, ordered by (task, rollout): its committed rows and
+    its failures, merged."""
+    ledger = Ledger(Store(url, options))
+    with ledger.open_chunk(chunk.index) as fh:
+        rows = [line.rstrip(b"\r\n") for line in fh if line.strip()]
+    fails = _failure_records(ledger, chunk.index)
+    keyed = [(line_key(line), line, False) for line in rows]
+    keyed += [(_failure_key(raw), raw, True) for raw in fails]
+    keyed.sort(key=lambda item: item[0])
+    for _, line, failed in keyed:
+        yield line, failed
+
+
+def _failure_key(raw: bytes) -> RolloutKey:
+    record = rowjson.loads(raw)
+    return int(record["_ng_task_index"]), int(record["_ng_rollout_index"])

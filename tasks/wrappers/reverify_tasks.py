@@ -1,0 +1,75 @@
+"""Thin Prefect @task wrappers over the reverify core: plan, one chunk (retried), compare, publish."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from prefect import task
+from prefect.cache_policies import NONE
+from prefect.runtime import task_run
+
+from rollflow.settings import redact
+from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome, reverify_chunk
+from rollflow.tasks.reverify.compare import Comparison, compare_run
+from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
+from rollflow.tasks.reverify.publish import publish_jsonl, write_failures
+from rollflow.tasks.reverify.runtime import ReverifyHandles
+from rollflow.tasks.reverify.source import SourceChunk
+from rollflow.tasks.wrappers.prefect_tasks import worth_retrying
+
+
+@task(name="plan-reverify", cache_policy=NONE)
+async def plan_reverify_task(handles: ReverifyHandles) -> ReverifyPlan:
+    return await asyncio.to_thread(
+        plan_reverify,
+        handles.spec,
+        handles.store,
+        handles.ledger,
+        handles.source_options,
+        handles.output_options,
+    )
+
+
+@task(
+    name="reverify-chunk",
+    task_run_name="chunk-{chunk.index:05d}",
+    cache_policy=NONE,
+    retries=3,
+    retry_delay_seconds=[1, 5, 15],
+    retry_condition_fn=worth_retrying,
+)
+async def reverify_chunk_task(ctx: ReverifyContext, chunk: SourceChunk) -> ReverifyOutcome:
+    try:
+        return await reverify_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+    except Exception as exc:
+        raise redact.redacted_error(exc) from None
+
+
+@task(name="compare", cache_policy=NONE)
+async def compare_task(handles: ReverifyHandles, plan: ReverifyPlan) -> Comparison:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    threshold = handles.spec.verify.correct_threshold
+    return await asyncio.to_thread(
+        compare_run, handles.ledger, plan.source.chunks, manifests, threshold, plan.source.max_k
+    )
+
+
+@task(name="failures", cache_policy=NONE)
+async def failures_task(handles: ReverifyHandles, plan: ReverifyPlan) -> Counter[str]:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    return await asyncio.to_thread(write_failures, handles.ledger, plan.source.chunks, manifests)
+
+
+@task(name="publish", cache_policy=NONE)
+async def publish_task(handles: ReverifyHandles, plan: ReverifyPlan) -> int:
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    spec = handles.spec
+    return await asyncio.to_thread(
+        publish_jsonl,
+        handles.ledger,
+        plan.source.chunks,
+        manifests,
+        spec.dataset_url(),
+        handles.output_options,
+    )
