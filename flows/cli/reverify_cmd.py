@@ -33,12 +33,13 @@ def add_reverify_parser(sub: Any) -> None:
     p.add_argument("--verifier", help="exact_match, math, math_fast, http or module:function")
     p.add_argument("--verifier-url", help="resources server for --verifier http")
     p.add_argument("--verify-processes", type=int, help="processes for math and module:function checks")
-    p.add_argument("--verify-check-timeout-s", type=float, help="longest one check may run")
+    p.add_argument("--verify-timeout-s", type=float, help="longest one check may run")
     p.add_argument("--correct-threshold", type=float, help="a rollout is correct at reward >= this")
     p.add_argument("--failed-only", action="store_true", help="rescore only the source's failed checks")
     p.add_argument("--format", choices=("jsonl", "parquet"), help="dataset format (default jsonl)")
     p.add_argument("--chunk-size", type=int, help="rollouts per chunk task (default 10000)")
     p.add_argument("--parallelism", type=int, help="checks in flight at once (default 64)")
+    p.add_argument("--chunks-in-flight", type=int, help="chunk tasks at once (default 2)")
     p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
     p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
     p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
@@ -49,10 +50,10 @@ VERIFY_FLAGS = {
     "verifier": "verifier",
     "verifier_url": "url",
     "verify_processes": "processes",
-    "verify_check_timeout_s": "check_timeout_s",
+    "verify_timeout_s": "check_timeout_s",
     "correct_threshold": "correct_threshold",
 }
-TOP_FLAGS = ("format", "chunk_size", "parallelism")
+TOP_FLAGS = ("format", "chunk_size", "parallelism", "chunks_in_flight")
 
 
 def build_reverify_spec(args: argparse.Namespace) -> Any:

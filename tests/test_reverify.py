@@ -1,0 +1,191 @@
+"""`rollflow reverify`: a published output scored again with another verifier, with no backend at all.
+
+A seeded collection scored with exact_match, reverified with math_fast while the backend is stopped, equals
+a fresh seeded collection scored with math_fast, reward for reward; a kill -9 mid-reverify resumes exactly
+once; --failed-only rescores only the rollouts whose check failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+
+import orjson
+import pytest
+from cli_runs import spawn, wait_until
+from rollout_data import assert_complete
+
+from rollflow.infra.local import spawn_simulator
+
+pytestmark = pytest.mark.concurrent
+
+TASKS, REPEATS = 40, 3
+
+FLAKY = '''
+def verify(row, text):
+    """Raises for tasks whose number ends in 3: their checks fail as kind `verifier`."""
+    if row["expected_answer"].split(".")[0].endswith("3"):
+        raise ValueError("this check always fails")
+    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
+'''
+
+SLOW = """
+import asyncio
+
+async def verify(row, text):
+    await asyncio.sleep(0.01)
+    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
+"""
+
+
+def write_rows(path: Path) -> Path:
+    """Questions the simulator answers; half the expected answers written as 7.0, which only
+    math-aware verifiers take for 7."""
+    with path.open("wb") as fh:
+        for i in range(TASKS):
+            answer = str(2 * i + 1)
+            row = {
+                "responses_create_params": {
+                    "input": [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
+                },
+                "expected_answer": answer if i % 2 else f"{answer}.0",
+            }
+            fh.write(orjson.dumps(row) + b"\n")
+    return path
+
+
+def collect_args(inp: Path, out: Path, url: str, verifier: str) -> list[str]:
+    return [
+        "collect", "--input", str(inp), "--output", str(out), "--backend-kind", "chat", "--backend-url", url,
+        "--num-repeats", str(REPEATS), "--parallelism", "16", "--chunk-size", "10", "--seed", "11",
+        "--verifier", verifier, "--verify-processes", "0", "--no-progress",
+    ]  # fmt: skip
+
+
+def rows(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def rewards(path: Path) -> list[tuple[int, int, float]]:
+    return [(r["_ng_task_index"], r["_ng_rollout_index"], r["reward"]) for r in rows(path)]
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def collections(run_cli, tmp_path_factory) -> dict[str, Path]:
+    """The same seeded collection scored with exact_match, with math_fast, and with a verifier that fails
+    on some rows (published with its gaps); the backend is stopped before any test reverifies."""
+    base = tmp_path_factory.mktemp("reverify")
+    (base / "flaky_verifier.py").write_text(FLAKY)
+    (base / "slow_verifier_rv.py").write_text(SLOW)
+    inp = write_rows(base / "rows.jsonl")
+    sim = spawn_simulator("--latency-ms", "1", "--slots", "64")
+    outs = {"exact": base / "exact", "math_fast": base / "math_fast", "flaky": base / "flaky"}
+    try:
+        for name, verifier in (("exact", "exact_match"), ("math_fast", "math_fast")):
+            res = run_cli(*collect_args(inp, outs[name], sim.url, verifier))
+            assert res.returncode == 0, res.stderr
+        res = run_cli(
+            *collect_args(inp, outs["flaky"], sim.url, "flaky_verifier:verify"),
+            "--allow-incomplete",
+            env={"PYTHONPATH": str(base)},
+        )
+        assert res.returncode == 0, res.stderr  # published, with the failed checks left out
+    finally:
+        sim.stop()
+    outs["base"] = base
+    return outs
+
+
+def test_reverify_with_the_backend_stopped_equals_a_fresh_collection(run_cli, collections, tmp_path) -> None:
+    source, fresh = collections["exact"], collections["math_fast"]
+    before = tree_digest(source)
+    out = tmp_path / "rescored"
+    res = run_cli(
+        "reverify", str(source), "--output", str(out), "--verifier", "math_fast", "--chunk-size", "25"
+    )
+    assert res.returncode == 0, res.stderr
+    assert rewards(out / "rollouts.jsonl") == rewards(fresh / "rollouts.jsonl")
+    old, new = rows(source / "rollouts.jsonl"), rows(out / "rollouts.jsonl")
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), TASKS, REPEATS)
+    assert [r["response"] for r in new] == [r["response"] for r in old]
+    assert [r["_rf"]["previous_reward"] for r in new] == [r["reward"] for r in old]
+    assert tree_digest(source) == before  # the source is never written
+    report = orjson.loads((out / "report.json").read_bytes())
+    changed = sum(a["reward"] != b["reward"] for a, b in zip(old, new, strict=True))
+    assert 0 < changed == report["changed"]
+    assert report["rows_written"] == TASKS * REPEATS and report["failed"] == 0
+    table = report["agreement"]
+    assert table["incorrect"]["correct"] == changed  # 7.0 against 7: only math_fast takes it
+    assert sum(sum(row.values()) for row in table.values()) == TASKS * REPEATS
+    fresh_report = orjson.loads((fresh / "report.json").read_bytes())
+    assert report["after"]["pass_at_k"] == fresh_report["rewards"]["pass_at_k"]
+    assert (out / "failures.jsonl").read_bytes() == b""
+    assert "| incorrect |" in (out / "report.md").read_text()
+
+
+def test_kill9_mid_reverify_resumes_exactly_once(run_cli, cli_env, collections, tmp_path) -> None:
+    source, out = collections["exact"], tmp_path / "rescored"
+    args = [
+        "reverify", str(source), "--output", str(out), "--verifier", "slow_verifier_rv:verify",
+        "--chunk-size", "6", "--parallelism", "1", "--chunks-in-flight", "1",
+    ]  # fmt: skip
+    env = {**cli_env, "PYTHONPATH": str(collections["base"])}
+    chunks = out / "chunks"
+    proc = spawn(args, env)
+    try:
+        wait_until(lambda: chunks.exists() and len(list(chunks.glob("*.json"))) >= 3, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    committed = {p.name: p.read_bytes() for p in chunks.glob("*.json")}
+    assert 3 <= len(committed) < TASKS * REPEATS // 6
+    res = run_cli(*args, env={"PYTHONPATH": str(collections["base"])})
+    assert res.returncode == 0, res.stderr
+    for name, manifest in committed.items():
+        assert (chunks / name).read_bytes() == manifest  # committed chunks were not redone
+    data = (out / "rollouts.jsonl").read_bytes()
+    assert_complete(data.splitlines(), TASKS, REPEATS)
+    expected = [(t, r, reward) for t, r, reward in rewards(source / "rollouts.jsonl")]
+    assert rewards(out / "rollouts.jsonl") == expected  # the slow verifier scores as exact_match does
+
+
+def test_failed_only_rescores_only_the_failed_checks(run_cli, collections, tmp_path) -> None:
+    source = collections["flaky"]
+    failed = [
+        orjson.loads(line)
+        for p in sorted((source / "failures").glob("*.jsonl"))
+        for line in p.read_bytes().splitlines()
+    ]
+    assert failed and all(f["error"]["kind"] == "verifier" and "response" in f["output"] for f in failed)
+    failed_keys = {(f["_ng_task_index"], f["_ng_rollout_index"]) for f in failed}
+    published = {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in rows(source / "rollouts.jsonl")}
+    assert len(published) + len(failed_keys) == TASKS * REPEATS
+    out = tmp_path / "completed"
+    res = run_cli("reverify", str(source), "--output", str(out), "--verifier", "exact_match", "--failed-only")
+    assert res.returncode == 0, res.stderr
+    data = (out / "rollouts.jsonl").read_bytes()
+    assert_complete(data.splitlines(), TASKS, REPEATS)
+    exact = {(t, r): w for t, r, w in rewards(collections["exact"] / "rollouts.jsonl")}
+    for row in rows(out / "rollouts.jsonl"):
+        key = (row["_ng_task_index"], row["_ng_rollout_index"])
+        if key in failed_keys:
+            assert row["_rf"]["reverified_with"] == "exact_match" and row["_rf"]["previous_reward"] is None
+            assert row["reward"] == exact[key]
+        else:
+            assert row == published[key]  # untouched, not scored again
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["rescored"] == len(failed_keys) and report["changed"] == 0
+    assert report["agreement"]["failed"]["correct"] + report["agreement"]["failed"]["incorrect"] == len(
+        failed_keys
+    )
