@@ -39,7 +39,7 @@ def test_prefect_yaml_entrypoints_are_rollflow_flows() -> None:
     doc = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
     assert doc["pull"] == [], "no pull step: a worker must not depend on the deploying machine's paths"
     names = {load_flow_from_entrypoint(d["entrypoint"]).name for d in doc["deployments"]}
-    assert names == {"rollflow-run", "rollflow-diagnose", "rollflow-tune"}
+    assert names == {"rollflow-run", "rollflow-diagnose", "rollflow-tune", "rollflow-reverify"}
     assert all(d["work_pool"]["name"] == "rollflow" for d in doc["deployments"])
 
 

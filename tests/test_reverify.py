@@ -189,3 +189,13 @@ def test_failed_only_rescores_only_the_failed_checks(run_cli, collections, tmp_p
     assert report["agreement"]["failed"]["correct"] + report["agreement"]["failed"]["incorrect"] == len(
         failed_keys
     )
+
+
+def test_rollflow_serve_serves_the_reverify_flow() -> None:
+    from rollflow.flows.serve import default_parameters, deployments
+    from rollflow.settings import RollflowSettings
+
+    served = deployments("test", default_parameters(RollflowSettings()), {})
+    assert "rollflow-reverify" in {d.flow_name for d in served}
+    schema = next(d for d in served if d.flow_name == "rollflow-reverify")._parameter_openapi_schema
+    assert "ReverifySpec" in str(schema)
