@@ -38,3 +38,7 @@ class ReverifySpec(Settings):
 
     def dataset_url(self) -> str:
         return f"{self.output.rstrip('/')}/rollouts.jsonl"
+
+    def data_url(self) -> str:
+        """Where --format parquet writes its shards."""
+        return f"{self.output.rstrip('/')}/data"

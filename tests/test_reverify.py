@@ -199,3 +199,25 @@ def test_rollflow_serve_serves_the_reverify_flow() -> None:
     assert "rollflow-reverify" in {d.flow_name for d in served}
     schema = next(d for d in served if d.flow_name == "rollflow-reverify")._parameter_openapi_schema
     assert "ReverifySpec" in str(schema)
+
+
+def test_parquet_holds_the_same_rollouts_and_rewards_as_jsonl(run_cli, collections, tmp_path) -> None:
+    import pyarrow.dataset as pads
+
+    source, fresh = collections["exact"], collections["math_fast"]
+    out = tmp_path / "pq"
+    res = run_cli(
+        "reverify", str(source), "--output", str(out), "--verifier", "math_fast", "--format", "parquet"
+    )
+    assert res.returncode == 0, res.stderr
+    assert not (out / "rollouts.jsonl").exists() and (out / "tasks.jsonl").exists()
+    table = pads.dataset(str(out / "data"), format="parquet").to_table()
+    json_columns = set(orjson.loads(table.schema.metadata[b"rollflow.json_columns"]))
+    assert {"response", "responses_create_params", "_rf"} <= json_columns
+    back = [{k: orjson.loads(v) if k in json_columns else v for k, v in r.items()} for r in table.to_pylist()]
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"], r["reward"]) for r in back] == rewards(
+        fresh / "rollouts.jsonl"
+    )
+    assert [r["response"] for r in back] == [r["response"] for r in rows(fresh / "rollouts.jsonl")]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["dataset"] == str(out / "data") and report["format"] == "parquet"

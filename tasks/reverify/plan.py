@@ -45,7 +45,6 @@ def reverify_config(spec: ReverifySpec, mode: str) -> dict[str, Any]:
         "reverify": mode,
         "verifier": spec.verify.verifier,
         "verifier_url": spec.verify.url if spec.verify.verifier == "http" else None,
-        "format": spec.format,
     }
 
 

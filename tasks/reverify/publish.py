@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChunk
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
@@ -44,3 +45,18 @@ def publish_jsonl(
     written = concatenate(ledger, chunks, manifests, dataset_url, options)  # type: ignore[arg-type]
     concatenate_tasks(ledger, chunks, manifests, dataset_url, options)  # type: ignore[arg-type]
     return written
+
+
+def publish_parquet(
+    ledger: Ledger,
+    chunks: list[SourceChunk],
+    manifests: dict[int, ChunkManifest],
+    data_url: str,
+    dataset_url: str,
+    options: dict[str, Any],
+) -> list[str]:
+    """Sharded Parquet under `data_url` and tasks.jsonl beside `dataset_url`'s folder."""
+    ordered = [manifests[c.index] for c in chunks if c.index in manifests]
+    names = write_parquet(ledger, ordered, data_url, options)
+    concatenate_tasks(ledger, chunks, manifests, dataset_url, options)  # type: ignore[arg-type]
+    return names

@@ -57,7 +57,7 @@ def build_report(
 ) -> dict[str, Any]:
     after = summary.after.as_dict() if summary.after is not None else None
     before = summary.before.as_dict() if summary.before is not None else None
-    dataset = f"{spec.output.rstrip('/')}/data" if spec.format == "parquet" else spec.dataset_url()
+    dataset = spec.data_url() if spec.format == "parquet" else spec.dataset_url()
     return {
         "kind": "reverify",
         "generated_at": datetime.now(UTC).isoformat(),

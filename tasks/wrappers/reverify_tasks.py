@@ -13,7 +13,7 @@ from rollflow.settings import redact
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome, reverify_chunk
 from rollflow.tasks.reverify.compare import Comparison, compare_run
 from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
-from rollflow.tasks.reverify.publish import publish_jsonl, write_failures
+from rollflow.tasks.reverify.publish import publish_jsonl, publish_parquet, write_failures
 from rollflow.tasks.reverify.runtime import ReverifyHandles
 from rollflow.tasks.reverify.source import SourceChunk
 from rollflow.tasks.wrappers.prefect_tasks import worth_retrying
@@ -65,6 +65,17 @@ async def failures_task(handles: ReverifyHandles, plan: ReverifyPlan) -> Counter
 async def publish_task(handles: ReverifyHandles, plan: ReverifyPlan) -> int:
     manifests = await asyncio.to_thread(handles.ledger.committed)
     spec = handles.spec
+    if spec.format == "parquet":
+        names = await asyncio.to_thread(
+            publish_parquet,
+            handles.ledger,
+            plan.source.chunks,
+            manifests,
+            spec.data_url(),
+            spec.dataset_url(),
+            handles.output_options,
+        )
+        return len(names)
     return await asyncio.to_thread(
         publish_jsonl,
         handles.ledger,
