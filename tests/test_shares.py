@@ -58,7 +58,7 @@ def test_a_silent_worker_is_gone_and_its_share_freed():
     book.update(
         "a", {"n": 2, "demand": 50, "in_use": 10, "applied_seq": 1, "applied": 10}, now=7
     )  # same report
-    assert book.allocate(now=7) == {"b": (3, 10)}
+    assert book.allocate(now=7) == {"b": (4, 10)}  # seq 3 revoked a's share
 
 
 @dataclass
@@ -114,3 +114,40 @@ def test_requests_in_flight_never_sum_past_the_limit(limit, demands, steps):
             worker.demand = amount
             worker.in_use = min(worker.in_use, amount)
         assert sum(max(w.in_use, w.applied) for w in workers) <= limit
+
+
+def test_a_worker_that_returns_after_it_was_gone_gets_only_what_is_free():
+    """a goes silent (a paused process) holding half; after LOST_S its half goes to b. When a resumes, its
+    requests have ended at the backend, and it reports the half it last applied: it must not run that
+    half again while b runs the whole limit."""
+    book = ShareBook(32, lost_s=10)
+    a, b = Worker("a", 100), Worker("b", 100)
+
+    def round_at(t: float, *reporting: Worker) -> dict[str, tuple[int, int]]:
+        for w in reporting:
+            book.update(w.name, w.report(), now=t)
+        board = book.allocate(now=t)
+        for w in reporting:
+            seq, share = board.get(w.name, (0, 0))
+            if seq > w.applied_seq:
+                w.applied_seq, w.applied = seq, share
+            w.in_use = min(w.applied, w.demand)  # requests fill the share at once...
+        assert a.in_use + b.in_use <= 32, (board, a, b)
+        return board
+
+    t = 0.0
+    while a.applied < 16 or b.applied < 16:
+        round_at(t, a, b)
+        t += 0.1
+    a.in_use = 0  # its requests end at the backend while it is paused
+    for _ in range(120):
+        round_at(t, b)
+        t += 0.1
+    assert b.applied == 32 and "a" not in book.workers
+    assert round_at(t, a, b)["a"][1] == 0  # a resumes: its share was revoked, not its old half
+    b.demand = 0  # b's work ends: what it held becomes a's again, never before it drained
+    for _ in range(5):
+        t += 0.1
+        b.in_use = min(b.in_use, b.demand)
+        round_at(t, a, b)
+    assert a.applied == 32 and book.peak_in_flight <= 32

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOST_S = 10.0  # a worker silent this long is gone: what it held is free again
-LEASE_S = 5.0  # a worker that cannot reach the book this long stops starting requests (LEASE_S < LOST_S)
+SHARE_LEASE_S = 5.0  # a worker whose share the book has not confirmed this long drops it (< LOST_S)
 
 
 @dataclass
@@ -98,6 +98,9 @@ class ShareBook:
         """Every worker's newest (seq, share): smaller shares at once, larger ones only from what is free."""
         now = time.monotonic() if now is None else now
         for worker in [w for w, s in self.workers.items() if now - s.seen > self.lost_s]:
+            # Revoked before it is given again: should the worker come back, the newest share it finds
+            # is 0, not an old one the others now hold, and it grows again only from what is free.
+            self._issue(self.workers[worker], 0)
             self.gone[worker] = self.workers.pop(worker)
         current = {w: s.share for w, s in self.workers.items()}
         target = water_fill(self.limit, {w: s.demand for w, s in self.workers.items()}, current)

@@ -7,11 +7,14 @@ the engine only carries reports up and the book's answer down, a few times a sec
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 PREFIX = "rollflow-shares"
-EXCHANGE_TIMEOUT_S = 5.0
+EXCHANGE_TIMEOUT_S = 2.0  # an exchange with the share book (either side) that takes longer has failed
+CLOSE_GRACE_S = 0.5  # between telling the workers the run ended and removing its state from the engine
+CLOSED = {"closed": True}  # the book's last answer: the run ended, stop reporting
 RAY_NAMESPACE = "rollflow"
 
 
@@ -28,8 +31,11 @@ class DaskLink:
         return DaskLink(self.key, get_client())
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        self.client.set_metadata([PREFIX, self.key, "reports", worker], report)
-        return self.client.get_metadata([PREFIX, self.key, "board"], None)
+        """The book's answer, then this worker's report, unless the run ended (nothing is left behind)."""
+        board = self.client.get_metadata([PREFIX, self.key, "board"], None)
+        if board is not None and not board.get("closed"):
+            self.client.set_metadata([PREFIX, self.key, "reports", worker], report)
+        return board
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "client": None}
@@ -49,7 +55,17 @@ class DaskChannel:
         self.client.set_metadata([PREFIX, self.key, "board"], board)
 
     def close(self) -> None:
-        self.client.set_metadata([PREFIX, self.key], {})
+        """Tell the workers the run ended, then delete the run's key from the scheduler."""
+        self.publish(CLOSED)
+        time.sleep(CLOSE_GRACE_S)
+
+        def forget(dask_scheduler: Any, key: str = self.key) -> None:  # pickled by value: no rollflow there
+            runs = dask_scheduler.task_metadata.get(PREFIX, {})
+            runs.pop(key, None)
+            if not runs:
+                dask_scheduler.task_metadata.pop(PREFIX, None)
+
+        self.client.run_on_scheduler(forget)
 
 
 class ShareBoard:
@@ -117,4 +133,6 @@ class RayChannel:
     def close(self) -> None:
         import ray
 
+        self.publish(CLOSED)
+        time.sleep(CLOSE_GRACE_S)
         ray.kill(self.actor)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -28,7 +29,8 @@ from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
-from rollflow.tasks.scaleout.book import LEASE_S
+from rollflow.tasks.scaleout.book import SHARE_LEASE_S
+from rollflow.tasks.scaleout.channels import EXCHANGE_TIMEOUT_S
 from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
 from rollflow.tasks.verify.pool import close_pools
@@ -36,8 +38,8 @@ from rollflow.tasks.verify.pool import close_pools
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a worker reports to the share book and applies its share
-IDLE_S = 30.0
-EXCHANGE_TIMEOUT_S = 2.0  # a run with no chunk in this process for this long is closed here
+IDLE_S = 30.0  # a run with no chunk in this process for this long is closed here (if the book never said so)
+EXCHANGE_THREADS = 2  # exchanges run on threads of their own: one stuck never holds a commit's thread
 
 
 class ShareLink(Protocol):
@@ -80,6 +82,7 @@ class RunSlot:
     last_active: float = field(default_factory=time.monotonic)
     cpu0: float = field(default_factory=time.process_time)
     sync: asyncio.Task[None] | None = None
+    exchanging: asyncio.Future[dict[str, Any] | None] | None = None  # the exchange under way, if any
 
     def start(self, chunk: int, planned: int) -> None:
         self.planned[chunk] = planned
@@ -142,6 +145,7 @@ class WorkerCollector:
         self.loop = asyncio.new_event_loop()
         self.slots: dict[str, RunSlot] = {}
         self._opening: dict[str, asyncio.Future[RunSlot]] = {}
+        self.exchanges = concurrent.futures.ThreadPoolExecutor(EXCHANGE_THREADS, "rollflow-exchange")
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollflow-collector", daemon=True)
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._subscribe(), self.loop).result()
@@ -210,14 +214,21 @@ class WorkerCollector:
         return RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link)
 
     async def _keep_share(self, key: str, slot: RunSlot) -> None:
-        """Report and apply the share until the run has had no chunk here for IDLE_S (or its deadline)."""
-        assert slot.link is not None
+        """Report and apply the share until the book says the run ended, or the run has had no chunk here
+        for IDLE_S (or is past its deadline)."""
         warned = False
         while True:
+            # A share not confirmed for SHARE_LEASE_S is dropped before this worker reports again (after a
+            # pause of the process too): the book may have counted it gone and given its share away.
+            if time.monotonic() - slot.last_ok > SHARE_LEASE_S and slot.ctx.pool.share:
+                slot.ctx.pool.set_share(0, slot.run_limits)
             try:
-                exchange = asyncio.to_thread(slot.link.exchange, self.worker, slot.report(self.worker))
-                reply = await asyncio.wait_for(exchange, EXCHANGE_TIMEOUT_S)
+                reply = await self._exchange(slot)
                 slot.last_ok = time.monotonic()
+                if reply and reply.get("closed"):
+                    slot.ctx.pool.set_share(0, slot.run_limits)
+                    self.slots.pop(key, None)
+                    return
                 if reply:
                     slot.apply(self.worker, reply)
             except Exception as exc:
@@ -225,13 +236,22 @@ class WorkerCollector:
                     log.warning("cannot reach the run's share book: %s: %s", type(exc).__name__, exc)
                     warned = True
             now = time.monotonic()
-            if now - slot.last_ok > LEASE_S and slot.ctx.pool.share:
-                slot.ctx.pool.set_share(0, slot.run_limits)  # the book will count this worker as gone
             past_deadline = slot.scope.stop_at is not None and time.time() > slot.scope.stop_at
             if not slot.planned and (now - slot.last_active > IDLE_S or past_deadline):
                 self.slots.pop(key, None)
                 return
             await asyncio.sleep(POLL_S)
+
+    async def _exchange(self, slot: RunSlot) -> dict[str, Any] | None:
+        """One exchange on the exchange threads; one still under way (a scheduler that does not answer)
+        is awaited again rather than joined by another, so stuck exchanges never pile up."""
+        assert slot.link is not None
+        if slot.exchanging is None or slot.exchanging.done():
+            report = slot.report(self.worker)
+            slot.exchanging = self.loop.run_in_executor(
+                self.exchanges, slot.link.exchange, self.worker, report
+            )
+        return await asyncio.wait_for(asyncio.shield(slot.exchanging), EXCHANGE_TIMEOUT_S)
 
     async def _subscribe(self) -> None:
         hub.subscribe(self._count)
@@ -246,4 +266,5 @@ class WorkerCollector:
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(close_loop_session(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
+        self.exchanges.shutdown(wait=False, cancel_futures=True)
         close_pools()
