@@ -106,92 +106,147 @@ def overloaded(low: StepResult, high: StepResult) -> bool:
     return hi_att > 2 * ERROR_RATE and hi_att > 2 * lo_att + ERROR_RATE
 
 
+@dataclass
+class _Reading:
+    """The two steps and what every rule of `verdict` reads from them."""
+
+    low: StepResult
+    high: StepResult
+    verify_processes: int | None
+    speedup: float
+    load: VerifyLoad
+    rates: str
+
+    @classmethod
+    def of(cls, low: StepResult, high: StepResult, verify_processes: int | None) -> _Reading:
+        lo_p, hi_p = low.parallelism, high.parallelism
+        lo_r, hi_r = low.rollouts_per_s, high.rollouts_per_s
+        speedup = hi_r / lo_r if lo_r > 0 else (float("inf") if hi_r > 0 else 0.0)
+        rates = f"{lo_r:,.1f} rollouts/s at {lo_p} in flight, {hi_r:,.1f} at {hi_p} (x{speedup:.2f})"
+        if high.engine is not None:
+            rates = f"{engine_clause(high.engine, hi_p)}; {rates}"
+        return cls(low, high, verify_processes, speedup, VerifyLoad.of(high, verify_processes), rates)
+
+    def done(self, name: str, next_step: str, reason: str) -> Diagnosis:
+        figures: dict[str, Any] = {
+            "time_split": time_split(self.low, self.high),
+            "verification": self.load.as_dict(),
+        }
+        return Diagnosis(name, next_step, reason, self.low, self.high, self.speedup, figures)
+
+
 def verdict(low: StepResult, high: StepResult, verify_processes: int | None = None) -> Diagnosis:
     """What limits throughput, judged from a low and a high step (see the module docstring).
 
-    `verify_processes`: where checks run (verifier processes; 0, a thread; None, the event loop)."""
+    `verify_processes`: where checks run (verifier processes; 0, a thread; None, the event loop).
+    The rules are tried in order; the first that holds is the verdict."""
+    r = _Reading.of(low, high, verify_processes)
+    for rule in (_rate_limited, _over_capacity, _parallelism_bound, _saturated):
+        found = rule(r)
+        if found is not None:
+            return found
     lo_p, hi_p = low.parallelism, high.parallelism
-    lo_r, hi_r = low.rollouts_per_s, high.rollouts_per_s
-    speedup = hi_r / lo_r if lo_r > 0 else (float("inf") if hi_r > 0 else 0.0)
-    load = VerifyLoad.of(high, verify_processes)
-    figures: dict[str, Any] = {"time_split": time_split(low, high), "verification": load.as_dict()}
-    rates = f"{lo_r:,.1f} rollouts/s at {lo_p} in flight, {hi_r:,.1f} at {hi_p} (x{speedup:.2f})"
-    if high.engine is not None:
-        rates = f"{engine_clause(high.engine, hi_p)}; {rates}"
+    return r.done(
+        "partly-parallelism-bound",
+        f"Some gain (x{r.speedup:.2f}): the backend starts to saturate between {lo_p} and {hi_p} in flight. "
+        f"Tuning will search between them and a little above to find the knee.",
+        f"{r.rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
+    )
 
-    def done(name: str, next_step: str, reason: str) -> Diagnosis:
-        return Diagnosis(name, next_step, reason, low, high, speedup, figures)
 
+def _rate_limited(r: _Reading) -> Diagnosis | None:
+    """429s on at least 1% of the high step's attempts: a quota, not a capacity."""
+    low, high = r.low, r.high
+    lo_p, hi_p = low.parallelism, high.parallelism
     limited = high.rate_limited
-    if limited and limited >= max(1, RATE_LIMIT_RATE * high.attempts):
-        return done(
-            "rate-limited",
-            f"The backend is refusing requests with 429 Too Many Requests: you are at its rate limit or "
-            f"quota, not its capacity. Run at or below {lo_p if low.rate_limited else hi_p} in flight, or "
-            f"raise the quota; more parallelism only buys more refusals.",
-            f"{limited} of {high.attempts} attempts at {hi_p} in flight were answered 429 "
-            f"({low.rate_limited} at {lo_p}); {rates}.",
-        )
+    if not (limited and limited >= max(1, RATE_LIMIT_RATE * high.attempts)):
+        return None
+    return r.done(
+        "rate-limited",
+        f"The backend is refusing requests with 429 Too Many Requests: you are at its rate limit or "
+        f"quota, not its capacity. Run at or below {lo_p if low.rate_limited else hi_p} in flight, or "
+        f"raise the quota; more parallelism only buys more refusals.",
+        f"{limited} of {high.attempts} attempts at {hi_p} in flight were answered 429 "
+        f"({low.rate_limited} at {lo_p}); {r.rates}.",
+    )
+
+
+def _over_capacity(r: _Reading) -> Diagnosis | None:
+    """Errors that come with load (see `overloaded`)."""
+    low, high = r.low, r.high
+    lo_p, hi_p = low.parallelism, high.parallelism
+    if not overloaded(low, high):
+        return None
     hi_kinds = {**high.measure.errors}
     for kind, n in high.attempt_errors.items():
         hi_kinds[kind] = max(hi_kinds.get(kind, 0), n)
-    if overloaded(low, high):
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(hi_kinds.items(), key=lambda kv: -kv[1]))
-        timeouts = any(k in hi_kinds for k in TIMEOUT_KINDS)
-        return done(
-            "over-capacity",
-            f"The backend is overloaded at {hi_p} in flight ({'timeouts' if timeouts else 'errors'} "
-            f"appear). Stay at or below {lo_p} in flight, or give the backend more capacity; tuning will "
-            f"stop below the level where errors start.",
-            f"{high.errors} of {high.rollouts} rollouts failed at {hi_p} in flight ({kinds}) against "
-            f"{low.errors} of {low.rollouts} at {lo_p}; {rates}.",
-        )
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(hi_kinds.items(), key=lambda kv: -kv[1]))
+    timeouts = any(k in hi_kinds for k in TIMEOUT_KINDS)
+    return r.done(
+        "over-capacity",
+        f"The backend is overloaded at {hi_p} in flight ({'timeouts' if timeouts else 'errors'} "
+        f"appear). Stay at or below {lo_p} in flight, or give the backend more capacity; tuning will "
+        f"stop below the level where errors start.",
+        f"{high.errors} of {high.rollouts} rollouts failed at {hi_p} in flight ({kinds}) against "
+        f"{low.errors} of {low.rollouts} at {lo_p}; {r.rates}.",
+    )
+
+
+def _parallelism_bound(r: _Reading) -> Diagnosis | None:
+    """Throughput at least doubled, and the engine did not start queueing between the two levels."""
+    low, high = r.low, r.high
+    lo_p, hi_p = low.parallelism, high.parallelism
     # The engine queueing at the high level but not at the low one puts the knee between them, whatever
     # the rates say (a loaded client reads the low level's rate short).
     knee_between = high.engine is not None and high.engine.saturated
     knee_between = knee_between and (low.engine is None or not low.engine.saturated)
-    if speedup >= PARALLELISM_BOUND and not knee_between:
-        return done(
-            "parallelism-bound",
-            f"More requests in flight pay off: throughput grew x{speedup:.2f} when parallelism went x"
-            f"{hi_p / lo_p:.1f}. Tune upward from {hi_p} (`rollflow tune`, or `--parallelism auto`).",
-            f"{rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
-        )
+    if r.speedup < PARALLELISM_BOUND or knee_between:
+        return None
+    return r.done(
+        "parallelism-bound",
+        f"More requests in flight pay off: throughput grew x{r.speedup:.2f} when parallelism went x"
+        f"{hi_p / lo_p:.1f}. Tune upward from {hi_p} (`rollflow tune`, or `--parallelism auto`).",
+        f"{r.rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
+    )
+
+
+def _saturated(r: _Reading) -> Diagnosis | None:
+    """No gain, or CPU-bound checks at their capacity: the verifier or the backend, whichever queues."""
+    low, high, processes = r.low, r.high, r.verify_processes
     # CPU-bound checks at their measured capacity at the high level cap it, whatever a noisy ratio of two
     # short steps says: more in flight cannot pass what the checks sustain.
-    checks_capped = verify_processes is not None and verification_limits(low, high, verify_processes)
+    checks_capped = processes is not None and verification_limits(low, high, processes)
     checks_capped = checks_capped and not (high.engine is not None and high.engine.saturated)
-    if speedup < NO_GAIN or checks_capped:
-        b_lo, b_hi = low.per_rollout(low.backend_s), high.per_rollout(high.backend_s)
-        v_lo, v_hi = low.per_rollout(low.verify_s), high.per_rollout(high.verify_s)
-        verify_grew, backend_grew = v_hi - v_lo, b_hi - b_lo
-        verifier = verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else v_hi > b_hi
-        if verify_processes is not None:  # CPU-bound checks: judged by what they used
-            verifier = verification_limits(low, high, verify_processes)
-        if high.engine is not None:  # the engine says whether it is the one that queues
-            verifier = not high.engine.saturated
-        split = f"per rollout: backend {_ms(b_lo)} -> {_ms(b_hi)}, verification {_ms(v_lo)} -> {_ms(v_hi)}"
-        if verifier:
-            return done(
-                "verifier-bound",
-                f"Verification is the bottleneck: the time to score a rollout grows with load while the "
-                f"backend keeps up. {verify_next_step(verify_processes)} Keep parallelism near "
-                f"{lo_p if speedup < NO_GAIN else hi_p}.",
-                f"{rates}; {split}; at {hi_p} in flight {load.clause()}.",
-            )
-        return done(
-            "backend-bound",
-            f"The model server is saturated already at {lo_p} in flight: more parallelism only makes "
-            f"requests wait in its queue. Add replicas/GPUs or a faster model; keep parallelism near "
-            f"{lo_p} (tuning will find the exact knee).",
-            f"{rates}; {split}.",
+    if not (r.speedup < NO_GAIN or checks_capped):
+        return None
+    lo_p, hi_p = low.parallelism, high.parallelism
+    b_lo, b_hi = low.per_rollout(low.backend_s), high.per_rollout(high.backend_s)
+    v_lo, v_hi = low.per_rollout(low.verify_s), high.per_rollout(high.verify_s)
+    split = f"per rollout: backend {_ms(b_lo)} -> {_ms(b_hi)}, verification {_ms(v_lo)} -> {_ms(v_hi)}"
+    if _verifier_queues(r, b_hi - b_lo, v_hi - v_lo, v_hi > b_hi):
+        return r.done(
+            "verifier-bound",
+            f"Verification is the bottleneck: the time to score a rollout grows with load while the "
+            f"backend keeps up. {verify_next_step(processes)} Keep parallelism near "
+            f"{lo_p if r.speedup < NO_GAIN else hi_p}.",
+            f"{r.rates}; {split}; at {hi_p} in flight {r.load.clause()}.",
         )
-    return done(
-        "partly-parallelism-bound",
-        f"Some gain (x{speedup:.2f}): the backend starts to saturate between {lo_p} and {hi_p} in flight. "
-        f"Tuning will search between them and a little above to find the knee.",
-        f"{rates}; latency p50 {_ms(low.measure.p50_s)} -> {_ms(high.measure.p50_s)}.",
+    return r.done(
+        "backend-bound",
+        f"The model server is saturated already at {lo_p} in flight: more parallelism only makes "
+        f"requests wait in its queue. Add replicas/GPUs or a faster model; keep parallelism near "
+        f"{lo_p} (tuning will find the exact knee).",
+        f"{r.rates}; {split}.",
     )
+
+
+def _verifier_queues(r: _Reading, backend_grew: float, verify_grew: float, verify_longer: bool) -> bool:
+    """Whether the verifier rather than the backend is the one that queues; the best witness decides."""
+    if r.high.engine is not None:  # the engine says whether it is the one that queues
+        return not r.high.engine.saturated
+    if r.verify_processes is not None:  # CPU-bound checks: judged by what they used
+        return verification_limits(r.low, r.high, r.verify_processes)
+    return verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else verify_longer
 
 
 def _ms(seconds: float | None) -> str:
