@@ -83,54 +83,71 @@ class AdaptiveState:
 
 def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple[int, str]:
     """The next limit and why; updates `state`. Pure apart from `state`."""
-    limit = state.limit
-
-    def change(new: int, why: str) -> tuple[int, str]:
-        new = max(opts.min_limit, min(opts.max_limit, new))
-        if new != state.limit:
-            state.settling = True
-        state.limit = new
-        return new, why
-
     if state.settling:
         state.settling = False
-        return limit, "settling"
+        return state.limit, "settling"
     if sample.ok + sum(sample.errors.values()) < opts.min_completions:
-        return limit, "too few completions"
+        return state.limit, "too few completions"
     if sample.errors.get("http_429", 0) or sample.error_rate > opts.max_error_rate:
-        state.slow_start = False
-        state.probing = False
-        state.prev_limit, state.prev_rate = None, None
-        state.hold = opts.hold_intervals
-        state.ref_rate, state.ref_latency = None, None
-        return change(math.floor(limit * opts.backoff), f"errors {dict(sample.errors)}")
+        return _back_off(state, sample, opts)
     if state.prev_limit is not None and state.prev_rate is not None:
-        grew = sample.rate >= state.prev_rate * (1 + opts.min_gain)
-        prev = max(1, state.prev_limit)  # an endpoint can start with 0 fixed slots (split_limit)
-        if grew:
-            state.probing = False
-            linear = sample.rate >= state.prev_rate * (1 + opts.linear * (limit / prev - 1))
-            state.prev_limit, state.prev_rate = limit, sample.rate
-            factor = 2.0 if state.slow_start or linear else opts.grow
-            return change(math.ceil(limit * factor), f"rate grew to {sample.rate:.1f}/s")
-        state.slow_start = False
-        state.prev_limit, state.prev_rate = None, None
-        state.hold = opts.hold_intervals
-        state.ref_rate, state.ref_latency = None, None
-        settled = prev if state.probing else max(prev + 1, math.ceil(prev * opts.settle))
+        return _after_raise(state, sample, opts, state.prev_limit, state.prev_rate)
+    return _steady(state, sample, opts)
+
+
+def _change(state: AdaptiveState, opts: AdaptiveOptions, new: int, why: str) -> tuple[int, str]:
+    """Move the limit (within the options' bounds); a real move skips the next interval while it settles."""
+    new = max(opts.min_limit, min(opts.max_limit, new))
+    if new != state.limit:
+        state.settling = True
+    state.limit = new
+    return new, why
+
+
+def _forget_rates(state: AdaptiveState, hold: int) -> None:
+    """Rates and latency read before a move say nothing after it; hold `hold` intervals first."""
+    state.prev_limit, state.prev_rate = None, None
+    state.ref_rate, state.ref_latency = None, None
+    state.hold = hold
+
+
+def _back_off(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple[int, str]:
+    """Errors or 429s: down x `backoff` at once, then hold."""
+    state.slow_start = False
+    state.probing = False
+    _forget_rates(state, opts.hold_intervals)
+    return _change(state, opts, math.floor(state.limit * opts.backoff), f"errors {dict(sample.errors)}")
+
+
+def _after_raise(
+    state: AdaptiveState, sample: Sample, opts: AdaptiveOptions, prev_limit: int, prev_rate: float
+) -> tuple[int, str]:
+    """The interval after a raise: keep raising while the rate grows, else settle above what still paid."""
+    limit = state.limit
+    prev = max(1, prev_limit)  # an endpoint can start with 0 fixed slots (split_limit)
+    if sample.rate >= prev_rate * (1 + opts.min_gain):
         state.probing = False
-        return change(settled, f"plateau at {sample.rate:.1f}/s")
+        linear = sample.rate >= prev_rate * (1 + opts.linear * (limit / prev - 1))
+        state.prev_limit, state.prev_rate = limit, sample.rate
+        factor = 2.0 if state.slow_start or linear else opts.grow
+        return _change(state, opts, math.ceil(limit * factor), f"rate grew to {sample.rate:.1f}/s")
+    state.slow_start = False
+    _forget_rates(state, opts.hold_intervals)
+    settled = prev if state.probing else max(prev + 1, math.ceil(prev * opts.settle))
+    state.probing = False
+    return _change(state, opts, settled, f"plateau at {sample.rate:.1f}/s")
+
+
+def _steady(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple[int, str]:
+    """At a settled limit: step down at a latency knee, hold while told to, then probe upward."""
+    limit = state.limit
     if state.ref_rate is None:
         state.ref_rate, state.ref_latency = sample.rate, sample.p50_s
-    elif (
-        sample.p50_s is not None
-        and state.ref_latency is not None
-        and sample.p50_s > state.ref_latency * (1 + opts.latency_knee)
-        and sample.rate < state.ref_rate * (1 + opts.min_gain)
-    ):
+    elif _latency_knee(state, sample, opts):
         state.ref_rate, state.ref_latency = None, None
         state.hold = opts.hold_intervals
-        return change(math.floor(limit * opts.shrink), f"latency knee: p50 {sample.p50_s * 1000:.0f} ms")
+        p50_ms = (sample.p50_s or 0.0) * 1000
+        return _change(state, opts, math.floor(limit * opts.shrink), f"latency knee: p50 {p50_ms:.0f} ms")
     if (
         sample.p50_s is not None
         and state.ref_latency is not None
@@ -144,7 +161,18 @@ def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple
     state.ref_rate, state.ref_latency = None, None
     state.probing = not state.slow_start
     factor = 2.0 if state.slow_start else opts.grow
-    return change(math.ceil(limit * factor), "probing upward")
+    return _change(state, opts, math.ceil(limit * factor), "probing upward")
+
+
+def _latency_knee(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> bool:
+    """Latency rose by `latency_knee` over the reference while the rate did not: capacity was lost."""
+    return (
+        sample.p50_s is not None
+        and state.ref_latency is not None
+        and state.ref_rate is not None
+        and sample.p50_s > state.ref_latency * (1 + opts.latency_knee)
+        and sample.rate < state.ref_rate * (1 + opts.min_gain)
+    )
 
 
 class Resizable(Protocol):

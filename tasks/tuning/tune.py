@@ -160,6 +160,16 @@ def _row(phase: str, step: StepResult, latency0: float | None, note: str = "") -
     )
 
 
+@dataclass
+class _Choice:
+    """Where the curve bends, what runs, whether it held there, and the rule that decided."""
+
+    knee: int
+    chosen: int
+    stable: bool
+    rule: str
+
+
 async def tune(
     ctx: CollectContext,
     plan: RunPlan,
@@ -182,30 +192,53 @@ async def tune(
         async with engine_sampler(ctx, engine) as sampler:
             run.engine = sampler
             stop = await run.search()
-            if not run.valid():
-                raise TuningError(
-                    "Tuning found no parallelism at which the backend answered reliably "
-                    f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in run.history)}). "
-                    "Check the backend, or pass a fixed --parallelism."
-                )
-            if stop == ENGINE_QUEUE:
-                knee = run.engine_knee()
-                stable, chosen = await run.engine_confirm(knee)
-                rule = f"engine queue: running when requests waited ({knee}) + {opts.engine_queue_share:g}"
-            else:
-                knee, refined = await run.refine()
-                knee = await run.extend_ambiguous(knee)
-                measured = choose(run.valid(), opts)
-                rule = choice_rule(run.valid(), measured, opts)
-                stable, chosen = await run.stability(measured, refined)
-                if chosen < measured:
-                    rule = f"headroom x{opts.headroom:g} after errors at {measured} ({rule})"
+            _require_a_valid_level(run)
+            choice = await _choose(run, stop, opts)
             figures = sampler.summary(since=run.t0_perf)
     finally:
         if own:
             run.feed.close()
+    return _tuning(run, stop, choice, figures, seeds, getattr(ctx.verifier, "processes", None))
+
+
+def _require_a_valid_level(run: Search) -> None:
+    """No level answered reliably: nothing to choose from, and the message says what each level did."""
+    if not run.valid():
+        raise TuningError(
+            "Tuning found no parallelism at which the backend answered reliably "
+            f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in run.history)}). "
+            "Check the backend, or pass a fixed --parallelism."
+        )
+
+
+async def _choose(run: Search, stop: str, opts: TuneOptions) -> _Choice:
+    """The engine's knee confirmed one step above it, or the rate rules' choice refined and held."""
+    if stop == ENGINE_QUEUE:
+        knee = run.engine_knee()
+        stable, chosen = await run.engine_confirm(knee)
+        rule = f"engine queue: running when requests waited ({knee}) + {opts.engine_queue_share:g}"
+        return _Choice(knee, chosen, stable, rule)
+    knee, refined = await run.refine()
+    knee = await run.extend_ambiguous(knee)
+    measured = choose(run.valid(), opts)
+    rule = choice_rule(run.valid(), measured, opts)
+    stable, chosen = await run.stability(measured, refined)
+    if chosen < measured:
+        rule = f"headroom x{opts.headroom:g} after errors at {measured} ({rule})"
+    return _Choice(knee, chosen, stable, rule)
+
+
+def _tuning(
+    run: Search,
+    stop: str,
+    choice: _Choice,
+    figures: dict[str, Any] | None,
+    seeds: Sequence[StepResult],
+    processes: int | None,
+) -> Tuning:
+    """The report's view of a finished search, with a note when verification, not the backend, capped it."""
     latency0 = base_latency(run.valid())
-    limited, load = _verification_limit(run.valid(), getattr(ctx.verifier, "processes", None))
+    limited, load = _verification_limit(run.valid(), processes)
     if limited and load is not None:
         run.notes.append(
             f"throughput stopped growing because verification limits it, not the backend "
@@ -213,19 +246,19 @@ async def tune(
         )
     return Tuning(
         steps=[_row(phase, s, latency0, note) for phase, s, note in run.history],
-        knee=knee,
-        chosen_parallelism=chosen,
+        knee=choice.knee,
+        chosen_parallelism=choice.chosen,
         probe_rollouts=run.spent,
         stop_reason=stop,
         peak_rollouts_per_s=max(s.rollouts_per_s for s in run.valid()),
         base_latency_s=latency0,
-        stable=stable,
+        stable=choice.stable,
         seed_rollouts=sum(s.rollouts for s in seeds),
         notes=run.notes,
         engine=None if figures is None else {**figures, "knee_from_engine": stop == ENGINE_QUEUE},
         limited_by="verification" if limited else "backend",
         verification=load.as_dict() if load is not None else {},
-        choice_rule=rule,
+        choice_rule=choice.rule,
     )
 
 
