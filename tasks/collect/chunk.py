@@ -180,47 +180,17 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     if previous is not None and previous.failed == 0:
         return ChunkOutcome(previous, skipped=True)
     found = await asyncio.to_thread(_adoptable, ctx, chunk, previous)
-    kept = found.kept
     kind = ctx.backend.kind.value
     rows = await asyncio.to_thread(
         lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options, kind))
     )
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
-    k = ctx.collection.num_repeats
-    batch = RolloutBatch(results=dict(kept))
-    todo = (
-        (task_index, prepare_row(row, ctx.collection), r)
-        for task_index, row in rows
-        for r in range(k)
-        if (task_index, r) not in kept
-    )
-    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept)))  # restarts the chunk's count
-    runner = asyncio.create_task(run_rollouts(ctx, todo, batch, chunk=chunk.index))
-    await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
-    keys = [(task_index, r) for task_index, _ in rows for r in range(k)]
+    batch = await _collect_missing(ctx, chunk, rows, found.kept)
+    keys = [(task_index, r) for task_index, _ in rows for r in range(ctx.collection.num_repeats)]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
     fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None
-    manifest = ChunkManifest(
-        chunk=chunk.index,
-        first_task=chunk.first_task,
-        num_tasks=chunk.num_tasks,
-        rows_expected=chunk.good_rows * k,
-        rows=len(batch.results),
-        failed=len(batch.failures),
-        sha256="",
-        bytes=len(data),
-        started_at=started_at,
-        committed_at="",
-        wall_s=round(time.perf_counter() - t0, 6),
-        attempt=attempt,
-        stats={
-            **batch.stats.as_dict(),
-            "adopted": len(found.probes),
-            "resumed": found.resumed,
-            "ignored_parts": found.problems,
-        },
-    )
+    manifest = _manifest(ctx, chunk, batch, found, len(data), started_at, time.perf_counter() - t0, attempt)
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     parts_left = await _delete_parts(ctx, chunk.index)
     hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=len(batch.results), failed=len(batch.failures)))
@@ -232,4 +202,58 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
         probe_sessions=found.probe_sessions(),
         parts_left=parts_left,
         core_s=time.perf_counter() - t_core,
+    )
+
+
+async def _collect_missing(
+    ctx: CollectContext,
+    chunk: ChunkSpec,
+    rows: list[tuple[int, dict[str, Any]]],
+    kept: dict[RolloutKey, bytes],
+) -> RolloutBatch:
+    """Run the rollouts `kept` lacks, saving parts as they finish; the batch holds kept and new lines."""
+    k = ctx.collection.num_repeats
+    batch = RolloutBatch(results=dict(kept))
+    todo = (
+        (task_index, prepare_row(row, ctx.collection), r)
+        for task_index, row in rows
+        for r in range(k)
+        if (task_index, r) not in kept
+    )
+    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept)))  # restarts the chunk's count
+    runner = asyncio.create_task(run_rollouts(ctx, todo, batch, chunk=chunk.index))
+    await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
+    return batch
+
+
+def _manifest(
+    ctx: CollectContext,
+    chunk: ChunkSpec,
+    batch: RolloutBatch,
+    found: Adoptable,
+    size: int,
+    started_at: str,
+    wall_s: float,
+    attempt: int,
+) -> ChunkManifest:
+    """The chunk's manifest before commit (the ledger fills in its hash and commit time)."""
+    return ChunkManifest(
+        chunk=chunk.index,
+        first_task=chunk.first_task,
+        num_tasks=chunk.num_tasks,
+        rows_expected=chunk.good_rows * ctx.collection.num_repeats,
+        rows=len(batch.results),
+        failed=len(batch.failures),
+        sha256="",
+        bytes=size,
+        started_at=started_at,
+        committed_at="",
+        wall_s=round(wall_s, 6),
+        attempt=attempt,
+        stats={
+            **batch.stats.as_dict(),
+            "adopted": len(found.probes),
+            "resumed": found.resumed,
+            "ignored_parts": found.problems,
+        },
     )

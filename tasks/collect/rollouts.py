@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,29 +136,11 @@ async def run_rollouts(
     limit = limit or ctx.limit
     client = BackendClient(ctx.backend, session_for_loop(ctx.backend), ctx.observers, ctx.pool)
     source = iter(items)
-    pending: set[asyncio.Task[None]] = set()
-
-    async def one(task_index: int, row: dict[str, Any], rollout: int) -> None:
-        start = time.perf_counter()
-        error: str | None = None
-        tokens = 0
-        key = (task_index, rollout)
-        try:
-            batch.results[key], tokens = await _rollout_line(
-                ctx, client, row, task_index, rollout, batch.stats
-            )
-            hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk))
-        except Exception as exc:
-            failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
-            error = failure.kind
-            batch.failures[key] = _failure_line(ctx, row, task_index, rollout, failure)
-            hub.emit(ProgressEvent("rollouts", failed=1, chunk=chunk))
-        batch.records.append(RequestRecord(start, time.perf_counter(), error, tokens))
 
     async def worker(item: WorkItem) -> None:
         try:
             while True:
-                await one(*item)
+                await _run_one(ctx, client, batch, item, chunk)
                 if limit.in_use > limit.limit:
                     return
                 nxt = next(source, None)
@@ -168,6 +150,14 @@ async def run_rollouts(
         finally:
             limit.release()
 
+    await _worker_per_permit(source, limit, worker)
+
+
+async def _worker_per_permit(
+    source: Iterator[WorkItem], limit: ConcurrencyLimit, worker: Callable[[WorkItem], Awaitable[None]]
+) -> None:
+    """Start a worker on the next item whenever a permit is free; wait for all, or cancel all on error."""
+    pending: set[asyncio.Task[None]] = set()
     try:
         for item in source:
             await limit.acquire()
@@ -180,6 +170,26 @@ async def run_rollouts(
         for t in pending:
             t.cancel()
         raise
+
+
+async def _run_one(
+    ctx: CollectContext, client: BackendClient, batch: RolloutBatch, item: WorkItem, chunk: int | None
+) -> None:
+    """One rollout into `batch`: its output line, or its failure line; either way its timing record."""
+    task_index, row, rollout = item
+    start = time.perf_counter()
+    error: str | None = None
+    tokens = 0
+    key = (task_index, rollout)
+    try:
+        batch.results[key], tokens = await _rollout_line(ctx, client, row, task_index, rollout, batch.stats)
+        hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk))
+    except Exception as exc:
+        failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
+        error = failure.kind
+        batch.failures[key] = _failure_line(ctx, row, task_index, rollout, failure)
+        hub.emit(ProgressEvent("rollouts", failed=1, chunk=chunk))
+    batch.records.append(RequestRecord(start, time.perf_counter(), error, tokens))
 
 
 async def _rollout_line(
