@@ -12,7 +12,9 @@ from typing import Any
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.progress import ProgressEvent
 from rollflow.tasks.scaleout import collector as collector_module
-from rollflow.tasks.scaleout.collector import RemoteRun, WorkerCollector
+from rollflow.tasks.scaleout.board import Board
+from rollflow.tasks.scaleout.channels import ShareBoard
+from rollflow.tasks.scaleout.collector import RemoteRun, RunSlot, WorkerCollector
 from rollflow.tasks.scaleout.scope import WorkerScope
 
 A, B = "http://127.0.0.1:9", "http://127.0.0.1:10"
@@ -28,11 +30,13 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     assert slot.run_limits == {A: 12, B: 4}
     me = collector.worker
     assert slot.ctx.limit.limit == 16  # no link: the whole limit, as one process
-    slot.apply(me, {"grants": {me: [3, 8]}, "rotation": {B: ["out", time.time()]}})
-    assert slot.ctx.pool.limits() == {A: 6, B: 2} and slot.applied_seq == 3
-    assert slot.ctx.limit.limit == 6  # B is out of rotation for every worker: its part of the share too
+    slot.apply(me, {"grants": {me: [3, 8]}, "rotation": {B: ["out", 1]}})
+    assert slot.ctx.pool.limits() == {A: 8, B: 0} and slot.applied_seq == 3
+    assert slot.ctx.limit.limit == 8  # B is out of rotation for every worker: the whole share goes to A
     slot.apply(me, {"grants": {me: [2, 16]}})  # an older answer changes nothing
-    assert slot.ctx.pool.limits() == {A: 6, B: 2}
+    assert slot.ctx.pool.limits() == {A: 8, B: 0}
+    slot.apply(me, {"rotation": {B: ["in", 2]}})
+    assert slot.ctx.pool.limits() == {A: 6, B: 2} and slot.ctx.limit.limit == 8
 
     slot.start(7, 100)
     slot.count(ProgressEvent("attempt", chunk=7, done=10))
@@ -41,7 +45,7 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     report = slot.report(me)
     assert report["demand"] == 84 and report["chunks"] == {"7": [15, 1]}
     assert report["applied_seq"] == 3 and report["applied"] == 8
-    assert report["rotation"][B][0] == "out" and report["snapshot"]["rollouts"] == 15
+    assert report["rotation"] == {} and report["snapshot"]["rollouts"] == 15  # followed, not found here
 
 
 class StuckLink:
@@ -77,3 +81,41 @@ def test_a_stuck_exchange_never_holds_the_threads_commits_run_on(tmp_path: Path,
         assert link.most_waiting <= collector_module.EXCHANGE_THREADS
     finally:
         link.release.set()
+
+
+def test_a_late_out_never_overrides_a_newer_in(tmp_path: Path) -> None:
+    """x takes B out, then finds it back; y applies the old "out" only after that. The book orders what
+    it heard, and y's following is no finding of its own: B stays in for both (it used to stay out for
+    FOLLOWED_TRIAL_S everywhere, x included)."""
+    collector = WorkerCollector.get()
+    spec = RunSpec(
+        input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": f"{A},{B}"}
+    )
+    channel = ShareBoard()  # the Ray actor's body, in this process
+    run = RemoteRun(spec, WorkerScope(), None, channel, {A: 8, B: 8})
+    x, y = (asyncio.run_coroutine_threadsafe(collector._open(run), collector.loop).result(30) for _ in "xy")
+    board = Board(channel, {A: 8, B: 8}, asyncio.new_event_loop())
+
+    def exchange(name: str, slot: RunSlot) -> None:
+        reply = channel.exchange(name, slot.report(name))
+        if reply:
+            slot.apply(name, reply)
+
+    for name, slot in (("x", x), ("y", y)):
+        exchange(name, slot)
+    board.round()
+    xb = x.ctx.pool.endpoint(B)
+    x.ctx.pool.failed(xb, "connection", refused=True)  # x finds B down
+    exchange("x", x)
+    board.round()  # publishes "out"
+    stale = channel.exchange("y", y.report("y"))  # y reads it ...
+    x.ctx.pool.succeeded(xb, 0.01)  # ... x's trial finds B back
+    time.sleep(0.01)
+    y.apply("y", stale)  # ... y applies the "out" only now
+    for _ in range(3):
+        exchange("x", x)
+        exchange("y", y)
+        board.round()
+    exchange("x", x)
+    exchange("y", y)
+    assert xb.in_rotation and y.ctx.pool.endpoint(B).in_rotation

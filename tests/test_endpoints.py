@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from rollflow.settings import BackendParams, BackendSettings
 from rollflow.tasks.backends import endpoints as ep_module
-from rollflow.tasks.backends.endpoints import EndpointPool, scale_limits, split_limit
+from rollflow.tasks.backends.endpoints import EndpointPool, split_limit
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptLog
 from rollflow.tasks.publish.endpoints import merge_rows
@@ -46,7 +46,7 @@ def test_split_limit_gives_the_remainder_to_the_first():
 def test_fewer_slots_than_endpoints_keep_the_total_and_use_every_endpoint():
     """--parallelism 2 with 3 URLs gave each URL 1 slot, so 3 went out; every URL must still serve."""
     assert split_limit(2, [A, B, C]) == {A: 1, B: 1, C: 0}
-    pool = EndpointPool.even([A, B, C], ConcurrencyLimit(2))
+    pool = EndpointPool([A, B, C], split_limit(2, [A, B, C]), ConcurrencyLimit(2))
     assert pool.total.limit == 2
     used = []
     for _ in range(6):  # two in flight at a time, the older one finishing first
@@ -169,18 +169,18 @@ def test_a_worker_share_spreads_over_the_endpoints_and_can_be_zero():
     assert pool.limits() == {A: 8, B: 2} and limit.limit == 10
     pool.set_share(0, {A: 32, B: 8})
     assert limit.limit == 0  # a worker with no share sends nothing
-    assert scale_limits({A: 8, B: 16, C: 32}, 7) == {A: 1, B: 2, C: 4}
+    assert split_limit(7, {A: 8, B: 16, C: 32}) == {A: 1, B: 2, C: 4}
 
 
 def test_a_replica_another_worker_took_out_leaves_this_pool_without_a_trial_soon():
     pool = EndpointPool([A, B], {A: 4, B: 4}, ConcurrencyLimit(8))
-    pool.follow(B, "out", time.time())
+    pool.follow(B, "out", 1)
     assert not pool.endpoint(B).in_rotation and pool.total.limit == 4
     assert all(pool.choose() is pool.endpoint(A) for _ in range(20))
-    pool.follow(B, "in", time.time() + 1)
+    pool.follow(B, "in", 2)
     assert pool.endpoint(B).in_rotation and pool.total.limit == 8
-    pool.follow(B, "out", time.time() - 60)  # older than what this pool saw last: ignored
-    assert pool.endpoint(B).in_rotation
+    pool.follow(B, "out", 1)  # an event this pool applied already: ignored
+    assert pool.endpoint(B).in_rotation and pool.rotation() == {}  # followed, not found here
 
 
 def test_dask_rows_are_summed_over_the_workers_pools():

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 
 from rollflow.settings import BackendKind, BackendSettings, redact
-from rollflow.tasks.backends.endpoints import Endpoint, EndpointPool
+from rollflow.tasks.backends.endpoints import Endpoint, EndpointPool, split_limit
 from rollflow.tasks.backends.formats import chat_request
 from rollflow.tasks.backends.http import auth_headers
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
@@ -111,7 +111,7 @@ class BackendClient:
         self.observers = observers
         self.kind = BackendKind(settings.kind)
         urls = settings.urls
-        self.pool = pool or EndpointPool.even(urls, ConcurrencyLimit(len(urls)))
+        self.pool = pool or EndpointPool(urls, split_limit(len(urls), urls), ConcurrencyLimit(len(urls)))
         self._targets = {ep.url: ep.url.rstrip("/") + PATHS[self.kind] for ep in self.pool.endpoints}
         self.url = self._targets[self.pool.endpoints[0].url]
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout_s, connect=settings.connect_timeout_s)

@@ -46,6 +46,10 @@ class Endpoint:
     last_begun: int = 0
     # ("out" | "in", epoch seconds): when the endpoint left and rejoined rotation.
     events: list[tuple[str, float]] = field(default_factory=list)
+    # This pool's own findings (not those it followed): the newest, and how many so far.
+    finding: str = "in"
+    found: int = 0
+    followed: int = 0  # the newest run-wide rotation event (the share book's sequence) applied here
     observers: list[AttemptObserver] = field(default_factory=list)
     engine: Callable[[], dict[str, Any] | None] | None = None
 
@@ -60,24 +64,19 @@ class Endpoint:
         return self.out_of_rotation_s + current
 
 
-def split_limit(total: int, urls: list[str]) -> dict[str, int]:
-    """`total` split evenly across `urls`, the remainder to the first ones; the sum is always `total`.
+def split_limit(total: int, weights: dict[str, int] | list[str]) -> dict[str, int]:
+    """`total` split in proportion to `weights` (evenly over a list of URLs); the sum is always `total`.
 
-    With fewer slots than endpoints, the last ones get 0 fixed slots: they still take attempts as slots
-    free up (the pool's total is the cap), so every endpoint is used and the user's total holds.
+    Units left over go to the largest remainders, ties to the first URLs. With fewer slots than endpoints,
+    the last ones get 0 fixed slots: they still take attempts as slots free up (the pool's total is the
+    cap), so every endpoint is used and the user's total holds.
     """
-    base, extra = divmod(total, len(urls))
-    return {url: base + (1 if i < extra else 0) for i, url in enumerate(urls)}
-
-
-def scale_limits(limits: dict[str, int], total: int) -> dict[str, int]:
-    """`total` split in proportion to `limits` (largest remainders first); the sum is exactly `total`."""
-    weights = sum(limits.values())
-    if weights <= 0:
-        return split_limit(total, list(limits))
-    exact = {url: total * n / weights for url, n in limits.items()}
+    if not isinstance(weights, dict) or sum(weights.values()) <= 0:
+        weights = dict.fromkeys(weights, 1)
+    whole = sum(weights.values())
+    exact = {url: total * n / whole for url, n in weights.items()}
     shares = {url: int(x) for url, x in exact.items()}
-    by_remainder = sorted(limits, key=lambda url: shares[url] - exact[url])
+    by_remainder = sorted(weights, key=lambda url: shares[url] - exact[url])
     for url in by_remainder[: total - sum(shares.values())]:
         shares[url] += 1
     return shares
@@ -93,15 +92,11 @@ class EndpointPool:
         self.total = total
         self._by_url = {ep.url: ep for ep in self.endpoints}
         self.share: int | None = None  # a worker process's part of the run's limit (None: all of it)
+        self.run_limits: dict[str, int] = {}  # the run's limits, which a share is spread like
         self.started: float | None = None
         self.last: float | None = None
         self._begun = 0
         self._sync_total()
-
-    @classmethod
-    def even(cls, urls: list[str], total: ConcurrencyLimit) -> EndpointPool:
-        """A pool whose endpoints share `total`'s limit evenly (--parallelism N with several URLs)."""
-        return cls(urls, split_limit(total.limit, urls), total)
 
     def endpoint(self, url: str) -> Endpoint:
         return self._by_url[url]
@@ -179,31 +174,34 @@ class EndpointPool:
         self._sync_total()
 
     def set_share(self, share: int, run_limits: dict[str, int]) -> None:
-        """A worker process's share of the run-wide limit, spread over the endpoints like the run's limits."""
-        self.share = share
-        for url, n in scale_limits(run_limits, share).items():
-            self._by_url[url].limit = n
-        self._sync_total()
+        """A worker process's share of the run-wide limit, spread like the run's limits over the endpoints
+        in rotation only: a replica out of rotation takes none of it (else the share would be capped at
+        what the replicas still in hold of it)."""
+        self.share, self.run_limits = share, dict(run_limits)
+        self._spread()
 
-    def follow(self, url: str, state: str, at: float) -> None:
-        """Apply another worker's finding: `url` left rotation (or rejoined it) at epoch time `at`.
+    def follow(self, url: str, state: str, seq: int) -> None:
+        """Apply the run-wide rotation: `url` left rotation (or rejoined it) as the share book's event
+        `seq`; events come in the book's order, never by clocks, and each is applied once.
 
         A replica taken out elsewhere gets no trial here for a while: the worker that took it out tries it.
         """
         ep = self._by_url.get(url)
-        if ep is None or (ep.events and ep.events[-1][1] >= at):
+        if ep is None or seq <= ep.followed:
             return
+        ep.followed = seq
         now = time.monotonic()
         if state == "out" and ep.in_rotation:
-            self._eject(ep, now)
+            self._eject(ep, now, found=False)
             ep.backoff_s = BACKOFF_MAX_S
             ep.retry_at = now + FOLLOWED_TRIAL_S
         elif state == "in" and not ep.in_rotation:
-            self._rejoin(ep, now)
+            self._rejoin(ep, now, found=False)
 
-    def rotation(self) -> dict[str, tuple[str, float]]:
-        """Each endpoint's newest rotation event ("out" or "in", epoch seconds), for other workers."""
-        return {ep.url: ep.events[-1] for ep in self.endpoints if ep.events}
+    def rotation(self) -> dict[str, tuple[str, int]]:
+        """This pool's own findings ("out" or "in", and how many it made): what it reports to the book.
+        What it followed is not reported back, so a finding echoed late never overrides a newer one."""
+        return {ep.url: (ep.finding, ep.found) for ep in self.endpoints if ep.found}
 
     def in_flight(self) -> int:
         return sum(ep.outstanding for ep in self.endpoints)
@@ -232,7 +230,7 @@ class EndpointPool:
             for ep in self.endpoints
         ]
 
-    def _eject(self, ep: Endpoint, now: float) -> None:
+    def _eject(self, ep: Endpoint, now: float, found: bool = True) -> None:
         ep.in_rotation = False
         ep.ejections += 1
         ep.streak = 0
@@ -240,14 +238,28 @@ class EndpointPool:
         ep.backoff_s = BACKOFF_BASE_S
         ep.retry_at = now + ep.backoff_s
         ep.events.append(("out", time.time()))
-        self._sync_total()
+        self._changed(ep, "out", found)
 
-    def _rejoin(self, ep: Endpoint, now: float) -> None:
+    def _rejoin(self, ep: Endpoint, now: float, found: bool = True) -> None:
         ep.in_rotation = True
         if ep.out_since is not None:
             ep.out_of_rotation_s += now - ep.out_since
         ep.out_since = None
         ep.events.append(("in", time.time()))
+        self._changed(ep, "in", found)
+
+    def _changed(self, ep: Endpoint, state: str, found: bool) -> None:
+        if found:
+            ep.finding, ep.found = state, ep.found + 1
+        self._spread()
+
+    def _spread(self) -> None:
+        """A worker's share over the endpoints in rotation (all of them when none is), then the total."""
+        if self.share is not None:
+            live = {url: n for url, n in self.run_limits.items() if self._by_url[url].in_rotation}
+            spread = split_limit(self.share, live or self.run_limits)
+            for ep in self.endpoints:
+                ep.limit = spread.get(ep.url, 0)
         self._sync_total()
 
     def _sync_total(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from rollflow.settings import BackendSettings, CollectionSettings, redact
 from rollflow.tasks.backends.backends import BackendClient, BackendError, RolloutResult
-from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.endpoints import EndpointPool, split_limit
 from rollflow.tasks.backends.http import session_for_loop
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptObserver
@@ -49,7 +49,8 @@ class CollectContext:
 
     def __post_init__(self) -> None:
         if self.pool is None:
-            self.pool = EndpointPool.even(self.backend.urls, self.limit)
+            urls = self.backend.urls
+            self.pool = EndpointPool(urls, split_limit(self.limit.limit, urls), self.limit)
         key = self.backend.api_key.get_secret_value() if self.backend.api_key is not None else ""
         redact.register(None, key)
 

@@ -22,14 +22,23 @@ class Channel(Protocol):
 
 @dataclass
 class Rotation:
-    """Which replicas are out for the whole run: the newest event any worker reported wins."""
+    """Which replicas are out for the whole run: the finding the book heard of last wins.
 
-    events: dict[str, tuple[str, float]] = field(default_factory=dict)
+    Each new finding a worker reports (its own, counted by that worker) gets the book's next sequence
+    number; workers apply events in that order. No clock is compared: hosts' clocks differ, and a finding
+    reported late is not newer than one the book already published.
+    """
 
-    def merge(self, reported: dict[str, Any]) -> None:
-        for url, (state, at) in reported.items():
-            if url not in self.events or self.events[url][1] < at:
-                self.events[url] = (state, at)
+    events: dict[str, tuple[str, int]] = field(default_factory=dict)  # url -> (state, the book's seq)
+    heard: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, url) -> its findings so far
+    seq: int = 0
+
+    def merge(self, worker: str, reported: dict[str, Any]) -> None:
+        for url, (state, found) in reported.items():
+            if found > self.heard.get((worker, url), 0):
+                self.heard[(worker, url)] = found
+                self.seq += 1
+                self.events[url] = (state, self.seq)
 
     def live_limit(self, limits: dict[str, int]) -> int:
         """The run's limit over the replicas in rotation (all of them when none is)."""
@@ -51,7 +60,7 @@ class Board:
         reports = self.channel.reports()
         for worker, report in reports.items():
             self.book.update(worker, report)
-            self.rotation.merge(report.get("rotation") or {})
+            self.rotation.merge(worker, report.get("rotation") or {})
         self.book.set_limit(self.rotation.live_limit(self.limits))
         grants = self.book.allocate()
         self.channel.publish(

@@ -130,8 +130,8 @@ class RunSlot:
         if seq > self.applied_seq:
             self.applied_seq = seq
             self.ctx.pool.set_share(share, self.run_limits)
-        for url, (state, at) in (reply.get("rotation") or {}).items():
-            self.ctx.pool.follow(url, state, at)
+        for url, (state, seq) in (reply.get("rotation") or {}).items():
+            self.ctx.pool.follow(url, state, seq)
 
 
 class WorkerCollector:
