@@ -51,7 +51,7 @@ def serve(port: int) -> None:
 
 async def drive(url: str, kind: str, n: int, concurrency: int) -> tuple[float, float]:
     settings = BackendSettings(kind=kind, url=url, model="m", timeout_s=30)
-    client = BackendClient(settings, session_for_loop(settings))
+    client = BackendClient(settings, session_for_loop())
     for i in range(concurrency):  # warm the connection pool
         await client.rollout(ROW, 0, i)
     left = iter(range(n))

@@ -25,7 +25,7 @@ ROW = {
 
 def client(url: str, kind: str, **kw: object) -> BackendClient:
     settings = BackendSettings(kind=kind, url=url + "/", backoff_base_s=0.01, **kw)
-    return BackendClient(settings, session_for_loop(settings))
+    return BackendClient(settings, session_for_loop())
 
 
 async def test_agent_posts_whole_row_and_returns_reply(server: ScriptedServer) -> None:
@@ -229,7 +229,7 @@ def test_backend_error_pickles() -> None:
 
 async def test_one_session_per_loop() -> None:
     first = session_for_loop()
-    assert session_for_loop(BackendSettings()) is first and isinstance(first, aiohttp.ClientSession)
+    assert session_for_loop() is first and isinstance(first, aiohttp.ClientSession)
 
     async def other_loop() -> aiohttp.ClientSession:
         session = session_for_loop()

@@ -7,7 +7,7 @@ from tuning_support import closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.backends.http import close_loop_session
-from rollflow.tasks.collect.parts import chunk_parts
+from rollflow.tasks.collect.parts import chunk_part_rollouts
 from rollflow.tasks.tuning.diagnose import diagnose, verdict
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, VerifyUsage, probe_step
 from rollflow.tasks.tuning.throughput import measure_step
@@ -98,7 +98,8 @@ async def test_verdicts_against_the_simulator(tmp_path, sim_args, extra, kind, e
         sim.stop()
     assert d.verdict == expected, (d.verdict, d.reason)
     saved = sum(
-        len(chunk_parts(s.handles.ledger, c, s.plan.identity.num_repeats)[0]) for c in s.plan.scan.chunks
+        len(chunk_part_rollouts(s.handles.ledger, c, s.plan.identity.num_repeats).kept)
+        for c in s.plan.scan.chunks
     )
     assert saved == d.low.saved + d.high.saved == d.low.measure.ok + d.high.measure.ok
 

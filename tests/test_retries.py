@@ -55,7 +55,7 @@ async def server() -> AsyncIterator[Callable[[list[web.Response | str]], str]]:
 
 def client(url: str, **kw: object) -> BackendClient:
     settings = BackendSettings(kind="responses", url=url, backoff_base_s=0.01, **kw)
-    return BackendClient(settings, session_for_loop(settings))
+    return BackendClient(settings, session_for_loop())
 
 
 async def test_5xx_retried_then_ok(server) -> None:
@@ -103,7 +103,7 @@ async def test_api_key_sent_never_in_errors(server) -> None:
     url = await server([web.Response(status=401, text="denied")])
     settings = BackendSettings(kind="responses", url=url, api_key=SecretStr("sk-hidden-123"))
     with pytest.raises(BackendError) as info:
-        await BackendClient(settings, session_for_loop(settings)).rollout(ROW, 5, 1)
+        await BackendClient(settings, session_for_loop()).rollout(ROW, 5, 1)
     assert "sk-hidden-123" not in str(info.value) and "sk-hidden-123" not in repr(settings)
     headers = server.seen[-1]
     assert headers["Authorization"] == "Bearer sk-hidden-123"

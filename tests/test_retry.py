@@ -20,7 +20,7 @@ ROW = {"responses_create_params": {"input": "hi"}}
 
 def client(url: str, observers: tuple[AttemptLog, ...] = (), **kw: object) -> BackendClient:
     settings = BackendSettings(kind="responses", url=url, **{"backoff_base_s": 0.01, **kw})
-    return BackendClient(settings, session_for_loop(settings), observers)
+    return BackendClient(settings, session_for_loop(), observers)
 
 
 def test_delay_full_jitter_bounds() -> None:

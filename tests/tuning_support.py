@@ -14,7 +14,7 @@ from rollout_data import write_rows
 from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.chunk import collect_chunk
-from rollflow.tasks.collect.parts import chunk_parts
+from rollflow.tasks.collect.parts import chunk_part_rollouts
 from rollflow.tasks.collect.plan import RunPlan, plan_run
 from rollflow.tasks.collect.rollouts import CollectContext, RequestRecord
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
@@ -107,7 +107,8 @@ async def assert_nothing_wasted(
     up to ~16 (8 slots x 50 ms)."""
     probes = d.probe_rollouts + t.probe_rollouts
     saved = sum(
-        len(chunk_parts(s.handles.ledger, c, s.plan.identity.num_repeats)[0]) for c in s.plan.scan.chunks
+        len(chunk_part_rollouts(s.handles.ledger, c, s.plan.identity.num_repeats).kept)
+        for c in s.plan.scan.chunks
     )
     await configure_sim(url, latency_ms=1.0, jitter=0.0)
     before = (await sim_metrics(url))["requests"]

@@ -25,10 +25,10 @@ def auth_headers(settings: BackendSettings) -> dict[str, str]:
     return {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"}
 
 
-def session_for_loop(settings: BackendSettings | None = None) -> aiohttp.ClientSession:
+def session_for_loop() -> aiohttp.ClientSession:
     """The running loop's session, created on first use inside the task that needs it.
 
-    `settings` is accepted for callers that have them; nothing in the session depends on them.
+    It depends on no backend's settings (the key goes on each request), so every caller shares it.
     limit=0: the caller bounds concurrency (one shared limit), a second cap here would only hide it.
     """
     loop = asyncio.get_running_loop()

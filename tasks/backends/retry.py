@@ -36,10 +36,6 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_s, self.base_s * (2 ** min(attempt, 62))))
 
 
-def retryable_status(status: int) -> bool:
-    return status in RETRYABLE_STATUS
-
-
 def parse_retry_after(value: str | None) -> float | None:
     """Retry-After in seconds; the HTTP-date form is ignored (the normal backoff applies)."""
     if not value:

@@ -107,11 +107,5 @@ def chunk_part_rollouts(ledger: Ledger, chunk: ChunkSpec, repeats: int) -> PartR
     return read_part_rollouts(ledger.store, ledger.run_id, chunk.index, chunk.task_range, repeats)
 
 
-def chunk_parts(ledger: Ledger, chunk: ChunkSpec, repeats: int) -> tuple[dict[RolloutKey, bytes], list[str]]:
-    """The rollouts this run's parts hold for `chunk`, and a note per ignored part."""
-    parts = chunk_part_rollouts(ledger, chunk, repeats)
-    return parts.kept, parts.problems
-
-
 def delete_parts(store: Store, chunk: int) -> None:
     store.delete_tree(part_dir(chunk))

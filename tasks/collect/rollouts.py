@@ -135,7 +135,7 @@ async def run_rollouts(
     the limit shrank below what is in use.
     """
     limit = limit or ctx.limit
-    client = BackendClient(ctx.backend, session_for_loop(ctx.backend), ctx.observers, ctx.pool)
+    client = BackendClient(ctx.backend, session_for_loop(), ctx.observers, ctx.pool)
     source = iter(items)
 
     async def worker(item: WorkItem) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import IO, Any
 
-import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from rollflow.tasks.storage.store import Store
@@ -229,12 +228,6 @@ class Ledger:
         finally:
             fh.close()
 
-    def iter_chunk_bytes(self, i: int, block: int = 1 << 20) -> Iterator[bytes]:
-        """A committed chunk's data object in blocks, for copying without holding it whole."""
-        with self.open_chunk(i) as fh:
-            while data := fh.read(block):
-                yield data
-
     def write_bad_rows(self, src: IO[bytes] | Iterable[bytes]) -> None:
         """bad_rows.jsonl, whole: from a file (copied in blocks) or from JSONL lines."""
         with self.store.open_write(BAD_ROWS) as out:
@@ -245,6 +238,3 @@ class Ledger:
                 return
             for line in src:
                 out.write(line if line.endswith(b"\n") else line + b"\n")
-
-    def read_json(self, rel: str) -> Any:
-        return orjson.loads(self.store.read_bytes(rel))

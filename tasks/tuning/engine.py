@@ -84,7 +84,7 @@ async def engine_sampler(
     if given is not None:
         yield given
         return
-    session = session_for_loop(ctx.backend)
+    session = session_for_loop()
     async with EngineSampler(ctx.backend.url, session, auth_headers(ctx.backend)) as sampler:
         yield sampler
 

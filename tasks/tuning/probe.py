@@ -24,7 +24,7 @@ from rollflow.tasks.backends.engine_metrics import EngineSampler
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptLog, rate_limited
 from rollflow.tasks.collect.chunk import committed_rows
-from rollflow.tasks.collect.parts import PROBE, chunk_parts, write_part
+from rollflow.tasks.collect.parts import PROBE, chunk_part_rollouts, write_part
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import (
     CollectContext,
@@ -271,7 +271,7 @@ class ProbeFeed:
     def _generate(self) -> Iterator[WorkItem]:
         k = self.ctx.collection.num_repeats
         for chunk in self.plan.pending:
-            done: set[RolloutKey] = set(chunk_parts(self.ctx.ledger, chunk, k)[0])
+            done: set[RolloutKey] = set(chunk_part_rollouts(self.ctx.ledger, chunk, k).kept)
             if chunk.index in self.plan.committed:
                 done |= set(committed_rows(self.ctx.ledger, self.plan.committed[chunk.index])[0])
             for task_index, row in iter_chunk_rows(
