@@ -71,6 +71,9 @@ class RequestRecord:
 
 @dataclass
 class RolloutStats:
+    """Figures of the rollouts one attempt got answered (a latency each) and rewarded; a chunk's manifest
+    keeps them, its count as `answered` (not the chunk's `collected`, which also counts saved parts)."""
+
     latencies: list[float] = field(default_factory=list)
     backend_s: float = 0.0
     verify_s: float = 0.0
@@ -82,7 +85,7 @@ class RolloutStats:
     def as_dict(self) -> dict[str, Any]:
         p50, p95 = latency_percentiles(self.latencies)
         return {
-            "collected": len(self.latencies),
+            "answered": len(self.latencies),
             "latency_p50_s": p50,
             "latency_p95_s": p95,
             "backend_s": round(self.backend_s, 6),

@@ -15,7 +15,8 @@ def run_metrics(
 ) -> RunMetrics:
     ran = [o for o in outcomes if not o.skipped]
     collected = sum(o.collected for o in ran)
-    weights = [(o.manifest.stats.get("collected") or 0, o.manifest.stats) for o in ran]
+    # latency percentiles are weighted by the rollouts each chunk attempt had answered (its samples)
+    weights = [(o.manifest.stats.get("answered") or 0, o.manifest.stats) for o in ran]
     total_w = sum(w for w, _ in weights) or 1
 
     def weighted(key: str) -> float | None:
