@@ -26,9 +26,11 @@ from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 from rollflow.tasks.publish.audit import AuditSummary
+from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, render_markdown, write_report
+from rollflow.tasks.publish.story import run_story
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.adaptive import adaptive_control
 from rollflow.tasks.verify.pool import close_pools
@@ -280,9 +282,12 @@ async def report_step(
                 collected.ctx.pool, result.outcomes, spec.runner != "local", collected.seconds
             ),
             **remote_figures(spec, result),
+            "story": await asyncio.to_thread(run_story, spec, plan.identity, summary, handles.ledger),
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)
+    if published:
+        await asyncio.to_thread(write_card, spec.dataset_url(), handles.dataset_options, report)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )

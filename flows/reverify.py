@@ -20,6 +20,7 @@ from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
 from rollflow.tasks.reverify.plan import ReverifyPlan
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
@@ -121,6 +122,9 @@ async def _reverify(handles: ReverifyHandles) -> dict[str, Any]:
     metrics = _metrics(rescored, stages, time.perf_counter() - t_start, plan)
     report = build_report(spec, summary, source=source, published=ok, failures=failures, metrics=metrics)
     await asyncio.to_thread(write_report, handles.store, report)
+    if ok:
+        url = spec.data_url() if spec.format == "parquet" else spec.dataset_url()
+        await asyncio.to_thread(write_card, url, handles.output_options, report)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-reverify-report", description="rollflow reverify report"
     )

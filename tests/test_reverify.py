@@ -221,3 +221,46 @@ def test_parquet_holds_the_same_rollouts_and_rewards_as_jsonl(run_cli, collectio
     assert [r["response"] for r in back] == [r["response"] for r in rows(fresh / "rollouts.jsonl")]
     report = orjson.loads((out / "report.json").read_bytes())
     assert report["dataset"] == str(out / "data") and report["format"] == "parquet"
+    meta = front_matter(out / "README.md")  # the card: its YAML parses, its figures are report.json's
+    assert [f["name"] for f in meta["dataset_info"]["features"]] == table.schema.names
+    assert meta["configs"][0]["data_files"][0]["path"] == "data/*.parquet"
+    assert meta["rollflow"]["reward_mean"] == report["after"]["mean"]
+    assert meta["rollflow"]["rollouts"] == report["rows_written"]
+    assert meta["rollflow"]["tokens_out_mean"] == report["returned"]["tokens_out"]["mean"]
+
+
+def front_matter(card: Path) -> dict:
+    import yaml
+
+    text = card.read_text()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n", 2)[1])
+
+
+def test_the_collections_card_and_story_equal_report_json(collections) -> None:
+    out = collections["exact"]
+    report = orjson.loads((out / "report.json").read_bytes())
+    meta = front_matter(out / "README.md")
+    figures, story = meta["rollflow"], report["story"]
+    assert meta["configs"][0]["data_files"][0]["path"] == "rollouts.jsonl"
+    assert meta["dataset_info"]["splits"][0]["num_examples"] == report["rows_written"] == TASKS * REPEATS
+    assert meta["size_categories"] == ["n<1K"]
+    assert figures["reward_mean"] == report["rewards"]["mean"] and figures["tasks"] == TASKS
+    assert figures["pass_at_k"] == report["rewards"]["pass_at_k"]
+    assert figures["truncation_rate"] == story["returned"]["truncation_rate"]
+    assert figures["tokens_out_mean"] == story["returned"]["tokens_out"]["mean"]
+    data = rows(out / "rollouts.jsonl")
+    tokens = sorted(r["response"]["usage"]["output_tokens"] for r in data)
+    assert story["returned"]["tokens_out"]["total"] == sum(tokens)
+    assert story["returned"]["tokens_out"]["max"] == tokens[-1]
+    assert story["returned"]["tokens_out"]["p50"] == tokens[(len(tokens) + 1) // 2 - 1]
+    assert sum(story["returned"]["finish_reasons"].values()) == len(data)
+    assert story["sent"]["seed"] == 11 and story["scored_by"]["name"] == "exact_match"
+    inp = collections["base"] / "rows.jsonl"
+    assert story["origin"]["input_sha256"] == hashlib.sha256(inp.read_bytes()).hexdigest()
+    assert story["origin"]["input_rows"] == TASKS
+    tasks = [orjson.loads(line) for line in (out / "tasks.jsonl").read_bytes().splitlines()]
+    assert all("std_reward" in t for t in tasks)
+    flaky = orjson.loads((collections["flaky"] / "report.json").read_bytes())
+    assert flaky["story"]["returned"]["failures_by_kind"] == {"verifier": flaky["failed"]}
+    assert "## The run's story" in (out / "report.md").read_text()

@@ -148,7 +148,9 @@ def test_grouper_yields_exactly_the_tasks_fed(drawn: tuple[Table, int], first: i
     got = [t for i, rs in enumerate(table, first) for r in rs if (t := grouper.add(i, r)) is not None]
     got.append(grouper.finish())
     want = [
-        TaskRewards(i, len(rs), sum(r >= threshold for r in rs), running_sum(rs))
+        TaskRewards(
+            i, len(rs), sum(r >= threshold for r in rs), running_sum(rs), running_sum([r * r for r in rs])
+        )
         for i, rs in enumerate(table, first)
     ]
     assert got == want
@@ -199,9 +201,11 @@ def test_histogram_edges_and_empty_stats() -> None:
 
 
 def test_task_line() -> None:
-    line = TaskRewards(7, 4, 1, 2.0).as_line()
+    line = TaskRewards(7, 4, 1, 2.0, 2.0).as_line()  # rewards 1, 1, 0, 0
     assert line.endswith(b"\n")
-    assert orjson.loads(line) == {"task_index": 7, "rollouts": 4, "correct": 1, "mean_reward": 0.5}
+    assert orjson.loads(line) == {
+        "task_index": 7, "rollouts": 4, "correct": 1, "mean_reward": 0.5, "std_reward": 0.5,
+    }  # fmt: skip
 
 
 def sample() -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fractions import Fraction
 from math import comb
 from pathlib import Path
+from statistics import pstdev
 
 import orjson
 import pytest
@@ -57,6 +58,9 @@ def test_reward_statistics_match_the_dataset(run_cli, tmp_path) -> None:
         assert [t["task_index"] for t in tasks] == list(range(ROWS))
         assert all(t["rollouts"] == REPEATS and t["correct"] == correct[t["task_index"]] for t in tasks)
         assert all(t["mean_reward"] == pytest.approx(sum(by_task[t["task_index"]]) / REPEATS) for t in tasks)
+        assert all(
+            t["std_reward"] == pytest.approx(pstdev(by_task[t["task_index"]]), abs=1e-9) for t in tasks
+        )
         assert (out / "rewards.png").read_bytes()[:4] == b"\x89PNG"
         md = (out / "report.md").read_text()
         assert "## Rewards" in md and "rewards.png" in md

@@ -33,6 +33,7 @@ from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
 from rollflow.tasks.publish.endpoints import endpoint_cells
 from rollflow.tasks.publish.rewards import summary_line
+from rollflow.tasks.publish.story import story_line
 from rollflow.tasks.storage.store import Store
 
 
@@ -178,6 +179,8 @@ def _print_report(console: Console, report: dict[str, Any], note: str | None, pr
     console.print(summary_table(report))
     if report.get("rewards"):
         console.print(summary_line(report["rewards"]), highlight=False, soft_wrap=True)
+    if report.get("story"):
+        console.print(story_line(report["story"]), highlight=False, soft_wrap=True)
     endpoints = endpoints_table(report)
     if endpoints is not None:
         console.print(endpoints)

@@ -11,6 +11,7 @@ import orjson
 
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.rewards import RewardStats, TaskGrouper
+from rollflow.tasks.publish.story import RowStory
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 AUDIT_DIR = "audit"
@@ -37,6 +38,7 @@ class ChunkAudit:
     data_lost: bool = False
     problems: list[str] = field(default_factory=list)
     rewards: dict[str, Any] = field(default_factory=dict)  # RewardStats.state() of its rewarded rows
+    story: dict[str, Any] = field(default_factory=dict)  # RowStory.state(): tokens, finish reasons, params
 
     @property
     def missing(self) -> int:
@@ -70,7 +72,7 @@ def audit_chunk(
         return _lost_data(spec, manifest, num_repeats)
     if store.exists(cache_rel) and store.exists(tasks_path(spec.index)):
         cached = orjson.loads(store.read_bytes(cache_rel))
-        same = cached.get("rewards", {}).get("threshold") == threshold
+        same = cached.get("rewards", {}).get("threshold") == threshold and "story" in cached
         if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256 and same:
             cached.pop("missing", None)
             return ChunkAudit(**cached)
@@ -89,6 +91,7 @@ def audit_chunk(
     check.task_done(check.grouper.finish())
     audit = check.audit
     audit.rewards = check.stats.state()
+    audit.story = check.story.state()
     audit.unique = len(check.seen)
     audit.sha256 = digest.hexdigest()
     audit.sha_matches = audit.sha256 == manifest.sha256
@@ -131,6 +134,7 @@ class _LineCheck:
     seen: set[tuple[int, int]] = field(default_factory=set)
     last: tuple[int, int] = (-1, -1)
     task_lines: list[bytes] = field(default_factory=list)  # one short line per task of this chunk
+    story: RowStory = field(default_factory=RowStory)
 
     def task_done(self, task: Any) -> None:
         if task is not None:
@@ -164,6 +168,7 @@ class _LineCheck:
             self.task_done(self.grouper.add(key[0], float(reward)))
         else:
             audit.missing_reward += 1
+        self.story.add(row)
         response = row.get("response")
         usage = response.get("usage") if isinstance(response, dict) else None
         if isinstance(usage, dict) and _is_number(usage.get("output_tokens")):
@@ -192,6 +197,7 @@ class AuditSummary:
     lost_chunks: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     rewards: RewardStats | None = None
+    story: RowStory = field(default_factory=RowStory)
 
     @property
     def ok(self) -> bool:
@@ -225,6 +231,8 @@ class AuditSummary:
             self.sha_mismatches += 1
             self.changed_chunks.append(audit.chunk)
         self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
+        if audit.story:
+            self.story.merge(RowStory.from_state(audit.story))
         if audit.rewards:
             stats = RewardStats.from_state(audit.rewards)
             if self.rewards is None:
@@ -235,6 +243,7 @@ class AuditSummary:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["rewards"] = self.rewards.as_dict() if self.rewards is not None else None
+        out["story"] = self.story.as_dict()
         out["ok"] = self.ok
         out["reward_mean"] = self.reward_mean
         return out

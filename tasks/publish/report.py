@@ -12,6 +12,7 @@ from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.endpoints import endpoints_markdown
 from rollflow.tasks.publish.plot import diagnosis_markdown, tuning_markdown
 from rollflow.tasks.publish.rewards import rewards_markdown, rewards_png
+from rollflow.tasks.publish.story import story_markdown
 from rollflow.tasks.storage.store import Store
 
 
@@ -166,6 +167,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
     if report.get("rewards"):
         lines += ["", rewards_markdown(report["rewards"], image="rewards.png")]
+    if report.get("story"):
+        lines += ["", story_markdown(report["story"])]
     if report.get("endpoints"):
         lines += ["", endpoints_markdown(report["endpoints"])]
     if report.get("diagnosis"):

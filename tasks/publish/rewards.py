@@ -35,10 +35,17 @@ class TaskRewards:
     rollouts: int
     correct: int
     reward_sum: float
+    squares: float = 0.0  # sum of squared rewards, for the per-task standard deviation
 
     @property
     def mean(self) -> float:
         return self.reward_sum / self.rollouts if self.rollouts else 0.0
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of the task's rewards."""
+        mean = self.mean
+        return math.sqrt(max(0.0, self.squares / self.rollouts - mean * mean)) if self.rollouts else 0.0
 
     def as_line(self) -> bytes:
         """One newline-terminated JSON line, for a per-task rewards file."""
@@ -47,6 +54,7 @@ class TaskRewards:
             "rollouts": self.rollouts,
             "correct": self.correct,
             "mean_reward": self.mean,
+            "std_reward": round(self.std, 12),
         }
         return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
 
@@ -70,8 +78,9 @@ class TaskGrouper:
             task.rollouts += 1
             task.correct += correct
             task.reward_sum += reward
+            task.squares += reward * reward
             return None
-        self._open = TaskRewards(task_index, 1, correct, reward)
+        self._open = TaskRewards(task_index, 1, correct, reward, reward * reward)
         return task
 
     def finish(self) -> TaskRewards | None:

@@ -13,10 +13,12 @@ import orjson
 
 from rollflow.tasks.publish.audit import AUDIT_DIR, tasks_path
 from rollflow.tasks.publish.rewards import RewardStats, TaskRewards
+from rollflow.tasks.publish.story import RowStory
 from rollflow.tasks.reverify.source import SourceChunk
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 TOP_TASKS = 10
+CACHE_VERSION = 2
 FAILED = "failed"  # the before side of a rollout the source had no reward for
 
 
@@ -72,6 +74,7 @@ class ChunkComparison:
     before: dict[str, Any] = field(default_factory=dict)
     after: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    story: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +87,7 @@ class _Pass:
     task: _Task | None = None
     last: tuple[int, int] = (-1, -1)
     lines: list[bytes] = field(default_factory=list)
+    story: RowStory = field(default_factory=RowStory)
 
     def __post_init__(self) -> None:
         self.before = RewardStats(threshold=self.threshold, max_k=self.max_k)
@@ -126,6 +130,7 @@ class _Pass:
             out.problems.append(f"line {lineno}: rollout {key} has reward {reward!r} or is out of order")
             return
         self.last = key
+        self.story.add(row)
         rescored = "reverified_with" in rf
         old = rf.get("previous_reward") if rescored else reward
         old = old if _number(old) else None
@@ -161,7 +166,7 @@ def compare_chunk(
     store = ledger.store
     if store.exists(cache) and store.exists(tasks_path(chunk.index)):
         cached = orjson.loads(store.read_bytes(cache))
-        if cached.pop("key") == [manifest.sha256, threshold, max_k]:
+        if cached.pop("key") == [manifest.sha256, threshold, max_k, CACHE_VERSION]:
             return ChunkComparison(**cached)
     check = _Pass(threshold, max_k, ChunkComparison(chunk.index, failed=manifest.failed))
     digest = hashlib.sha256()
@@ -174,13 +179,16 @@ def compare_chunk(
     out.sha256 = digest.hexdigest()
     out.sha_matches = out.sha256 == manifest.sha256
     out.before, out.after = check.before.state(), check.after.state()
+    out.story = check.story.state()
     del out.problems[20:]
     if not out.sha_matches:
         out.problems.append("its data object changed after commit: the commit was withdrawn; run again")
         ledger.uncommit(chunk.index)
         return out
     store.write_bytes(tasks_path(chunk.index), b"".join(check.lines))
-    store.write_bytes(cache, orjson.dumps({**asdict(out), "key": [manifest.sha256, threshold, max_k]}))
+    store.write_bytes(
+        cache, orjson.dumps({**asdict(out), "key": [manifest.sha256, threshold, max_k, CACHE_VERSION]})
+    )
     return out
 
 
@@ -204,6 +212,7 @@ class Comparison:
     before: RewardStats | None = None
     after: RewardStats | None = None
     problems: list[str] = field(default_factory=list)
+    story: RowStory = field(default_factory=RowStory)
 
     @property
     def complete(self) -> bool:
@@ -223,6 +232,8 @@ class Comparison:
             self.agreement[cell] = self.agreement.get(cell, 0) + n
         self.top = heapq.nlargest(TOP_TASKS, self.top + [list(t) for t in part.top])
         self.problems.extend(f"chunk {part.chunk}: {p}" for p in part.problems[:5])
+        if part.story:
+            self.story.merge(RowStory.from_state(part.story))
         for name in ("before", "after"):
             if getattr(part, name):
                 stats = RewardStats.from_state(getattr(part, name))

@@ -4,37 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import orjson
 
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.publish.rewards import rewards_markdown
+from rollflow.tasks.publish.story import verifier_story
 from rollflow.tasks.reverify.compare import FAILED, Comparison
+from rollflow.tasks.reverify.plan import rollflow_version
 from rollflow.tasks.storage.store import Store
 
 SIDES = ("correct", "incorrect", FAILED)
-LIBRARIES = {"math": "math-verify"}
-
-
-def verifier_story(spec: ReverifySpec) -> dict[str, Any]:
-    """The verifier, its library's version (math-verify's for `math`) and the settings it ran with."""
-    verify = spec.verify
-    library = LIBRARIES.get(verify.verifier)
-    try:
-        library_version = version(library) if library else None
-    except PackageNotFoundError:
-        library_version = None
-    return {
-        "name": verify.verifier,
-        "url": verify.url if verify.verifier == "http" else None,
-        "library": library,
-        "library_version": library_version,
-        "correct_threshold": verify.correct_threshold,
-        "check_timeout_s": verify.check_timeout_s,
-        "processes": verify.processes,
-    }
 
 
 def agreement_table(cells: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -67,7 +48,7 @@ def build_report(
         "format": spec.format,
         "published": published,
         "failed_only": spec.failed_only,
-        "verifier": verifier_story(spec),
+        "verifier": verifier_story(spec.verify),
         "rows_expected": summary.rows_expected,
         "rows_written": summary.rows,
         "failed": summary.failed,
@@ -84,6 +65,8 @@ def build_report(
             {"task_index": t, "before_mean": round(b, 6), "after_mean": round(a, 6), "delta": round(a - b, 6)}
             for _, t, b, a in summary.top
         ],
+        "returned": summary.story.as_dict(),
+        "rollflow_version": rollflow_version(),
         "complete": summary.complete,
         "problems": summary.problems[:50],
         "metrics": metrics,

@@ -1,0 +1,209 @@
+"""README.md beside a published dataset: a Hugging Face dataset card (YAML front matter: configs, features,
+size category; then the run's story in prose and tables), built from report.json alone."""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+import orjson
+import yaml
+
+from rollflow.tasks.publish.concat import split_url
+from rollflow.tasks.storage.store import Store
+
+CARD_NAME = "README.md"
+SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
+         (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"))  # fmt: skip
+_DTYPES = {"string": "string", "int64": "int64", "double": "float64", "bool": "bool"}
+
+
+def size_category(rows: int) -> str:
+    return next((name for limit, name in SIZES if rows < limit), "n>1T")
+
+
+def _facts(report: dict[str, Any]) -> dict[str, Any]:
+    """The card's figures from either report: a collection's (`story`) or a reverify's."""
+    if report.get("kind") == "reverify":
+        source = report["source"]
+        return {
+            "what": "Rollouts rescored by `rollflow reverify`",
+            "rows": report["rows_written"],
+            "rewards": report["after"],
+            "previous": report["before"],
+            "failed": report["failed"],
+            "failures_by_kind": report["failures_by_kind"],
+            "scored_by": report["verifier"],
+            "origin": {
+                "input": source["url"],
+                "input_sha256": source["sha256"],
+                "input_rows": source["rows"],
+                "rollflow_version": report.get("rollflow_version"),
+            },
+            "returned": report.get("returned"),
+            "sent": None,
+        }
+    story = report.get("story") or {}
+    return {
+        "what": "Rollouts collected by rollflow",
+        "rows": report["rows_written"],
+        "rewards": report.get("rewards"),
+        "previous": None,
+        "failed": report["failed"],
+        "failures_by_kind": (story.get("returned") or {}).get("failures_by_kind", {}),
+        "scored_by": story.get("scored_by"),
+        "origin": story.get("origin") or {"input": report["input"]},
+        "returned": story.get("returned"),
+        "sent": story.get("sent"),
+    }
+
+
+def _figures(facts: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, in the front matter too (under `rollflow`), each equal to report.json's."""
+    rewards, returned = facts["rewards"] or {}, facts["returned"] or {}
+    return {
+        "rollouts": facts["rows"],
+        "tasks": rewards.get("tasks"),
+        "reward_mean": rewards.get("mean"),
+        "reward_std": rewards.get("std"),
+        "pass_at_k": rewards.get("pass_at_k"),
+        "failed": facts["failed"],
+        "truncation_rate": returned.get("truncation_rate"),
+        "tokens_out_mean": (returned.get("tokens_out") or {}).get("mean"),
+        "tokens_in_mean": (returned.get("tokens_in") or {}).get("mean"),
+    }
+
+
+def front_matter(
+    report: dict[str, Any], data_files: str, features: list[dict[str, str]] | None
+) -> dict[str, Any]:
+    facts = _facts(report)
+    info: dict[str, Any] = {"splits": [{"name": "train", "num_examples": facts["rows"]}]}
+    if features:
+        info = {"features": features, **info}
+    return {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": data_files}]}],
+        "dataset_info": info,
+        "size_categories": [size_category(facts["rows"])],
+        "task_categories": ["text-generation"],
+        "tags": ["rollflow", "rollouts", "reinforcement-learning"],
+        "rollflow": _figures(facts),
+    }
+
+
+def _num(value: Any, fmt: str = ",.4g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _story(facts: dict[str, Any]) -> list[str]:
+    origin, scored, sent = facts["origin"], facts["scored_by"], facts["sent"]
+    lines = [f"{facts['what']} from `{origin.get('input')}`"]
+    if origin.get("input_sha256"):
+        lines[0] += f" (sha256 `{origin['input_sha256']}`, {origin.get('input_rows', 0):,} rows)"
+    if origin.get("rollflow_version"):
+        lines[0] += f" with rollflow {origin['rollflow_version']}"
+    lines[0] += "."
+    if sent:
+        models = ", ".join(f"`{m}`" for m in sent.get("models_answered") or {}) or f"`{sent.get('model')}`"
+        lines.append(
+            f"Backend `{sent['backend_kind']}` at {', '.join(f'`{u}`' for u in sent['endpoints'])}, models "
+            f"{models}; {sent['num_repeats']} rollouts per prompt; seed {sent['seed']}; overrides "
+            f"`{orjson.dumps(sent['overrides']).decode()}`."
+        )
+    if scored:
+        lib = f" ({scored['library']} {scored['library_version']})" if scored.get("library") else ""
+        lines.append(
+            f"Rewards by the `{scored['name']}` verifier{lib}; a rollout is correct at reward >= "
+            f"{scored['correct_threshold']:g}."
+        )
+    else:
+        lines.append("Rewards as the agent server returned them.")
+    return [" ".join(lines)]
+
+
+def _tables(facts: dict[str, Any]) -> list[str]:
+    fig = _figures(facts)
+    out = ["## Figures", "", "| figure | value |", "|---|---:|"]
+    for key, value in fig.items():
+        if key == "pass_at_k":
+            out += [f"| pass@{k} | {v:.4f} |" for k, v in (value or {}).items()]
+        else:
+            out.append(f"| {key.replace('_', ' ')} | {_num(value)} |")
+    rewards = facts["rewards"] or {}
+    for key in ("all_correct", "none_correct", "mixed"):
+        if rewards.get(key):
+            out.append(f"| tasks {key.replace('_', ' ')} | {rewards[key]['tasks']:,} |")
+    if facts["previous"]:
+        out.append(f"| previous reward mean | {_num(facts['previous'].get('mean'))} |")
+    returned = facts["returned"] or {}
+    for side in ("tokens_in", "tokens_out"):
+        t = returned.get(side)
+        if t and t["rollouts"]:
+            out += [
+                "",
+                f"**{side.replace('_', ' ')} per rollout**: mean {_num(t['mean'])}, p50 {t['p50']}, p95 "
+                f"{t['p95']}, max {t['max']}, total {t['total']:,} ({t['rollouts']:,} rollouts with usage)",
+            ]
+    if returned.get("finish_reasons"):
+        out += ["", "| finish reason | rollouts |", "|---|---:|"]
+        out += [f"| {k} | {n:,} |" for k, n in returned["finish_reasons"].items()]
+    if facts["failures_by_kind"]:
+        out += ["", "| failure kind | rollouts |", "|---|---:|"]
+        out += [f"| {k} | {n:,} |" for k, n in facts["failures_by_kind"].items()]
+    sent = facts["sent"] or {}
+    if sent.get("sampling_params"):
+        out += ["", "## Sampling parameters sent", "", "| parameter | value | rollouts |", "|---|---|---:|"]
+        for key, values in sent["sampling_params"].items():
+            out += [f"| {key} | `{v}` | {n:,} |" for v, n in values.items()]
+    return out
+
+
+def render_card(report: dict[str, Any], data_files: str, features: list[dict[str, str]] | None = None) -> str:
+    facts = _facts(report)
+    meta = yaml.safe_dump(front_matter(report, data_files, features), sort_keys=False, allow_unicode=True)
+    body = [
+        "# rollflow dataset",
+        "",
+        *_story(facts),
+        "",
+        *_tables(facts),
+        "",
+        "## Loading",
+        "",
+        f'`datasets.load_dataset("{"parquet" if data_files.endswith(".parquet") else "json"}", '
+        f'data_files="{data_files}")`. One row per rollout: the input row, `response`, `reward`, '
+        "`_ng_task_index`, `_ng_rollout_index` and rollflow's own fields under `_rf`.",
+    ]
+    if data_files.endswith(".parquet"):
+        body.append(
+            "In Parquet, columns whose shape varies (`response`, `responses_create_params`, `_rf`, ...) hold "
+            "JSON text, listed in the schema metadata `rollflow.json_columns`: read them with `json.loads`."
+        )
+    origin = facts["origin"]
+    if origin.get("spec"):
+        spec = orjson.dumps(origin["spec"], option=orjson.OPT_INDENT_2).decode()
+        body += ["", "## The run's settings (secrets removed)", "", "```json", spec, "```"]
+    return f"---\n{meta}---\n\n" + "\n".join(body) + "\n"
+
+
+def parquet_features(store: Store, shard: str) -> list[dict[str, str]]:
+    import pyarrow.parquet as pq
+
+    with store.open_read(shard) as fh:
+        schema = pq.read_schema(fh)
+    return [{"name": f.name, "dtype": _DTYPES.get(str(f.type), str(f.type))} for f in schema]
+
+
+def write_card(dataset_url: str, options: dict[str, Any], report: dict[str, Any]) -> str:
+    """README.md in the dataset's folder (for Parquet, the folder above data/); returns its URL."""
+    parent, name = split_url(dataset_url)
+    store = Store(parent, options)
+    features = None
+    if report.get("format") == "parquet":
+        shards = sorted(n for n in store.list(name) if n.endswith(".parquet"))
+        features = parquet_features(store, f"{name}/{shards[0]}") if shards else None
+        data_files = f"{name}/*.parquet"
+    else:
+        data_files = name
+    store.write_bytes(CARD_NAME, render_card(report, data_files, features).encode())
+    return posixpath.join(store.root_url, CARD_NAME)
