@@ -20,6 +20,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(PY) docs/check_architecture.py
 	rm -rf $(VENV)/lint-tree && mkdir -p $(VENV)/lint-tree/rollflow
 	cp -R rollflow/. flows tasks settings infra $(VENV)/lint-tree/rollflow/
 	cd $(VENV)/lint-tree && PYTHONPATH=. ../bin/lint-imports --no-cache --config $(CURDIR)/pyproject.toml
