@@ -39,9 +39,10 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     assert slot.ctx.pool.limits() == {A: 6, B: 2} and slot.ctx.limit.limit == 8
 
     slot.start(7, 100)
-    slot.count(ProgressEvent("attempt", chunk=7, done=10))
-    slot.count(ProgressEvent("rollouts", chunk=7, done=5, failed=1))
-    slot.count(ProgressEvent("rollouts", chunk=8, done=50))  # another run's chunk: not this slot's
+    slot.count(ProgressEvent("attempt", chunk=7, done=10, run=slot.ctx.run))
+    slot.count(ProgressEvent("rollouts", chunk=7, done=5, failed=1, run=slot.ctx.run))
+    slot.count(ProgressEvent("rollouts", chunk=8, done=50, run=slot.ctx.run))  # not running here
+    slot.count(ProgressEvent("rollouts", chunk=7, done=40, run="other|run"))  # another run's chunk 7
     report = slot.report(me)
     assert report["demand"] == 84 and report["chunks"] == {"7": [15, 1]}
     assert report["applied_seq"] == 3 and report["applied"] == 8

@@ -193,7 +193,8 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     manifest = _manifest(ctx, chunk, batch, found, len(data), started_at, time.perf_counter() - t0, attempt)
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     parts_left = await _delete_parts(ctx, chunk.index)
-    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=len(batch.results), failed=len(batch.failures)))
+    done, failed = len(batch.results), len(batch.failures)
+    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=done, failed=failed, run=ctx.run))
     return ChunkOutcome(
         manifest,
         skipped=False,
@@ -220,7 +221,7 @@ async def _collect_missing(
         for r in range(k)
         if (task_index, r) not in kept
     )
-    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept)))  # restarts the chunk's count
+    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept), run=ctx.run))  # restarts its count
     runner = asyncio.create_task(run_rollouts(ctx, todo, batch, chunk=chunk.index))
     await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
     return batch

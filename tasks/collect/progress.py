@@ -20,6 +20,7 @@ class ProgressEvent:
     done: int = 0
     failed: int = 0
     chunk: int | None = None
+    run: str | None = None  # the run the chunk belongs to, where one process serves several (a worker)
 
 
 @dataclass

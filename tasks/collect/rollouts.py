@@ -46,6 +46,7 @@ class CollectContext:
     # Optional: builds the BackendClient (tuning and adaptive mode pass one that counts every attempt).
     observers: tuple[AttemptObserver, ...] = ()
     pool: EndpointPool = field(default=None)  # type: ignore[assignment]
+    run: str | None = None  # names the run in progress events (a worker process serves several runs)
 
     def __post_init__(self) -> None:
         if self.pool is None:
@@ -187,12 +188,12 @@ async def _run_one(
     key = (task_index, rollout)
     try:
         batch.results[key], tokens = await _rollout_line(ctx, client, row, task_index, rollout, batch.stats)
-        hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk))
+        hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk, run=ctx.run))
     except Exception as exc:
         failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
         error = failure.kind
         batch.failures[key] = _failure_line(ctx, row, task_index, rollout, failure)
-        hub.emit(ProgressEvent("rollouts", failed=1, chunk=chunk))
+        hub.emit(ProgressEvent("rollouts", failed=1, chunk=chunk, run=ctx.run))
     batch.records.append(RequestRecord(start, time.perf_counter(), error, tokens))
 
 

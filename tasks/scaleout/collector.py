@@ -60,6 +60,11 @@ class RemoteRun:
     share: int | dict[str, int]
 
 
+def run_key(run: RemoteRun) -> str:
+    """A run as this process knows it: its output and the lease owner it writes for."""
+    return f"{run.spec.output}|{run.scope.owner}"
+
+
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -73,6 +78,7 @@ class RunSlot:
     run_limits: dict[str, int]
     scope: WorkerScope
     link: ShareLink | None
+    key: str  # the run's key here; its chunks' progress events carry it
     planned: dict[int, int] = field(default_factory=dict)  # running chunk -> its planned rollouts
     counted: RolloutCount = field(default_factory=RolloutCount)  # what this process finished of them
     chunks_done: int = 0
@@ -93,8 +99,9 @@ class RunSlot:
         self.counted.chunks.pop(chunk, None)
 
     def count(self, event: ProgressEvent) -> None:
-        """A running chunk's attempt or rollouts (the process's hub also carries other runs' events)."""
-        if event.chunk in self.planned and event.kind in ("attempt", "rollouts"):
+        """A running chunk's attempt or rollouts (the process's hub also carries other runs' events, whose
+        chunks have the same indexes)."""
+        if event.run == self.key and event.chunk in self.planned and event.kind in ("attempt", "rollouts"):
             self.counted.add(event)
 
     def report(self, worker: str) -> dict[str, Any]:
@@ -186,7 +193,7 @@ class WorkerCollector:
 
     async def _slot(self, run: RemoteRun) -> RunSlot:
         """The run's slot, opened once however many chunks of it start at the same time."""
-        key = f"{run.spec.output}|{run.scope.owner}"
+        key = run_key(run)
         if key in self.slots:
             return self.slots[key]
         if key not in self._opening:
@@ -209,9 +216,10 @@ class WorkerCollector:
         if run.scope.owner is not None:
             handles.ledger.fence = owner_fence(handles.store, run.scope.owner, run.scope.margin_s)
         ctx = collect_context(handles, settings, run.share, shared=run.link is not None)
+        ctx.run = run_key(run)
         urls = run.spec.backend.urls
         limits = run.share if isinstance(run.share, dict) else split_limit(run.share, urls)
-        return RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link)
+        return RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link, ctx.run)
 
     async def _keep_share(self, key: str, slot: RunSlot) -> None:
         """Report and apply the share until the book says the run ended, or the run has had no chunk here
