@@ -41,12 +41,13 @@ def test_a_run_leaves_nothing_on_the_scheduler_and_its_workers_stop_reporting(
 def test_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
     cli_env, dask_cluster, moto_s3, rows_input, tmp_path
 ):
-    """--parallelism 16 over a live replica and a dead one (8 + 8), two workers: with the dead one out,
-    the live one gets the run's 8, not 4 (each worker's 4 used to be spread over both and capped at 2)."""
+    """--parallelism 16 over a dead replica and a live one (8 + 8), two workers: with the dead one out,
+    the live one gets the run's 8, not 4 (each worker's share used to be spread over both, an odd unit to
+    the dead one listed first, and capped at the part on the live one)."""
     sim = spawn_simulator("--latency-ms", "20", "--slots", "32")
     out = tmp_path / "out"
     try:
-        args = [*run_args(rows_input, str(out), sim), "--backend-url", f"{sim.url},http://127.0.0.1:{free_port()}",
+        args = [*run_args(rows_input, str(out), sim), "--backend-url", f"http://127.0.0.1:{free_port()},{sim.url}",
                 "--runner", "dask", "--dask-address", dask_cluster.address, "--limit", "600"]  # fmt: skip
         proc = spawn(args, {**cli_env, **moto_s3.env})
         wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 1, proc, timeout_s=120)
