@@ -10,13 +10,24 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
+from prefect.runtime import deployment as runtime_deployment
 
 from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress
 from rollflow.flows.messages import deadline_message, incomplete_message
+from rollflow.flows.parameters import refusal, run_spec
 from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import chunk_error
-from rollflow.settings import CollectionSettings, RollflowSettings, RunSpec, redact
+from rollflow.settings import (
+    BackendParams,
+    CollectionSettings,
+    RollflowSettings,
+    RunSpec,
+    TuningSettings,
+    VerifySettings,
+    redact,
+)
+from rollflow.settings.models import EngineSettings
 from rollflow.tasks.backends.engine_metrics import sample_endpoints
 from rollflow.tasks.backends.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome
@@ -32,6 +43,7 @@ from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, render_markdown, write_report
 from rollflow.tasks.publish.story import run_story
 from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.storage.ledger import IdentityMismatch
 from rollflow.tasks.tuning.adaptive import adaptive_control
 from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import (
@@ -277,6 +289,7 @@ async def report_step(
             "ignored_parts": ignored[:20],
             "parts_not_deleted": [o.parts_left for o in result.outcomes if o.parts_left][:20],
             "run_id": handles.ledger.run_id,
+            "spec": spec.parameters(),
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(
                 collected.ctx.pool, result.outcomes, spec.runner != "local", collected.seconds
@@ -319,10 +332,55 @@ async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, An
         close_pools()  # this process's verifier processes; a Dask worker's close when it exits
 
 
+# Section defaults with no field set: a run that leaves a section out runs it as served.
+AS_SERVED_BACKEND, AS_SERVED_COLLECTION = BackendParams(), CollectionSettings()
+AS_SERVED_VERIFY, AS_SERVED_TUNING, AS_SERVED_ENGINE = VerifySettings(), TuningSettings(), EngineSettings()
+
+
 @flow(name="rollflow-run", log_prints=False)
-async def rollflow_run(spec: RunSpec, started_at: float | None = None) -> dict[str, Any]:
-    """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked)."""
-    return await _open_and_run(spec, started_at)
+async def rollflow_run(
+    input: str,
+    output: str,
+    dataset: str | None = None,
+    backend: BackendParams = AS_SERVED_BACKEND,
+    collection: CollectionSettings = AS_SERVED_COLLECTION,
+    verify: VerifySettings = AS_SERVED_VERIFY,
+    tuning: TuningSettings = AS_SERVED_TUNING,
+    engine: EngineSettings = AS_SERVED_ENGINE,
+    restart: bool | None = None,
+    allow_incomplete: bool | None = None,
+    deadline_s: float | None = None,
+    started_at: float | None = None,
+) -> dict[str, Any]:
+    """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked).
+
+    Every field a run leaves out keeps its served value (the ROLLFLOW_* settings of the process that
+    serves the flow); a section's fields merge one by one, so `collection={"limit": 4}` changes the limit
+    alone.
+
+    Args:
+        input: Input JSONL of NeMo Gym rows: local path or s3://...
+        output: Output directory (ledger, reports): local path or s3://...
+        dataset: Where to publish the dataset; default rollouts.jsonl in the output directory
+        backend: Where rollouts come from and how hard to try for each one
+        collection: How the input is planned into chunks and how many requests run at once
+        verify: How rewards are computed for backends that return none
+        tuning: diagnose-bottleneck and tune-parallelism (parallelism auto or adaptive)
+        engine: Where chunks run: this process, or a Dask or Ray cluster's workers
+        restart: Discard a different run's committed chunks and start over
+        allow_incomplete: Publish even if the audit found gaps
+        deadline_s: Stop cleanly after this many seconds; run again to resume
+        started_at: When the command began (epoch seconds), for the report's wall time
+    """
+    given = {k: v for k, v in locals().items() if k != "started_at"}
+    settings = RollflowSettings()
+    spec = run_spec(given, settings)
+    try:
+        return await _open_and_run(spec, started_at)
+    except IdentityMismatch as exc:
+        if runtime_deployment.id is None:
+            raise
+        raise refusal(exc, spec, settings) from None
 
 
 # `rollflow collect` (ng_collect_rollouts' arguments) runs the same flow: the two differ only in defaults.

@@ -17,29 +17,38 @@ DEPLOYMENT = "rollflow"
 
 
 def default_parameters(settings: RollflowSettings) -> dict[str, Any]:
-    """The spec's defaults from settings, for the run form and for scheduled runs.
+    """rollflow-run's parameters as served: the spec's sections whole, from settings (no secrets).
 
-    Without input or output in settings the spec is partial: Prefect accepts a deployment default that
-    lacks required fields, and the form then asks for them while showing the other defaults filled in.
+    They fill the run form, and a scheduled run runs with them. A run started with some of them changed
+    gets the rest as served: Prefect keeps the sections it was not given, and the flow merges a given
+    section with the served one field by field. Without input or output in settings they are left out:
+    Prefect accepts a deployment default that lacks required fields, and the form asks for them.
     """
     fields = RunSpec.fields_from(settings)
     placeholders = {"input": fields["input"] or "-", "output": fields["output"] or "-"}
-    spec = RunSpec.model_validate({**fields, **placeholders}).model_dump(mode="json")
+    params = RunSpec.model_validate({**fields, **placeholders}).parameters()
     for key in ("input", "output"):
         if not fields[key]:
-            del spec[key]
-    return {"spec": spec}
+            del params[key]
+    return params
+
+
+def spec_parameter(params: dict[str, Any]) -> dict[str, Any]:
+    """The same defaults as one `spec`, the parameter of the diagnose and tune flows."""
+    spec = {k: v for k, v in params.items() if k != "engine"}
+    return {"spec": {**spec, **params.get("engine", {})}}
 
 
 def deployments(name: str, params: dict[str, Any], schedule: dict[str, Any]) -> list[Any]:
     """rollflow-run (with its schedule, if any), rollflow-diagnose, rollflow-tune and rollflow-reverify."""
     tags = ["rollflow"]
+    stage = spec_parameter(params)
     return [
         rollflow_run.to_deployment(
             name=name, parameters=params, tags=tags, description="diagnose, tune, collect, publish",
             **schedule,
         ),
-        rollflow_diagnose.to_deployment(name=name, parameters=params, tags=tags),
-        rollflow_tune.to_deployment(name=name, parameters=params, tags=tags),
+        rollflow_diagnose.to_deployment(name=name, parameters=stage, tags=tags),
+        rollflow_tune.to_deployment(name=name, parameters=stage, tags=tags),
         rollflow_reverify.to_deployment(name=name, tags=tags, description="rescore a published output"),
     ]  # fmt: skip

@@ -1,4 +1,9 @@
-"""RunSpec: the whole description of a run that may travel as a Prefect parameter (it holds no secret)."""
+"""RunSpec: the whole description of a run that may travel as Prefect parameters (it holds no secret).
+
+A served flow takes the spec as sections (backend, collection, ...) rather than one object, because
+Prefect merges a run's parameters with the deployment's one top-level key at a time: a run that gives
+one field of a section is merged here with the served section, field by field (`RunSpec.merged`).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ from rollflow.settings.models import (
     TuningSettings,
     VerifySettings,
 )
+
+# The spec's sections: models whose fields a run may change one at a time.
+SECTIONS = ("backend", "collection", "verify", "tuning")
 
 
 class RunSpec(EngineSettings):
@@ -73,6 +81,38 @@ class RunSpec(EngineSettings):
     def from_settings(cls, settings: RollflowSettings, **changes: object) -> RunSpec:
         """A spec from env/.env settings; `changes` (e.g. CLI flags) win."""
         return cls.model_validate({**cls.fields_from(settings), **changes})
+
+    def parameters(self) -> dict[str, Any]:
+        """The flow's parameters (JSON values): top-level fields, and every section whole."""
+        data = self.model_dump(mode="json")
+        engine = {key: data.pop(key) for key in EngineSettings.model_fields}
+        return {**data, "engine": engine}
+
+    @classmethod
+    def merged(cls, served: dict[str, Any], changes: dict[str, Any]) -> RunSpec:
+        """`served` (fields_from's shape) with `changes` on top: a top-level value replaces the served
+        one; a section's fields ({"collection": {"limit": 4}}) replace only those fields of it."""
+        fields = {key: dict(value) if key in SECTIONS else value for key, value in served.items()}
+        for key, value in changes.items():
+            if key == "engine":
+                fields.update(value)
+            elif key in SECTIONS:
+                fields[key] = {**fields[key], **value}
+            else:
+                fields[key] = value
+        return cls.model_validate(fields)
+
+    def differences(self, other: RunSpec) -> list[str]:
+        """`section.field a -> b` for each field where `other` differs from this spec."""
+        mine, theirs = self.parameters(), other.parameters()
+        found: list[str] = []
+        for key, a in mine.items():
+            b = theirs[key]
+            if key in (*SECTIONS, "engine"):
+                found += [f"{key}.{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
+            elif a != b:
+                found.append(f"{key} {a!r} -> {b!r}")
+        return found
 
     def backend_settings(self, api_key: SecretStr | None) -> BackendSettings:
         return BackendSettings(**self.backend.model_dump(), api_key=api_key)

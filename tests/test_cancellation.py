@@ -63,7 +63,7 @@ async def test_lost_lease_stops_every_chunk_before_the_flow_returns(
         with temporary_settings({PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
             thief = asyncio.create_task(take_over_after_first_commit())
             with pytest.raises(LeaseLost, match=r"(took|taken) over"):
-                await rollflow_collect(spec)
+                await rollflow_collect(**spec.parameters())
             ended = time.time()
             await thief
             await asyncio.sleep(WATCH_S)  # the loop runs on: an orphaned chunk job would commit now

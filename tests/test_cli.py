@@ -60,5 +60,5 @@ def test_api_key_never_leaves_the_process(run_cli, fast_sim, prefect_server, tmp
         headers={"Content-Type": "application/json"},
     )
     runs = urllib.request.urlopen(req).read()
-    assert b'"spec"' in runs, "the flow runs and their RunSpec parameters must be on the server"
+    assert b'"collection"' in runs, "the flow runs and their RunSpec parameters must be on the server"
     assert secret.encode() not in runs

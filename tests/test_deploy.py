@@ -72,7 +72,9 @@ def test_prefect_deploy_then_a_process_worker_runs_it(cli_env, prefect_server, f
     deployment = api(prefect_server.url, "/deployments/name/rollflow-run/rollflow")
     assert deployment["work_pool_name"] == "rollflow" and deployment["pull_steps"] == []
     assert [s["active"] for s in deployment["schedules"]] == [False], "nightly schedule starts paused"
-    assert "RunSpec" in deployment["parameter_openapi_schema"]["definitions"]
+    schema = deployment["parameter_openapi_schema"]
+    assert {"input", "output", "backend", "collection", "verify"} <= set(schema["properties"])
+    assert "CollectionSettings" in schema["definitions"]
     for flow in ("rollflow-diagnose", "rollflow-tune"):
         api(prefect_server.url, f"/deployments/name/{flow}/rollflow")
 
@@ -80,7 +82,7 @@ def test_prefect_deploy_then_a_process_worker_runs_it(cli_env, prefect_server, f
     out = tmp_path / "worker-out"
     spec = {"input": str(inp), "output": str(out), "backend": {"kind": "agent", "url": fast_sim.url}}
     spec["collection"] = {"parallelism": 8, "chunk_size": 20}
-    params = orjson.dumps({"spec": spec}).decode()
+    params = orjson.dumps(spec).decode()
     trigger = subprocess.run(
         [PREFECT, "deployment", "run", "rollflow-run/rollflow", "--params", params],
         env=env, capture_output=True, text=True, timeout=60,
@@ -102,7 +104,7 @@ def test_default_parameters_without_input_keep_the_other_settings(monkeypatch) -
     monkeypatch.setenv("ROLLFLOW_BACKEND__API_KEY", "sk-never-a-parameter")
     monkeypatch.delenv("ROLLFLOW_PIPELINE__INPUT", raising=False)
     monkeypatch.delenv("ROLLFLOW_PIPELINE__OUTPUT", raising=False)
-    spec = default_parameters(RollflowSettings(_env_file=None))["spec"]
+    spec = default_parameters(RollflowSettings(_env_file=None))
     assert "input" not in spec and "output" not in spec
     assert spec["backend"]["url"] == "http://127.0.0.1:9"
     assert "sk-never" not in orjson.dumps(spec).decode()

@@ -36,7 +36,7 @@ def _server_logs(prefect_url: str, output: str) -> str:
         return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
 
     runs = post("/flow_runs/filter", {"limit": 200, "sort": "START_TIME_DESC"})
-    mine = [r["id"] for r in runs if r["parameters"].get("spec", {}).get("output") == output]
+    mine = [r["id"] for r in runs if r["parameters"].get("output") == output]
     assert mine, "the run's flow run is on the server"
     logs = post("/logs/filter", {"logs": {"flow_run_id": {"any_": mine}}, "limit": 200})
     assert logs, "the run logged to the server"

@@ -1,55 +1,178 @@
-"""Served deployments: a schedule runs by itself and publishes; bad parameters are refused."""
+"""Served deployments: a scheduled run uses the served defaults; a run started with one field changed
+runs with exactly that field changed and every other as served; a change of the output's run identity
+and bad parameters are refused. One `rollflow serve` process serves every run of the module."""
 
 from __future__ import annotations
 
+import copy
+import re
+import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from rollout_data import assert_complete, write_rows
+from served_runs import artifacts, call, deployment, ok, serve, start_run, wait_final
 
-ROWS = 200
+ROWS = 8
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+# A verifier the served process imports from the test's directory: every reward 0.5, unlike math_fast's.
+HALF = "def score(row, text):\n    return 0.5\n"
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    api: str
+    env: dict[str, str]
+    deployment: dict[str, Any]
+    input: Path
+    output: Path
+    work: Path
 
 
 @pytest.fixture(scope="module")
-def served(cli_env, fast_sim, tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """`rollflow serve` with an every-15-s schedule whose defaults come from ROLLFLOW_* settings."""
+def served(cli_env, prefect_server, fast_sim, tmp_path_factory) -> Iterator[Served]:
+    """`rollflow serve` every 5 s, its defaults from ROLLFLOW_* as in the issue: chat at a URL, model m,
+    2 repeats, math_fast."""
     work = tmp_path_factory.mktemp("served")
+    (work / "half_reward.py").write_text(HALF)
     inp = write_rows(work / "rows.jsonl", ROWS)
-    out = work / "scheduled-out"
     env = {
         **cli_env,
+        "PYTHONPATH": str(work),
         "ROLLFLOW_PIPELINE__INPUT": str(inp),
-        "ROLLFLOW_PIPELINE__OUTPUT": str(out),
-        "ROLLFLOW_BACKEND__KIND": "agent",
+        "ROLLFLOW_PIPELINE__OUTPUT": str(work / "served-out"),
+        "ROLLFLOW_BACKEND__KIND": "chat",
         "ROLLFLOW_BACKEND__URL": fast_sim.url,
-        "ROLLFLOW_COLLECTION__PARALLELISM": "16",
-        "PREFECT_RUNNER_POLL_FREQUENCY": "5",
+        "ROLLFLOW_BACKEND__MODEL": "m",
+        "ROLLFLOW_COLLECTION__NUM_REPEATS": "2",
+        "ROLLFLOW_COLLECTION__PARALLELISM": "8",
+        "ROLLFLOW_VERIFY__VERIFIER": "math_fast",
+        "ROLLFLOW_VERIFY__PROCESSES": "0",
     }
-    exe = str(Path(sys.executable).with_name("rollflow"))
-    proc = subprocess.Popen(
-        [exe, "serve", "--name", "test", "--interval-s", "15"], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    yield proc, out
-    proc.terminate()
-    proc.wait(30)
+    proc = serve(env, "--name", "test", "--interval-s", "5", "--limit", "1")  # one run at a time
+    api = prefect_server.env["PREFECT_API_URL"]
+    try:
+        found = deployment(api, "test", proc)
+        yield Served(proc, api, env, found, inp, work / "served-out", work)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
-def test_schedule_runs_by_itself_and_publishes(served) -> None:
-    proc, out = served
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and not (out / "rollouts.jsonl").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+def served_parameters(s: Served) -> dict[str, Any]:
+    """The deployment's parameters, checked against the ROLLFLOW_* values it was served with."""
+    params = copy.deepcopy(s.deployment["parameters"])
+    assert params["input"] == str(s.input) and params["output"] == str(s.output), params
+    backend, fast_sim_url = params["backend"], s.env["ROLLFLOW_BACKEND__URL"]
+    assert (backend["kind"], backend["url"], backend["model"]) == ("chat", fast_sim_url, "m"), backend
+    assert params["collection"]["num_repeats"] == 2 and params["verify"]["verifier"] == "math_fast"
+    return params
+
+
+def check_dataset(out: Path, rows: int, repeats: int, rewards: set[float]) -> None:
+    """Every (task, rollout) once; each reply a chat completion from model m; rewards as its verifier's."""
+    lines = (out / "rollouts.jsonl").read_bytes().splitlines()
+    assert_complete(lines, rows, repeats)
+    found = [orjson.loads(line) for line in lines]
+    # a chat reply keeps its chat.completion id in the Responses-shaped row
+    assert {(r["response"]["id"][:9], r["response"]["model"]) for r in found} == {("chatcmpl-", "m")}
+    assert {r["reward"] for r in found} <= rewards, {r["reward"] for r in found}
+
+
+def clear_schedule(s: Served) -> None:
+    """Pause the schedule (Prefect deletes the runs it queued) and wait for any it started to end."""
+    dep_id = s.deployment["id"]
+    ok(s.api, f"/deployments/{dep_id}/pause_deployment", {})
+    runs = ok(s.api, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep_id]}}})
+    for run in runs:
+        if run["state"]["type"] in ("PENDING", "RUNNING"):
+            wait_final(s.api, run["id"])
+
+
+def test_a_scheduled_run_publishes_with_the_served_defaults(served: Served) -> None:
+    params = served_parameters(served)
+    dep_id = served.deployment["id"]
+    query = {"flow_runs": {"deployment_id": {"any_": [dep_id]}, "state": {"type": {"any_": ["COMPLETED"]}}}}
+    deadline, done = time.monotonic() + 120, []
+    while not done and time.monotonic() < deadline:
+        assert served.proc.poll() is None, served.proc.stderr.read().decode()[-3000:]
         time.sleep(1)
-    assert (out / "rollouts.jsonl").exists(), "the scheduled run did not publish within 150 s"
-    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), ROWS, 1)
+        done = ok(served.api, "/flow_runs/filter", query)
+    assert done, "no scheduled run completed within 120 s"
+    clear_schedule(served)
+    run = done[0]
+    assert run["auto_scheduled"] and run["parameters"] == params, run["parameters"]
+    check_dataset(served.output, ROWS, 2, {0.0, 1.0})
+    report = orjson.loads((served.output / "report.json").read_bytes())
+    assert report["spec"] == params
+    keys = artifacts(served.api, run["id"])
+    assert {"rollflow-progress", "rollflow-report", "rollflow-dataset"} <= set(keys), keys
+    assert keys["rollflow-progress"]["data"] == 100.0
+    assert keys["rollflow-dataset"]["data"].endswith(f"({served.output.as_uri()}/rollouts.jsonl)")
+    assert "rows_written | 16" in keys["rollflow-report"]["data"]
+
+
+def test_a_change_of_the_output_run_identity_is_refused(served: Served) -> None:
+    """The served output holds the scheduled run's chunks (2 repeats): 3 repeats there is refused."""
+    if not (served.output / "run.json").exists():
+        pytest.skip("needs the scheduled run's output")
+    before = (served.output / "rollouts.jsonl").read_bytes()
+    run = start_run(served.api, served.deployment["id"], {"collection": {"num_repeats": 3}})
+    run = wait_final(served.api, run["id"])
+    message = run["state"]["message"] or ""
+    assert run["state"]["type"] == "FAILED", f"{run['state']['type']}: {message}"
+    assert "holds a different run" in message, message
+    assert "collection.num_repeats 2 -> 3" in message, message
+    assert (served.output / "rollouts.jsonl").read_bytes() == before
+
+
+CHANGES = {
+    "num_repeats": ("collection", "num_repeats", 3),
+    "limit": ("collection", "limit", 4),
+    "output": (None, "output", "changed-out"),
+    "verifier": ("verify", "verifier", "half_reward:score"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_a_run_with_one_field_changed_keeps_every_other_as_served(served: Served, name: str) -> None:
+    section, field, value = CHANGES[name]
+    if field == "output":
+        value = str(served.work / value)
+    expected = served_parameters(served)
+    (expected[section] if section else expected)[field] = value
+    given = {section: {field: value}} if section else {field: value}
+    shutil.rmtree(served.output, ignore_errors=True)  # each run starts the served output afresh
+    if name == "limit":  # as a user would: `prefect deployment run ... --param collection='{"limit": 4}'`
+        param = "collection=" + orjson.dumps({field: value}).decode()
+        trigger = subprocess.run(
+            [PREFECT, "deployment", "run", "rollflow-run/test", "--param", param],
+            env=served.env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert trigger.returncode == 0, trigger.stdout[-2000:] + trigger.stderr[-2000:]
+        run = {"id": re.search(r"UUID: *([0-9a-f-]{36})", trigger.stdout)[1]}
+    else:
+        run = start_run(served.api, served.deployment["id"], given)
+    run = wait_final(served.api, run["id"])
+    assert run["state"]["type"] == "COMPLETED", f"{run['state']['type']}: {run['state']['message']}"
+    out = Path(expected["output"])
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["spec"] == expected, (
+        "the report's values in force: the one field changed, the rest as served"
+    )
+    rows, repeats = expected["collection"]["limit"] or ROWS, expected["collection"]["num_repeats"]
+    check_dataset(out, rows, repeats, {0.5} if name == "verifier" else {0.0, 1.0})
+    assert (
+        orjson.loads((out / "run.json").read_bytes())["config"]["verifier"] == expected["verify"]["verifier"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,33 +183,14 @@ def test_schedule_runs_by_itself_and_publishes(served) -> None:
         ({"verify": {"verifier": "fuzzy"}}, "verifier"),
     ],
 )
-def test_bad_parameters_are_refused(served, prefect_server, tmp_path, change, needle) -> None:
-    api = prefect_server.env["PREFECT_API_URL"]
+def test_bad_parameters_are_refused(served: Served, tmp_path, change, needle) -> None:
     out = tmp_path / "never-written"
-    spec = {"input": "rows.jsonl", "output": str(out), **change}
-
-    def call(path: str, body: dict | None = None) -> tuple[int, dict]:
-        data = orjson.dumps(body) if body is not None else None
-        req = urllib.request.Request(f"{api}{path}", data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return resp.status, orjson.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, orjson.loads(exc.read() or b"{}")
-
-    status, deployment = call("/deployments/name/rollflow-run/test")
-    for _ in range(60):  # when run alone, serve may still be registering its deployments
-        if status == 200:
-            break
-        time.sleep(1)
-        status, deployment = call("/deployments/name/rollflow-run/test")
-    status, run = call(f"/deployments/{deployment['id']}/create_flow_run", {"parameters": {"spec": spec}})
+    status, run = call(
+        served.api, f"/deployments/{served.deployment['id']}/create_flow_run",
+        {"parameters": {"output": str(out), **change}},
+    )  # fmt: skip
     if status < 300:  # accepted by the API: then the flow itself must refuse it
-        for _ in range(120):
-            _, run = call(f"/flow_runs/{run['id']}")
-            if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                break
-            time.sleep(1)
+        run = wait_final(served.api, run["id"], 120)
         outcome = f"{run['state']['type']}: {run['state']['message']}"
         assert run["state"]["type"] == "FAILED", outcome
     else:

@@ -83,7 +83,7 @@ def endpoints_table(report: dict[str, Any]) -> Table | None:
 
 async def _run_flow(spec: RunSpec, flow_name: str, started_at: float | None) -> dict[str, Any]:
     flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
-    return await flow(spec, started_at=started_at)
+    return await flow(**spec.parameters(), started_at=started_at)
 
 
 def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> str | None:

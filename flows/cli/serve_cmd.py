@@ -14,7 +14,7 @@ def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, A
     """to_deployment's schedule keywords; a schedule needs input and output among the defaults."""
     if not (args.cron or args.interval_s):
         return {}
-    missing = [k for k in ("input", "output") if k not in params["spec"]]
+    missing = [k for k in ("input", "output") if k not in params]
     if missing:
         names = " and ".join(f"ROLLFLOW_PIPELINE__{k.upper()}" for k in missing)
         raise UsageError(

@@ -1,0 +1,57 @@
+"""A served run's parameters: what the run gave, merged field by field with the served settings.
+
+Prefect merges a run's parameters with its deployment's one top-level key at a time, so the flows take
+the spec as sections: a run that gives `collection={"limit": 4}` arrives with a CollectionSettings whose
+only set field is `limit`, and every other field comes from the settings the flow process was served
+with (ROLLFLOW_* and .env of `rollflow serve` or of the worker).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.tasks.storage.ledger import IdentityMismatch
+
+REQUIRED = ("input", "output")
+
+
+def given_fields(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The values a run set: a section's explicitly set fields, a top-level value that is not None."""
+    changes: dict[str, Any] = {}
+    for key, value in parameters.items():
+        if isinstance(value, BaseModel):
+            fields = value.model_dump(include=value.model_fields_set)
+            if fields:
+                changes[key] = fields
+        elif value is not None:
+            changes[key] = value
+    return changes
+
+
+def served_fields(settings: RollflowSettings) -> dict[str, Any]:
+    return RunSpec.fields_from(settings)
+
+
+def run_spec(parameters: dict[str, Any], settings: RollflowSettings) -> RunSpec:
+    """The spec in force: the served settings with what the run gave on top (refused if invalid)."""
+    return RunSpec.merged(served_fields(settings), given_fields(parameters))
+
+
+def changed_from_served(spec: RunSpec, settings: RollflowSettings) -> list[str]:
+    """`section.field served -> this run's` for each value this run changed."""
+    fields = served_fields(settings)
+    served = RunSpec.merged(fields, {k: getattr(spec, k) for k in REQUIRED if not fields[k]})
+    return served.differences(spec)
+
+
+def refusal(exc: IdentityMismatch, spec: RunSpec, settings: RollflowSettings) -> IdentityMismatch:
+    """The ledger's refusal, with the fields this run changed and what to do from Prefect."""
+    changed = changed_from_served(spec, settings)
+    said = f" This run changed from the served values: {'; '.join(changed)}." if changed else ""
+    return IdentityMismatch(
+        f"{exc}{said} From Prefect: give the run another `output`, or set `restart` to true to discard "
+        "the committed chunks."
+    )
