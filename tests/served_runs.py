@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+RETRIES_503 = 10
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
@@ -25,17 +26,25 @@ def serve(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
 
 
 def call(api: str, path: str, body: Any = None, method: str | None = None) -> tuple[int, Any]:
-    """(HTTP status, JSON body) of one Prefect API call; `api` ends in /api."""
+    """(HTTP status, JSON body) of one Prefect API call; `api` ends in /api.
+
+    A 503 (SQLite busy under load) is tried again, as Prefect's own client does.
+    """
     data = orjson.dumps(body) if body is not None else None
-    req = urllib.request.Request(
-        f"{api}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            raw = resp.read()
-            return resp.status, orjson.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, orjson.loads(exc.read() or b"{}")
+    for _ in range(RETRIES_503):
+        req = urllib.request.Request(
+            f"{api}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw = resp.read()
+                return resp.status, orjson.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            status, found = exc.code, orjson.loads(exc.read() or b"{}")
+        if status != 503:
+            break
+        time.sleep(1)
+    return status, found
 
 
 def ok(api: str, path: str, body: Any = None, method: str | None = None) -> Any:

@@ -35,6 +35,7 @@ class Served:
     input: Path
     output: Path
     work: Path
+    scheduled: dict[str, Any] | None = None
 
 
 @pytest.fixture(scope="module")
@@ -87,28 +88,30 @@ def check_dataset(out: Path, rows: int, repeats: int, rewards: set[float]) -> No
     assert {r["reward"] for r in found} <= rewards, {r["reward"] for r in found}
 
 
-def clear_schedule(s: Served) -> None:
-    """Pause the schedule (Prefect deletes the runs it queued) and wait for any it started to end."""
+def first_scheduled_run(s: Served) -> dict[str, Any]:
+    """The schedule's first completed run; then the schedule is paused (Prefect deletes the runs it
+    queued) and any run it started has ended, so the runs a test starts have the output to themselves."""
+    if s.scheduled is not None:
+        return s.scheduled
     dep_id = s.deployment["id"]
-    ok(s.api, f"/deployments/{dep_id}/pause_deployment", {})
-    runs = ok(s.api, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep_id]}}})
-    for run in runs:
-        if run["state"]["type"] in ("PENDING", "RUNNING"):
-            wait_final(s.api, run["id"])
-
-
-def test_a_scheduled_run_publishes_with_the_served_defaults(served: Served) -> None:
-    params = served_parameters(served)
-    dep_id = served.deployment["id"]
     query = {"flow_runs": {"deployment_id": {"any_": [dep_id]}, "state": {"type": {"any_": ["COMPLETED"]}}}}
     deadline, done = time.monotonic() + 120, []
     while not done and time.monotonic() < deadline:
-        assert served.proc.poll() is None, served.proc.stderr.read().decode()[-3000:]
+        assert s.proc.poll() is None, s.proc.stderr.read().decode()[-3000:] if s.proc.stderr else ""
         time.sleep(1)
-        done = ok(served.api, "/flow_runs/filter", query)
+        done = ok(s.api, "/flow_runs/filter", query)
     assert done, "no scheduled run completed within 120 s"
-    clear_schedule(served)
-    run = done[0]
+    ok(s.api, f"/deployments/{dep_id}/pause_deployment", {})
+    for run in ok(s.api, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep_id]}}}):
+        if run["state"]["type"] in ("PENDING", "RUNNING"):
+            wait_final(s.api, run["id"])
+    s.scheduled = done[0]
+    return s.scheduled
+
+
+def test_a_scheduled_run_publishes_with_the_served_defaults(served: Served) -> None:
+    run = first_scheduled_run(served)
+    params = served_parameters(served)
     assert run["auto_scheduled"] and run["parameters"] == params, run["parameters"]
     check_dataset(served.output, ROWS, 2, {0.0, 1.0})
     report = orjson.loads((served.output / "report.json").read_bytes())
@@ -122,8 +125,7 @@ def test_a_scheduled_run_publishes_with_the_served_defaults(served: Served) -> N
 
 def test_a_change_of_the_output_run_identity_is_refused(served: Served) -> None:
     """The served output holds the scheduled run's chunks (2 repeats): 3 repeats there is refused."""
-    if not (served.output / "run.json").exists():
-        pytest.skip("needs the scheduled run's output")
+    first_scheduled_run(served)
     before = (served.output / "rollouts.jsonl").read_bytes()
     run = start_run(served.api, served.deployment["id"], {"collection": {"num_repeats": 3}})
     run = wait_final(served.api, run["id"])
@@ -150,6 +152,7 @@ def test_a_run_with_one_field_changed_keeps_every_other_as_served(served: Served
     expected = served_parameters(served)
     (expected[section] if section else expected)[field] = value
     given = {section: {field: value}} if section else {field: value}
+    first_scheduled_run(served)
     shutil.rmtree(served.output, ignore_errors=True)  # each run starts the served output afresh
     if name == "limit":  # as a user would: `prefect deployment run ... --param collection='{"limit": 4}'`
         param = "collection=" + orjson.dumps({field: value}).decode()
@@ -184,6 +187,7 @@ def test_a_run_with_one_field_changed_keeps_every_other_as_served(served: Served
     ],
 )
 def test_bad_parameters_are_refused(served: Served, tmp_path, change, needle) -> None:
+    first_scheduled_run(served)
     out = tmp_path / "never-written"
     status, run = call(
         served.api, f"/deployments/{served.deployment['id']}/create_flow_run",
