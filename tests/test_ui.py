@@ -130,7 +130,7 @@ def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fa
         assert {"rollflow-report", "rollflow-dataset", "rollflow-progress"} <= keys, keys
         report = next(a for a in artifacts if a["key"] == "rollflow-report")
         assert "rows_written" in report["data"] and "published" in report["data"]
-        params = api(prefect_server, f"/flow_runs/{run_id}")["parameters"]["spec"]
+        params = api(prefect_server, f"/flow_runs/{run_id}")["parameters"]
         assert params["backend"]["kind"] == "agent" and params["collection"]["parallelism"] == 16, params
         run_json = orjson.loads(fs.cat_file(f"{out}/run.json"))
         assert run_json["parallelism"] == 16, run_json
