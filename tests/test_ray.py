@@ -152,3 +152,25 @@ def test_ray_without_the_extra_says_how_to_install_it(run_cli, fast_sim, rows_in
     assert res.returncode == 2, res.stderr
     assert "pip install 'rollflow[ray]'" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+RESET = "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/stats/reset', method='POST'), timeout=10).read()"  # noqa: E501
+
+
+def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
+    ray_world: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    """--parallelism 16 over a dead replica and a live one (8 + 8): with the dead one out, the live one
+    gets the run's 8, not 4 (each worker's share used to be spread over both and capped at the live part)."""
+    sim = ray_world.simulate(["--latency-ms", "20", "--slots", "32"])
+    out = tmp_path / "out"
+    run = _ray_run(ray_world, rows_input, str(out), sim, "--backend-url", f"http://127.0.0.1:9,{sim}",
+                   "--limit", "600")  # fmt: skip
+    _wait_for(
+        lambda: len(list(out.glob("chunks/*.json"))) >= 1, "no chunk committed", world=ray_world, run=run
+    )
+    ray_world.run([sys.executable, "-c", RESET, sim], timeout=30).check()
+    result = ray_world.wait(run, timeout=300)
+    assert result.rc == 0, result.stderr[-3000:]
+    seen = _stats(ray_world, sim)["max_in_flight_seen"]
+    assert 4 < seen <= 8, f"{seen} requests at once on the live replica"
