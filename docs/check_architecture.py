@@ -1,4 +1,5 @@
-"""Keep docs/architecture.md true: every module and every import-linter contract is named in it.
+"""Keep docs/architecture.md true: every module and every import-linter contract is named in it; and the
+README's Layout names every room (a package folder under flows/, tasks/, settings/ or infra/).
 
 Run by `make lint` (`python docs/check_architecture.py`). A module is a .py file other than __init__.py
 under flows/, tasks/, settings/ or infra/; the doc must name it by its path from the repository root
@@ -27,6 +28,23 @@ def modules(root: Path) -> list[str]:
     return sorted(found)
 
 
+def rooms(root: Path) -> list[str]:
+    """Every package folder under the four packages, as the README's Layout shows it (`collect/`)."""
+    found = {init.parent for package in PACKAGES for init in (root / package).rglob("__init__.py")}
+    return sorted(
+        p.relative_to(root).as_posix() for p in found if p.relative_to(root).as_posix() not in PACKAGES
+    )
+
+
+def layout(readme: str) -> str:
+    """The README's Layout section (up to the next heading), or "" without one."""
+    start = readme.find("\n## Layout")
+    if start < 0:
+        return ""
+    end = readme.find("\n## ", start + 1)
+    return readme[start : end if end >= 0 else len(readme)]
+
+
 def contracts(root: Path) -> list[str]:
     """The names of the import-linter contracts in pyproject.toml."""
     config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
@@ -47,6 +65,14 @@ def problems(root: Path = ROOT) -> list[str]:
         for name in contracts(root)
         if name not in " ".join(doc.split())
     ]
+    tree = layout((root / "README.md").read_text(encoding="utf-8")).replace("\n", " \n")
+    for room in rooms(root):
+        parent, leaf = room.rsplit("/", 1)
+        if f" {leaf}/ " not in tree:
+            lines.append(
+                f"README.md: the Layout section does not show {room}/; "
+                f"add '{leaf}/' and a few words under {parent}/"
+            )
     return lines
 
 
@@ -56,8 +82,8 @@ def main() -> int:
         print(line, file=sys.stderr)
     if found:
         print(
-            f"{len(found)} missing from docs/architecture.md: the doc names every module of flows/, tasks/, "
-            "settings/ and infra/ and every import-linter contract, so it stays true.",
+            f"{len(found)} missing: docs/architecture.md names every module of flows/, tasks/, settings/ and "
+            "infra/ and every import-linter contract, and the README's Layout every room, so both stay true.",
             file=sys.stderr,
         )
         return 1
