@@ -120,3 +120,40 @@ def test_a_late_out_never_overrides_a_newer_in(tmp_path: Path) -> None:
     exchange("x", x)
     exchange("y", y)
     assert xb.in_rotation and y.ctx.pool.endpoint(B).in_rotation
+
+
+class RecordingLink:
+    """A share book that answers at once and keeps every report it got."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+        self.reports.append(report)
+        return {"grants": {}}
+
+
+def test_a_paused_worker_drops_its_share_before_it_reports_again(tmp_path: Path) -> None:
+    """A process paused past SHARE_LEASE_S (the book may have given its share away meanwhile) resumes with
+    no share: its first report says so, rather than refreshing the old share with a successful exchange."""
+    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
+    collector, link = WorkerCollector.get(), RecordingLink()
+    run = RemoteRun(spec, WorkerScope(), None, link, 8)
+    slot = asyncio.run_coroutine_threadsafe(collector._slot(run), collector.loop).result(timeout=30)
+
+    paused_at: list[int] = []
+
+    def pause() -> None:  # on the collector's loop: as if it had not run for SHARE_LEASE_S
+        slot.apply(collector.worker, {"grants": {collector.worker: [1, 8]}})
+        slot.last_ok -= collector_module.SHARE_LEASE_S + 1
+        paused_at.append(slot.reports)  # reports built before the pause have no larger number
+
+    collector.loop.call_soon_threadsafe(pause)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        after = [r for r in list(link.reports) if paused_at and r["n"] > paused_at[0]]
+        if after:
+            break
+        time.sleep(0.01)
+    assert after and after[0]["applied"] == 0, after[:1]
+    assert slot.ctx.limit.limit == 0
