@@ -7,6 +7,7 @@ failure kinds (verifier, verifier_timeout, verifier_crash, no_reward): a failure
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from rollflow.settings import redact
@@ -23,23 +24,41 @@ def verifier_row(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in OUTPUT_KEYS}
 
 
-async def new_reward(verifier: Verifier, row: dict[str, Any]) -> float:
-    """The verifier's reward for the row's stored response; BackendError (a failure kind) otherwise."""
+def _result(row: dict[str, Any]) -> RolloutResult:
     response = row.get("response")
     if not isinstance(response, dict):
         raise BackendError(
             f"the row has no response object to score (found {type(response).__name__})", kind="malformed"
         )
-    result = RolloutResult({"response": response}, None, responses_text(response), 0, 0.0, 1)
+    return RolloutResult({"response": response}, None, responses_text(response), 0, 0.0, 1)
+
+
+def _checked(reward: Any) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise BackendError(f"no numeric reward: it is {reward!r}", kind="no_reward")
+    return reward
+
+
+async def new_reward(verifier: Verifier, row: dict[str, Any]) -> float:
+    """The verifier's reward for the row's stored response; BackendError (a failure kind) otherwise."""
+    result = _result(row)
     try:
         reward = await verifier(verifier_row(row), result)
     except BackendError:
         raise
     except Exception as exc:
         raise BackendError(f"verifier failed: {type(exc).__name__}: {exc}", kind="verifier") from exc
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise BackendError(f"no numeric reward: it is {reward!r}", kind="no_reward")
-    return reward
+    return _checked(reward)
+
+
+def plain_reward(check: Callable[[dict[str, Any], str], float], row: dict[str, Any]) -> float:
+    """new_reward for a check cheap enough to call inline (exact_match, math_fast): same failure kinds."""
+    result = _result(row)
+    try:
+        reward = float(check(verifier_row(row), result.text))  # as collection's threaded check does
+    except Exception as exc:
+        raise BackendError(f"verifier failed: {type(exc).__name__}: {exc}", kind="verifier") from exc
+    return _checked(reward)
 
 
 def rescored_line(row: dict[str, Any], reward: float, verifier_name: str) -> bytes:

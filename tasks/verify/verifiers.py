@@ -121,6 +121,8 @@ class CachedVerifier:
         self.hits = 0
         self.processes: int | None = None  # CPU-bound checks: verifier processes (0: a thread)
         self.meter: VerifyMeter | None = None
+        # A check cheap enough to run inline (microseconds): bulk callers (reverify) batch it on one thread.
+        self.plain: Callable[[dict[str, Any], str], float] | None = None
 
     def usage(self) -> tuple[float, float, int]:
         """CPU and busy seconds the checks have taken so far, and how many (CPU-bound verifiers)."""
@@ -274,11 +276,15 @@ def make_verifier(settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY
     if spec == "none":
         return None
     if spec == "exact_match":
-        return CachedVerifier(spec, _sync(exact_match))
+        verifier = CachedVerifier(spec, _sync(exact_match))
+        verifier.plain = exact_match
+        return verifier
     if spec == "math":
         return _cpu_bound(spec, settings, math_verify_match, whole_row=False)
     if spec == "math_fast":
-        return CachedVerifier(spec, _sync(math_match))
+        verifier = CachedVerifier(spec, _sync(math_match))
+        verifier.plain = math_match
+        return verifier
     if spec == "http":
         return CachedVerifier(f"http:{settings.url}", _http(settings, policy), whole_row=True)
     if ":" in spec:
