@@ -45,6 +45,7 @@ from rollflow.tasks.publish.story import run_story
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.storage.ledger import IdentityMismatch
 from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.tuning.fail_fast import BackendRejects
 from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import (
     collect_chunk_task,
@@ -142,12 +143,17 @@ async def _collect_verify_publish(
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
     clock.mark("startup")
     left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
+    rejected: BackendRejects | None = None
     try:
         async with asyncio.timeout(left):
             parallelism, extra = await choose_step(spec, settings, handles, plan)
     except TimeoutError:
         collected = Collected(CollectResult(stopped=True), collect_context(handles, settings, 1))
         collected.extra = {"tuning_stopped": TUNING_AT_DEADLINE}
+    except BackendRejects as exc:  # the backend answered no probe: report it, collect nothing
+        rejected = exc
+        collected = Collected(CollectResult(), collect_context(handles, settings, 1))
+        collected.extra = {"tuning_failed": exc.as_dict()}
     else:
         left = None if left is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
         limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
@@ -159,6 +165,8 @@ async def _collect_verify_publish(
     published = await publish_step(spec, handles, plan, summary, collected.result)
     clock.mark("publish")
     report = await report_step(spec, handles, plan, summary, collected, published)
+    if rejected is not None:
+        raise rejected
     if collected.result.stopped:
         raise RunIncomplete(deadline_message(summary, spec), report)
     if not published:

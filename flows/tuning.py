@@ -30,6 +30,7 @@ from rollflow.tasks.publish.plot import (
     tuning_markdown,
 )
 from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.tuning.fail_fast import FAILURES_FILE, BackendRejects
 from rollflow.tasks.tuning.per_endpoint import (
     SharedFeed,
     combine_endpoints,
@@ -147,11 +148,16 @@ async def choose_parallelism(
     Call inside a flow, after planning and before collection; the probes' rollouts are saved as parts
     that collection adopts. With tune_too=False only the diagnosis runs (the value is the high level).
     With several endpoints each is tuned on its own, concurrently; the value is the sum of their choices
-    and `tuning.limits` holds each endpoint's.
+    and `tuning.limits` holds each endpoint's. When the backend answers no probe, the failures go to
+    <output>/tuning_failures.jsonl and BackendRejects says what it answered.
     """
     ctx = collect_context(handles, settings, 1)
     urls = ctx.backend.urls
-    chosen, found = await _per_endpoint(ctx, plan, _params(spec, params), urls, tune_too, handles.clock)
+    try:
+        chosen, found = await _per_endpoint(ctx, plan, _params(spec, params), urls, tune_too, handles.clock)
+    except BackendRejects as exc:
+        await asyncio.to_thread(handles.store.write_bytes, FAILURES_FILE, exc.lines())
+        raise
     await asyncio.to_thread(handles.ledger.update_parallelism, chosen)
     await _publish(handles, found)
     handles.clock.mark("tune" if tune_too else "diagnose")

@@ -137,6 +137,7 @@ async def test_chat_converts_request_and_reply(server: ScriptedServer) -> None:
         "top_p": 0.9,
         "seed": 5,
         "stop": ["\n\n"],
+        "reasoning_effort": "low",
     }
     response = result.fields["response"]
     assert response["object"] == "response" and response["id"] == "chatcmpl_1" and response["model"] == "m"

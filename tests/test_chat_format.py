@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rollflow.tasks.backends.backends import chat_request, chat_to_response, responses_text
+from rollflow.tasks.backends.chat_reply import chat_to_response
+from rollflow.tasks.backends.formats import chat_request
+from rollflow.tasks.backends.replies import responses_text
 
 
 def test_chat_request_conversion() -> None:
@@ -29,6 +31,7 @@ def test_chat_request_conversion() -> None:
         ],
         "max_tokens": 64,
         "temperature": 0.7,
+        "reasoning_effort": "low",
     }
     assert chat_request({"input": "hi"}, None)["messages"] == [{"role": "user", "content": "hi"}]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from rollflow.tasks.backends.chat_reply import chat_to_response
 from rollflow.tasks.backends.formats import ConversionError, chat_problem, chat_request
-from rollflow.tasks.backends.replies import chat_to_response
 
 WEATHER = {
     "type": "function",

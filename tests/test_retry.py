@@ -41,7 +41,7 @@ def test_parse_retry_after() -> None:
     assert (
         parse_retry_after("1") == 1.0 and parse_retry_after("0.5") == 0.5 and parse_retry_after("-3") == 0.0
     )
-    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: now
     assert parse_retry_after(None) is None and parse_retry_after("nan") is None
 
 

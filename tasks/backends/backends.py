@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 
 from rollflow.settings import BackendKind, BackendSettings, redact
+from rollflow.tasks.backends.chat_reply import chat_to_response
 from rollflow.tasks.backends.endpoints import Endpoint, EndpointPool, split_limit
 from rollflow.tasks.backends.formats import chat_request
 from rollflow.tasks.backends.http import auth_headers
@@ -18,9 +19,9 @@ from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptObserver
 from rollflow.tasks.backends.replies import (
     ReplyShapeError,
+    UnfinishedReply,
     agent_response,
     agent_reward,
-    chat_to_response,
     check_response,
     responses_text,
 )
@@ -38,9 +39,20 @@ PATHS = {
 LEAVE_GRACE_S = 0.5
 
 
+def _url_hint(url: str, status: int) -> str:
+    """Advice for a 404 at a doubled path: a base URL given with its /v1 (as OpenAI clients take it)."""
+    if status != 404 or "/v1/v1/" not in url:
+        return ""
+    base = url[: url.index("/v1/v1/") + 3]
+    return (
+        f" (the backend URL {base} ends in /v1, and rollflow adds the API path /v1/...: give "
+        f"--backend-url {base[:-3]} instead)"
+    )
+
+
 def _replica_failure(kind: str) -> bool:
     """A failure a dying replica causes (as opposed to a rejected request or a rate limit)."""
-    return kind in ("connection", "timeout") or kind.startswith("http_5")
+    return kind in ("connection", "timeout", "malformed") or kind.startswith("http_5")
 
 
 class BackendError(Exception):
@@ -198,7 +210,10 @@ class BackendClient:
             async with self.session.post(url, data=body, headers=headers, timeout=self.timeout) as resp:
                 payload = await resp.read()
                 status = resp.status
-                retry_after = parse_retry_after(resp.headers.get("Retry-After")) if status == 429 else None
+                retry_after = (
+                    parse_retry_after(resp.headers.get("Retry-After")) if status in RETRYABLE_STATUS else None
+                )
+                event_stream = resp.content_type == "text/event-stream"
         except TimeoutError as exc:
             raise BackendError(
                 f"no reply within {self.settings.timeout_s:g}s from {url}",
@@ -216,11 +231,19 @@ class BackendClient:
         if status >= 400:
             snippet = payload[:300].decode("utf-8", "replace")
             raise BackendError(
-                self._scrub(f"HTTP {status} from {url}: {snippet}"),
+                self._scrub(f"HTTP {status} from {url}: {snippet}{_url_hint(url, status)}"),
                 kind=f"http_{status}",
                 status=status,
                 retryable=status in RETRYABLE_STATUS,
                 retry_after=retry_after,
+            )
+        if event_stream:
+            raise BackendError(
+                f"an event stream (text/event-stream) from {url} (HTTP {status}) where a JSON reply was "
+                f"asked for: the server streams although the request did not ask it to",
+                kind="malformed",
+                status=status,
+                retryable=True,
             )
         try:
             return rowjson.loads(payload)
@@ -254,6 +277,10 @@ class BackendClient:
             reward = agent_reward(reply)
             tokens = int((response.get("usage") or {}).get("output_tokens") or 0)
             return RolloutResult(reply, reward, responses_text(response), tokens, latency, attempts)
+        except UnfinishedReply as exc:
+            raise BackendError(
+                self._scrub(f"unfinished reply from {url}: {exc}"), kind="unfinished", retryable=False
+            ) from None
         except (ReplyShapeError, AttributeError, TypeError, ValueError) as exc:
             raise BackendError(
                 self._scrub(f"unexpected reply shape from {url}: {exc}"),

@@ -2,9 +2,10 @@
 
 Each attempt goes to the in-rotation endpoint with the least outstanding requests relative to its limit,
 so unequal replicas get load in proportion to their capacity. A replica that refuses connections, or
-fails STREAK_OUT times in a row (5xx, dropped connection, timeout), leaves rotation; after a backoff,
-capped so a replica that comes back gets load again within seconds, one trial request decides whether
-it is back (half-open). The one ConcurrencyLimit that workers take follows the in-rotation limits.
+fails STREAK_OUT times in a row (5xx, dropped connection, timeout, a garbled 200 body), leaves rotation;
+after a backoff, capped so a replica that comes back gets load again within seconds, one trial request
+decides whether it is back (half-open). The one ConcurrencyLimit that workers take follows the
+in-rotation limits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from rollflow.tasks.backends.observe import AttemptObserver
 STREAK_OUT = 5
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 2.0  # trial interval cap: a returning replica is back within this plus one request
-STREAK_KINDS = ("connection", "timeout")
+# A replica answering 200 with a body that is not a reply (garbled, truncated, an event stream) is as
+# broken as one answering 5xx: "malformed" counts toward the streak too.
+STREAK_KINDS = ("connection", "timeout", "malformed")
 OUT_AT_START = -1
 FOLLOWED_TRIAL_S = 4 * BACKOFF_MAX_S  # a trial of a replica another worker took out, if it never returns
 

@@ -10,22 +10,11 @@ from typing import Any
 
 import orjson
 
-CHAT_PASSTHROUGH = (
-    "temperature",
-    "top_p",
-    "seed",
-    "stop",
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "parallel_tool_calls",
-)
+from rollflow.tasks.backends.chat_params import ConversionError, chat_params, responses_param_problem
+
+__all__ = ["ConversionError", "chat_problem", "chat_request", "overrides_problem", "request_problem"]
 TEXT_PARTS = ("input_text", "output_text", "text")
 TOOL_CHOICE_WORDS = ("auto", "none", "required")
-
-
-class ConversionError(ValueError):
-    """A Responses input that has no Chat Completions equivalent; the message names the item."""
 
 
 def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -124,12 +113,11 @@ def _tool_choice(choice: Any) -> Any:
 
 def chat_request(params: dict[str, Any], model: str | None) -> dict[str, Any]:
     """Responses-API create params as a Chat Completions request; raises ConversionError."""
-    body: dict[str, Any] = {"model": params.get("model") or model, "messages": _messages(params)}
-    if params.get("max_output_tokens") is not None:
-        body["max_tokens"] = params["max_output_tokens"]
-    for key in CHAT_PASSTHROUGH:
-        if key in params:
-            body[key] = params[key]
+    body: dict[str, Any] = {
+        "model": params.get("model") or model,
+        "messages": _messages(params),
+        **chat_params(params),
+    }
     if params.get("tools"):
         body["tools"] = _tools(params["tools"])
     if params.get("tool_choice") is not None:
@@ -143,4 +131,25 @@ def chat_problem(params: dict[str, Any]) -> str | None:
         chat_request(params, None)
     except ConversionError as exc:
         return f"--backend-kind chat cannot send this row: {exc}"
+    return None
+
+
+def request_problem(params: dict[str, Any], kind: str) -> str | None:
+    """Why backend `kind` cannot send a row with `params`, or None (the agent kind sends rows as they are)."""
+    if kind == "chat":
+        return chat_problem(params)
+    if kind == "responses":
+        return responses_param_problem(params)
+    return None
+
+
+def overrides_problem(overrides: dict[str, Any], kind: str) -> str | None:
+    """Why backend `kind` cannot send the parameters of --overrides, or None; the messages are the rows'."""
+    try:
+        if kind == "chat":
+            chat_params(overrides)
+        elif kind == "responses" and (problem := responses_param_problem(overrides)):
+            return problem.replace("cannot send this", "cannot send it")
+    except ConversionError as exc:
+        return f"--backend-kind chat cannot send it: {exc}"
     return None

@@ -11,13 +11,18 @@ import math
 from typing import Any
 
 MAX_DETAIL = 300
+UNFINISHED = ("queued", "in_progress")
 
 
 class ReplyShapeError(ValueError):
     """The reply is not what the backend kind answers; the message says what was found instead."""
 
 
-def _error_detail(reply: dict[str, Any]) -> str:
+class UnfinishedReply(ReplyShapeError):
+    """A response still queued or in progress (a background response): there is nothing to keep yet."""
+
+
+def error_detail(reply: dict[str, Any]) -> str:
     error = reply.get("error")
     if isinstance(error, dict):
         error = error.get("message") or error
@@ -43,17 +48,23 @@ def responses_text(response: Any) -> str:
 def check_response(response: Any, what: str = "reply") -> dict[str, Any]:
     """A Responses object: an `output` list and no error; anything else raises."""
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-        found = _error_detail(response) if isinstance(response, dict) else type(response).__name__
+        found = error_detail(response) if isinstance(response, dict) else type(response).__name__
         raise ReplyShapeError(f"{what} is not a response with an 'output' list ({found})")
-    if response.get("error") or response.get("status") == "failed":
-        raise ReplyShapeError(f"{what} is a failed response ({_error_detail(response)})")
+    status = response.get("status")
+    if response.get("error") or status in ("failed", "cancelled"):
+        raise ReplyShapeError(f"{what} is a {status or 'failed'} response ({error_detail(response)})")
+    if status in UNFINISHED:
+        raise UnfinishedReply(
+            f"{what} has status {status!r}: it is not finished (a background response?) and rollflow "
+            f"does not poll for it; send the request without 'background'"
+        )
     return response
 
 
 def agent_response(reply: dict[str, Any]) -> dict[str, Any]:
     """A NeMo Gym agent's `response`, checked; an error object in its place raises with its message."""
     if not isinstance(reply.get("response"), dict):
-        raise ReplyShapeError(f"the agent's reply has no 'response' object ({_error_detail(reply)})")
+        raise ReplyShapeError(f"the agent's reply has no 'response' object ({error_detail(reply)})")
     return check_response(reply["response"], "the agent's response")
 
 
@@ -65,66 +76,3 @@ def agent_reward(reply: dict[str, Any]) -> float | None:
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise ReplyShapeError(f"the agent's reward is {reward!r}, not a finite number")
     return reward
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-def _tool_call_items(calls: Any) -> list[dict[str, Any]]:
-    items = []
-    for call in calls or ():
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            raise ReplyShapeError(f"a tool call in the chat reply has no 'function' object: {call!r:.200}")
-        items.append(
-            {
-                "type": "function_call",
-                "call_id": call.get("id"),
-                "name": fn.get("name"),
-                "arguments": fn.get("arguments"),
-                "status": "completed",
-            }
-        )
-    return items
-
-
-def chat_to_response(reply: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
-    """A chat.completion as a Responses-shaped object, so every backend kind yields one row shape."""
-    choices = reply.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else None
-    message = choice.get("message") if isinstance(choice, dict) else None
-    if not isinstance(message, dict):
-        raise ReplyShapeError(f"reply has no choices[0].message ({_error_detail(reply)})")
-    text = _text_of(message.get("content"))
-    calls = _tool_call_items(message.get("tool_calls"))
-    usage = reply.get("usage") or {}
-    out_tokens = int(usage.get("completion_tokens") or 0)
-    in_tokens = int(usage.get("prompt_tokens") or 0)
-    output: list[dict[str, Any]] = []
-    if text or not calls:
-        output.append(
-            {
-                "type": "message",
-                "role": "assistant",
-                "status": "completed",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
-        )
-    response = {
-        "id": reply.get("id"),
-        "object": "response",
-        "model": reply.get("model"),
-        "output": output + calls,
-        "usage": {
-            "input_tokens": in_tokens,
-            "output_tokens": out_tokens,
-            "total_tokens": in_tokens + out_tokens,
-        },
-        "finish_reason": choice.get("finish_reason"),
-    }
-    return response, text, out_tokens

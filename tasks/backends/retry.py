@@ -1,13 +1,16 @@
-"""Backoff policy: exponential with full jitter, honouring Retry-After.
+"""Backoff policy: exponential with full jitter, honouring Retry-After on every retryable status.
 
-Retryable: connection errors, timeouts, HTTP 429/500/502/503/504 and a 2xx body that is not JSON.
+Retryable: connection errors, timeouts, HTTP 429/500/502/503/504 and a 2xx body that is not JSON. A
+Retry-After (seconds or an HTTP date) on any of those statuses sets the wait, capped by backoff_max_s.
 Any other 4xx fails the rollout at once: repeating a request the backend rejected only wastes its time.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 from rollflow.settings import BackendParams
 
@@ -37,11 +40,14 @@ class RetryPolicy:
 
 
 def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After in seconds; the HTTP-date form is ignored (the normal backoff applies)."""
+    """Retry-After in seconds, from either of its forms (seconds, or an HTTP date); None if unreadable."""
     if not value:
         return None
     try:
         seconds = float(value)
     except ValueError:
-        return None
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
     return max(0.0, seconds) if seconds == seconds else None  # NaN is not a delay

@@ -182,7 +182,7 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     found = await asyncio.to_thread(_adoptable, ctx, chunk, previous)
     kind = ctx.backend.kind.value
     rows = await asyncio.to_thread(
-        lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options, kind))
+        lambda: list(iter_chunk_rows(ctx.input_url, chunk, ctx.input_options, kind, ctx.collection.overrides))
     )
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()

@@ -12,8 +12,9 @@ from typing import Any
 import orjson
 
 from rollflow.settings import RunSpec
+from rollflow.tasks.backends.formats import overrides_problem
 from rollflow.tasks.collect.paths import check_paths, remove_published, same_object
-from rollflow.tasks.collect.rows import BadRow, InputScan, scan_input
+from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
 
@@ -61,6 +62,16 @@ def config_hash(config: dict[str, Any], num_repeats: int, chunk_size: int) -> st
     return hashlib.sha256(canonical).hexdigest()
 
 
+def _check_overrides(spec: RunSpec) -> None:
+    """A parameter of --overrides the backend kind cannot send is refused by its flag, before the scan."""
+    problem = overrides_problem(spec.collection.overrides, spec.backend.kind.value)
+    if problem:
+        raise InputError(
+            f"--overrides (or +responses_create_params.*): {problem}. Change or remove that parameter. "
+            f"No request was sent."
+        )
+
+
 def plan_run(
     spec: RunSpec,
     store: Store,
@@ -73,6 +84,7 @@ def plan_run(
     store.check_writable()
     dataset_options = dataset_options or {}
     check_paths(spec.input, spec.output, spec.dataset_url(), (input_options, dataset_options), store)
+    _check_overrides(spec)
     stored = ledger.stored_identity()
     with tempfile.SpooledTemporaryFile(max_size=4 * 1024 * 1024) as bad:
 
@@ -92,6 +104,7 @@ def plan_run(
             storage_options=input_options,
             on_bad_row=record,
             kind=spec.backend.kind.value,
+            overrides=spec.collection.overrides,
         )
         config = rollout_config(spec)
         identity = RunIdentity(

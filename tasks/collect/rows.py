@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from rollflow.tasks.backends.formats import chat_problem
+from rollflow.tasks.backends.formats import request_problem
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.store import describe_error, open_input
 
@@ -54,10 +54,13 @@ class InputScan:
     chunks: list[ChunkSpec]
 
 
-def row_problem(line: bytes, kind: str = "agent") -> tuple[dict[str, Any] | None, str | None]:
+def row_problem(
+    line: bytes, kind: str = "agent", overrides: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
     """(row, None) for a row backend `kind` can send and the dataset can store, else (None, what is wrong).
 
-    The same check runs at plan time and when a chunk reads its rows, so a row that passed is sent.
+    The same check runs at plan time and when a chunk reads its rows, so a row that passed is sent. It
+    checks the parameters as sent, --overrides merged in.
     """
     try:
         row = rowjson.loads(line)
@@ -79,7 +82,7 @@ def row_problem(line: bytes, kind: str = "agent") -> tuple[dict[str, Any] | None
             None,
             f"the row nests deeper than {rowjson.MAX_ROW_DEPTH} levels, more than a JSONL line can hold",
         )
-    problem = chat_problem(params) if kind == "chat" else None
+    problem = request_problem({**params, **overrides} if overrides else params, kind)
     return (None, problem) if problem else (row, None)
 
 
@@ -133,6 +136,7 @@ def scan_input(
     storage_options: dict[str, Any] | None = None,
     on_bad_row: Callable[[BadRow], None] | None = None,
     kind: str = "agent",
+    overrides: dict[str, Any] | None = None,
 ) -> InputScan:
     """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset."""
     digest = hashlib.sha256()
@@ -147,7 +151,7 @@ def scan_input(
             if not line.strip():
                 continue
             cutter.open(tasks, line_offset, lineno)
-            _row, problem = row_problem(line.rstrip(b"\r\n"), kind)
+            _row, problem = row_problem(line.rstrip(b"\r\n"), kind, overrides)
             if problem is None:
                 good += 1
                 cutter.good += 1
@@ -171,7 +175,11 @@ def scan_input(
 
 
 def iter_chunk_rows(
-    url: str, chunk: ChunkSpec, storage_options: dict[str, Any] | None = None, kind: str = "agent"
+    url: str,
+    chunk: ChunkSpec,
+    storage_options: dict[str, Any] | None = None,
+    kind: str = "agent",
+    overrides: dict[str, Any] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(task_index, row) for the chunk's valid rows, in order, reading from the chunk's byte offset."""
     task = chunk.first_task
@@ -183,7 +191,7 @@ def iter_chunk_rows(
                 return
             if not line.strip():
                 continue
-            row, problem = row_problem(line.rstrip(b"\r\n"), kind)
+            row, problem = row_problem(line.rstrip(b"\r\n"), kind, overrides)
             if problem is None:
                 yield task, row
             task += 1

@@ -15,6 +15,7 @@ from rollflow.tasks.backends.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.engine import engine_clause, engine_sampler
+from rollflow.tasks.tuning.fail_fast import TuningError
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, probe_next
 from rollflow.tasks.tuning.verify_load import VerifyLoad, verification_limits, verify_next_step
 
@@ -23,10 +24,6 @@ NO_GAIN = 1.2
 ERROR_RATE = 0.02
 RATE_LIMIT_RATE = 0.01
 TIMEOUT_KINDS = ("timeout",)
-
-
-class TuningError(RuntimeError):
-    """Diagnosis or tuning cannot go on with this input or backend; the message says what to change."""
 
 
 @dataclass

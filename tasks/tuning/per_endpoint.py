@@ -74,7 +74,7 @@ async def for_each_endpoint(
         except TuningError as exc:
             if len(urls) == 1:
                 raise
-            raise TuningError(f"Endpoint {url}: {exc}") from exc
+            raise exc.named(url) from exc
         return Timed(url, value, round(start, 6), round(clock() - t0, 6))
 
     try:

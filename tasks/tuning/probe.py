@@ -38,6 +38,7 @@ from rollflow.tasks.collect.rollouts import (
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.tuning.engine import EngineStep, engine_step, fed_window, sample_mid_step
+from rollflow.tasks.tuning.fail_fast import all_failed, rejection, until_all_fail
 from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,8 @@ async def probe_step(
 
     With an engine sampler that has a signal, one sample is taken mid-step (`sample_delay_s` after the
     start, or half a latency after the first reply) and the step carries the engine's figures.
-    Parts are saved even if the step is interrupted, so nothing that finished is lost.
+    Parts are saved even if the step is interrupted, so nothing that finished is lost. A step whose
+    first FAIL_FAST rollouts all failed stops there and raises BackendRejects (fail_fast.py).
     """
     log = AttemptLog()
     step_ctx = dataclasses.replace(ctx, observers=(*ctx.observers, log))
@@ -187,7 +189,7 @@ async def probe_step(
         started = time.perf_counter()
         watch = asyncio.create_task(sample_mid_step(engine, batch.records, started, sample_delay_s))
     try:
-        await run_rollouts(step_ctx, items, batch, ConcurrencyLimit(parallelism))
+        await run_rollouts(step_ctx, until_all_fail(items, batch), batch, ConcurrencyLimit(parallelism))
     finally:
         usage = usage.stop(ctx.verifier)  # the rollouts only: saving parts is no verification time
         if watch is not None and engine is not None:
@@ -196,6 +198,8 @@ async def probe_step(
             engine.release()
         results = dict(batch.results)
         saved = await asyncio.to_thread(save_parts, ctx.ledger, chunks, results, label)
+    if all_failed(batch):
+        raise rejection(batch, parallelism)
     seen = None
     if watch is not None and engine is not None:
         seen = engine_step(fed_window(engine, batch.records, started, sample_delay_s))
@@ -275,7 +279,11 @@ class ProbeFeed:
             if chunk.index in self.plan.committed:
                 done |= set(committed_rows(self.ctx.ledger, self.plan.committed[chunk.index])[0])
             for task_index, row in iter_chunk_rows(
-                self.ctx.input_url, chunk, self.ctx.input_options, self.ctx.backend.kind.value
+                self.ctx.input_url,
+                chunk,
+                self.ctx.input_options,
+                self.ctx.backend.kind.value,
+                self.ctx.collection.overrides,
             ):
                 prepared = prepare_row(row, self.ctx.collection)
                 for r in range(k):
