@@ -157,7 +157,7 @@ async def choose_parallelism(
         chosen, found = await _per_endpoint(ctx, plan, _params(spec, params), urls, tune_too, handles.clock)
     except BackendRejects as exc:
         await asyncio.to_thread(handles.store.write_bytes, FAILURES_FILE, exc.lines())
-        raise
+        raise exc.written_to(spec.output) from None
     await asyncio.to_thread(handles.ledger.update_parallelism, chosen)
     await _publish(handles, found)
     handles.clock.mark("tune" if tune_too else "diagnose")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 
 import pytest
 from aiohttp import web
@@ -42,6 +44,8 @@ def test_parse_retry_after() -> None:
         parse_retry_after("1") == 1.0 and parse_retry_after("0.5") == 0.5 and parse_retry_after("-3") == 0.0
     )
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: now
+    later = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 25 < (parse_retry_after(later) or 0) <= 30
     assert parse_retry_after(None) is None and parse_retry_after("nan") is None
 
 

@@ -69,7 +69,7 @@ def _chat(said: Said, message: dict[str, Any], choice: dict[str, Any], top: dict
 
 
 def vllm(said: Said, field_name: str = "reasoning_content") -> dict[str, Any]:
-    """vLLM's OpenAI server with --reasoning-parser (older versions say reasoning_content, newer reasoning)."""
+    """vLLM with --reasoning-parser (older versions say reasoning_content, newer ones reasoning)."""
     message = {
         "role": "assistant",
         "content": said.content,
@@ -200,7 +200,7 @@ def json_reply(reply: Any, status: int = 200, headers: dict[str, str] | None = N
 
 
 class ThreadedServer:
-    """A ScriptedServer in its own thread and loop; `handler(request) -> web.Response` answers each request."""
+    """A ScriptedServer in its own thread and loop; `handler(request)` answers each request."""
 
     def __init__(self, handler: Callable[[web.Request], Any]) -> None:
         self.handler = handler

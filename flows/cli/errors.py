@@ -46,7 +46,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.tasks.storage.lease import LeaseHeld, LeaseLost
     from rollflow.tasks.storage.ledger import IdentityMismatch
     from rollflow.tasks.storage.store import StorageError
-    from rollflow.tasks.tuning.diagnose import TuningError
+    from rollflow.tasks.tuning.fail_fast import BackendRejects, TuningError
     from rollflow.tasks.verify.verifiers import VerifierError
 
     return (
@@ -59,6 +59,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         LeaseHeld,
         LeaseLost,
         TuningError,
+        BackendRejects,  # named too: the console filter matches Prefect's words by the class's own name
         LocalServerError,
     )
 

@@ -87,6 +87,12 @@ def row_problem(
 
 
 def _bad_input(url: str, line: int, problem: str) -> InputError:
+    if problem.startswith("--backend-kind"):  # a parameter the backend kind cannot send
+        return InputError(
+            f"Input {url}, line {line}: {problem}. Change the row (or replace the parameter with "
+            f"--overrides), or pass --skip-bad-rows to record such rows in <output>/bad_rows.jsonl and go "
+            f"on. No request was sent."
+        )
     return InputError(
         f"Input {url}, line {line}: {problem}. Each line must be a JSON object with a "
         f"'responses_create_params' object (NeMo Gym format). Fix or remove the line, or pass "

@@ -38,6 +38,11 @@ class BackendRejects(TuningError):
     def named(self, url: str) -> BackendRejects:
         return BackendRejects(f"Endpoint {url}: {self}", self.failures)
 
+    def written_to(self, output: str) -> BackendRejects:
+        """The same error, naming where the failures were written."""
+        where = f"{output.rstrip('/')}/{FAILURES_FILE}"
+        return BackendRejects(str(self).replace(f"<output>/{FAILURES_FILE}", where), self.failures)
+
     def as_dict(self) -> dict[str, Any]:
         return {"message": str(self), "failed_rollouts": len(self.failures), "failures": FAILURES_FILE}
 
