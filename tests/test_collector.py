@@ -133,9 +133,15 @@ class RecordingLink:
         return {"grants": {}}
 
 
-def test_a_paused_worker_drops_its_share_before_it_reports_again(tmp_path: Path) -> None:
+async def _apply(slot: RunSlot, worker: str, share: int) -> None:
+    slot.apply(worker, {"grants": {worker: [1, share]}})
+
+
+def test_a_paused_worker_drops_its_share_before_it_reports_again(tmp_path: Path, monkeypatch) -> None:
     """A process paused past SHARE_LEASE_S (the book may have given its share away meanwhile) resumes with
-    no share: its first report says so, rather than refreshing the old share with a successful exchange."""
+    no share: its first report says so, rather than refreshing the old share with an exchange that was
+    under way, or one that succeeds first."""
+    monkeypatch.setattr(collector_module, "SHARE_LEASE_S", 0.5)
     spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
     collector, link = WorkerCollector.get(), RecordingLink()
     run = RemoteRun(spec, WorkerScope(), None, link, 8)
@@ -143,11 +149,12 @@ def test_a_paused_worker_drops_its_share_before_it_reports_again(tmp_path: Path)
 
     paused_at: list[int] = []
 
-    def pause() -> None:  # on the collector's loop: as if it had not run for SHARE_LEASE_S
-        slot.apply(collector.worker, {"grants": {collector.worker: [1, 8]}})
-        slot.last_ok -= collector_module.SHARE_LEASE_S + 1
+    def pause() -> None:  # the collector's loop does not run for longer than SHARE_LEASE_S
         paused_at.append(slot.reports)  # reports built before the pause have no larger number
+        time.sleep(0.8)
 
+    asyncio.run_coroutine_threadsafe(_apply(slot, collector.worker, 8), collector.loop).result(timeout=5)
+    assert slot.ctx.limit.limit == 8
     collector.loop.call_soon_threadsafe(pause)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:

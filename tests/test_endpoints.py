@@ -191,3 +191,14 @@ def test_dask_rows_are_summed_over_the_workers_pools():
         "engine": None,
     }  # fmt: skip
     assert rows[1]["url"] == B and rows[1]["rollouts"] == 0 and rows[1]["limit"] == 4
+
+
+def test_a_pool_opened_later_numbers_its_findings_after_an_earlier_ones():
+    """The share book keeps each worker's newest finding number: a run's pool reopened in the same worker
+    process (after an idle spell) must not report numbers the book takes for old news."""
+    first = EndpointPool([A, B], {A: 4, B: 4}, ConcurrencyLimit(8))
+    first.failed(first.endpoint(B), "connection", refused=True)
+    second = EndpointPool([A, B], {A: 4, B: 4}, ConcurrencyLimit(8))
+    second.failed(second.endpoint(B), "connection", refused=True)
+    assert first.rotation()[B][0] == second.rotation()[B][0] == "out"
+    assert second.rotation()[B][1] > first.rotation()[B][1]

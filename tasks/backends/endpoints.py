@@ -10,6 +10,7 @@ in-rotation limits.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ BACKOFF_MAX_S = 2.0  # trial interval cap: a returning replica is back within th
 STREAK_KINDS = ("connection", "timeout", "malformed")
 OUT_AT_START = -1
 FOLLOWED_TRIAL_S = 4 * BACKOFF_MAX_S  # a trial of a replica another worker took out, if it never returns
+# Numbers this process's rotation findings, across all its pools: a pool opened later for the same run
+# (same worker name) reports larger numbers than an earlier one, so the book never takes them as old.
+_FINDINGS = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -49,7 +53,7 @@ class Endpoint:
     last_begun: int = 0
     # ("out" | "in", epoch seconds): when the endpoint left and rejoined rotation.
     events: list[tuple[str, float]] = field(default_factory=list)
-    # This pool's own findings (not those it followed): the newest, and how many so far.
+    # This pool's own newest finding (not one it followed), and its number (_FINDINGS; 0: none yet).
     finding: str = "in"
     found: int = 0
     followed: int = 0  # the newest run-wide rotation event (the share book's sequence) applied here
@@ -202,7 +206,7 @@ class EndpointPool:
             self._rejoin(ep, now, found=False)
 
     def rotation(self) -> dict[str, tuple[str, int]]:
-        """This pool's own findings ("out" or "in", and how many it made): what it reports to the book.
+        """This pool's own findings ("out" or "in", and their number): what it reports to the book.
         What it followed is not reported back, so a finding echoed late never overrides a newer one."""
         return {ep.url: (ep.finding, ep.found) for ep in self.endpoints if ep.found}
 
@@ -253,7 +257,7 @@ class EndpointPool:
 
     def _changed(self, ep: Endpoint, state: str, found: bool) -> None:
         if found:
-            ep.finding, ep.found = state, ep.found + 1
+            ep.finding, ep.found = state, next(_FINDINGS)
         self._spread()
 
     def _spread(self) -> None:

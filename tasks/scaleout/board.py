@@ -30,7 +30,7 @@ class Rotation:
     """
 
     events: dict[str, tuple[str, int]] = field(default_factory=dict)  # url -> (state, the book's seq)
-    heard: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, url) -> its findings so far
+    heard: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, url) -> its newest finding
     seq: int = 0
 
     def merge(self, worker: str, reported: dict[str, Any]) -> None:

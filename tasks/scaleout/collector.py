@@ -89,6 +89,7 @@ class RunSlot:
     cpu0: float = field(default_factory=time.process_time)
     sync: asyncio.Task[None] | None = None
     exchanging: asyncio.Future[dict[str, Any] | None] | None = None  # the exchange under way, if any
+    sent_at: float = 0.0  # when it was sent: an answer confirms the share as of then, not as of its arrival
 
     def start(self, chunk: int, planned: int) -> None:
         self.planned[chunk] = planned
@@ -232,7 +233,7 @@ class WorkerCollector:
                 slot.ctx.pool.set_share(0, slot.run_limits)
             try:
                 reply = await self._exchange(slot)
-                slot.last_ok = time.monotonic()
+                slot.last_ok = slot.sent_at
                 if reply and reply.get("closed"):
                     slot.ctx.pool.set_share(0, slot.run_limits)
                     self.slots.pop(key, None)
@@ -256,6 +257,7 @@ class WorkerCollector:
         assert slot.link is not None
         if slot.exchanging is None or slot.exchanging.done():
             report = slot.report(self.worker)
+            slot.sent_at = time.monotonic()
             slot.exchanging = self.loop.run_in_executor(
                 self.exchanges, slot.link.exchange, self.worker, report
             )
