@@ -276,5 +276,6 @@ class WorkerCollector:
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(close_loop_session(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=1)  # no exchange is started on the threads shut down below
         self.exchanges.shutdown(wait=False, cancel_futures=True)
         close_pools()
