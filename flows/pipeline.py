@@ -6,7 +6,7 @@ import asyncio
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
@@ -51,6 +51,7 @@ from rollflow.tasks.wrappers.prefect_tasks import (
     collect_chunk_task,
     concatenate_task,
     lease_task,
+    parquet_task,
     plan_task,
     preflight_task,
     verify_task,
@@ -258,8 +259,11 @@ async def publish_step(
     """Concatenate only what the audit passed (or what --allow-incomplete accepts), never after a deadline."""
     if not (summary.ok or spec.allow_incomplete) or result.stopped:
         return False
-    await concatenate_task(handles, plan)
-    await dataset_link(spec.dataset_url())
+    if spec.format == "parquet":
+        await parquet_task(handles, plan)
+    else:
+        await concatenate_task(handles, plan)
+    await dataset_link(spec.published_url())
     return True
 
 
@@ -283,7 +287,7 @@ async def report_step(
     report = build_report(
         input_url=spec.input,
         output_url=spec.output,
-        dataset_url=spec.dataset_url(),
+        dataset_url=spec.published_url(),
         backend_kind=spec.backend.kind.value,
         summary=summary,
         metrics=metrics,
@@ -303,12 +307,13 @@ async def report_step(
                 collected.ctx.pool, result.outcomes, spec.runner != "local", collected.seconds
             ),
             **remote_figures(spec, result),
+            "format": spec.format,
             "story": await asyncio.to_thread(run_story, spec, plan.identity, summary, handles.ledger),
         },
     )
     await asyncio.to_thread(write_report, handles.store, report)
     if published:
-        await asyncio.to_thread(write_card, spec.dataset_url(), handles.dataset_options, report)
+        await asyncio.to_thread(write_card, spec.published_url(), handles.dataset_options, report)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-report", description="rollflow run report"
     )
@@ -350,6 +355,7 @@ async def rollflow_run(
     input: str,
     output: str,
     dataset: str | None = None,
+    format: Literal["jsonl", "parquet"] | None = None,
     backend: BackendParams = AS_SERVED_BACKEND,
     collection: CollectionSettings = AS_SERVED_COLLECTION,
     verify: VerifySettings = AS_SERVED_VERIFY,
@@ -370,6 +376,7 @@ async def rollflow_run(
         input: Input JSONL of NeMo Gym rows: local path or s3://...
         output: Output directory (ledger, reports): local path or s3://...
         dataset: Where to publish the dataset; default rollouts.jsonl in the output directory
+        format: jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)
         backend: Where rollouts come from and how hard to try for each one
         collection: How the input is planned into chunks and how many requests run at once
         verify: How rewards are computed for backends that return none

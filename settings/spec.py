@@ -7,7 +7,7 @@ one field of a section is merged here with the served section, field by field (`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
@@ -33,6 +33,10 @@ class RunSpec(EngineSettings):
     output: str = Field(..., description="Output directory (ledger, reports): local path or s3://...")
     dataset: str | None = Field(
         None, description="Where to publish the dataset; default rollouts.jsonl in the output directory"
+    )
+    format: Literal["jsonl", "parquet"] = Field(
+        "jsonl",
+        description="jsonl: one rollouts.jsonl (NeMo RL reads it); parquet: Parquet shards in <output>/data/",
     )
     backend: BackendParams = Field(default_factory=BackendParams)
     collection: CollectionSettings = Field(default_factory=CollectionSettings)
@@ -119,3 +123,7 @@ class RunSpec(EngineSettings):
 
     def dataset_url(self) -> str:
         return self.dataset or f"{self.output.rstrip('/')}/rollouts.jsonl"
+
+    def published_url(self) -> str:
+        """Where the dataset is published: the JSONL file, or the folder of Parquet shards."""
+        return f"{self.output.rstrip('/')}/data" if self.format == "parquet" else self.dataset_url()

@@ -88,10 +88,14 @@ def collections(run_cli, tmp_path_factory) -> dict[str, Path]:
     (base / "slow_verifier_rv.py").write_text(SLOW)
     inp = write_rows(base / "rows.jsonl")
     sim = spawn_simulator("--latency-ms", "1", "--slots", "64")
-    outs = {"exact": base / "exact", "math_fast": base / "math_fast", "flaky": base / "flaky"}
+    outs = {name: base / name for name in ("exact", "math_fast", "flaky", "parquet")}
     try:
-        for name, verifier in (("exact", "exact_match"), ("math_fast", "math_fast")):
-            res = run_cli(*collect_args(inp, outs[name], sim.url, verifier))
+        for name, verifier, extra in (
+            ("exact", "exact_match", []),
+            ("math_fast", "math_fast", []),
+            ("parquet", "exact_match", ["--format", "parquet"]),
+        ):
+            res = run_cli(*collect_args(inp, outs[name], sim.url, verifier), *extra)
             assert res.returncode == 0, res.stderr
         res = run_cli(
             *collect_args(inp, outs["flaky"], sim.url, "flaky_verifier:verify"),
@@ -264,3 +268,29 @@ def test_the_collections_card_and_story_equal_report_json(collections) -> None:
     flaky = orjson.loads((collections["flaky"] / "report.json").read_bytes())
     assert flaky["story"]["returned"]["failures_by_kind"] == {"verifier": flaky["failed"]}
     assert "## The run's story" in (out / "report.md").read_text()
+
+
+def test_a_parquet_collection_holds_the_jsonl_runs_rollouts(collections, tmp_path, monkeypatch) -> None:
+    """The same seeded run published as Parquet: read with pyarrow and with `datasets`, row for row."""
+    import pyarrow.dataset as pads
+
+    datasets = pytest.importorskip("datasets")
+    jsonl, out = rows(collections["exact"] / "rollouts.jsonl"), collections["parquet"]
+    assert not (out / "rollouts.jsonl").exists()
+    table = pads.dataset(str(out / "data"), format="parquet").to_table()
+    json_columns = set(orjson.loads(table.schema.metadata[b"rollflow.json_columns"]))
+    back = [
+        {k: orjson.loads(v) if k in json_columns else v for k, v in r.items() if v is not None}
+        for r in table.to_pylist()
+    ]
+    assert back == jsonl
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    loaded = datasets.load_dataset(
+        "parquet", data_dir=str(out / "data"), split="train", cache_dir=str(tmp_path / "cache")
+    )
+    assert loaded["reward"] == [r["reward"] for r in jsonl]
+    assert [orjson.loads(r) for r in loaded["response"]] == [r["response"] for r in jsonl]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["dataset"] == str(out / "data") and report["format"] == "parquet"
+    assert front_matter(out / "README.md")["configs"][0]["data_files"][0]["path"] == "data/*.parquet"

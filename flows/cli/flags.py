@@ -36,6 +36,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("input", "", "input"),
         ("output", "", "output"),
         ("dataset", "", "dataset"),
+        ("format", "", "format"),
         ("limit", "collection", "limit"),
         ("num-repeats", "collection", "num_repeats"),
         ("skip-bad-rows", "collection", "skip_bad_rows"),

@@ -18,6 +18,7 @@ from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.scaleout.collector import RemoteRun, ShareLink, WorkerCollector
 from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
@@ -102,6 +103,26 @@ async def verify_task(handles: RunHandles, plan: RunPlan) -> AuditSummary:
         manifests,
         spec.verify.correct_threshold,
     )
+
+
+@task(name="parquet", cache_policy=NONE)
+async def parquet_task(handles: RunHandles, plan: RunPlan) -> list[str]:
+    """--format parquet: shards under <output>/data/ from the committed chunks, and tasks.jsonl."""
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    ordered = [manifests[c.index] for c in plan.scan.chunks if c.index in manifests]
+    spec = handles.spec
+    names = await asyncio.to_thread(
+        write_parquet, handles.ledger, ordered, spec.published_url(), handles.dataset_options
+    )
+    await asyncio.to_thread(
+        concatenate_tasks,
+        handles.ledger,
+        plan.scan.chunks,
+        manifests,
+        spec.dataset_url(),
+        handles.dataset_options,
+    )
+    return names
 
 
 @task(name="concatenate", cache_policy=NONE)
