@@ -146,6 +146,16 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {t['task_index']} | {t['before_mean']:.3f} | {t['after_mean']:.3f} | {t['delta']:+.3f} |"
             for t in report["top_tasks"]
         ]
+    returned = report.get("returned") or {}
+    if returned.get("tokens_out", {}).get("rollouts"):
+        t = returned["tokens_out"]
+        reasons = ", ".join(f"{k} {n:,}" for k, n in returned["finish_reasons"].items())
+        lines += [
+            "",
+            f"Tokens out per rollout: mean {t['mean']}, p50 {t['p50']}, p95 {t['p95']}, max {t['max']}, "
+            f"total {t['total']:,}. Finish reasons: {reasons or '-'} (truncation rate "
+            f"{returned['truncation_rate']:.2%}).",
+        ]
     if report["after"]:
         lines += ["", rewards_markdown(report["after"])]
     if report["problems"]:
