@@ -38,9 +38,10 @@ from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.card import write_card
+from rollflow.tasks.publish.concat import PublishFailed
 from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
-from rollflow.tasks.publish.report import build_report, render_markdown, write_report
+from rollflow.tasks.publish.report import build_report, embedded_images, render_markdown, write_report
 from rollflow.tasks.publish.story import run_story
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.storage.ledger import IdentityMismatch
@@ -163,11 +164,21 @@ async def _collect_verify_publish(
     clock.mark("collect")
     summary = await verify_task(handles, plan)
     clock.mark("verify")
-    published = await publish_step(spec, handles, plan, summary, collected.result)
+    try:
+        published, failed = await publish_step(spec, handles, plan, summary, collected.result), None
+    except PublishFailed as exc:  # a full disk: the report says so, then the one-paragraph error
+        published, failed = False, exc
+        collected.extra["publish_error"] = str(exc)
     clock.mark("publish")
-    report = await report_step(spec, handles, plan, summary, collected, published)
+    try:
+        report = await report_step(spec, handles, plan, summary, collected, published)
+    except OSError:
+        if failed is None:
+            raise
     if rejected is not None:
         raise rejected
+    if failed is not None:
+        raise failed
     if collected.result.stopped:
         raise RunIncomplete(deadline_message(summary, spec), report)
     if not published:
@@ -314,8 +325,9 @@ async def report_step(
     await asyncio.to_thread(write_report, handles.store, report)
     if published:
         await asyncio.to_thread(write_card, spec.published_url(), handles.dataset_options, report)
+    images = await asyncio.to_thread(embedded_images, handles.store, report)
     await acreate_markdown_artifact(
-        render_markdown(report), key="rollflow-report", description="rollflow run report"
+        render_markdown(report, images), key="rollflow-report", description="rollflow run report"
     )
     await endpoints_table(report["endpoints"])
     return report

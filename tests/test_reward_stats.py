@@ -61,10 +61,10 @@ def brute_histogram(values: list[float]) -> dict[str, Any]:
 
 
 def brute_pass_at_k(table: Table, threshold: float, max_k: int) -> dict[int, float]:
-    """Exact: 1 - C(n-c, k) / C(n, k) in fractions, averaged over the tasks with n >= k."""
+    """Exact: 1 - C(n-c, k) / C(n, k) in fractions, averaged over the tasks with all max_k rollouts."""
     out = {}
     for k in pass_ks(max_k):
-        tasks = [(len(rs), sum(r >= threshold for r in rs)) for rs in table if len(rs) >= k]
+        tasks = [(len(rs), sum(r >= threshold for r in rs)) for rs in table if len(rs) == max_k]
         if tasks:
             total = sum(1 - Fraction(comb(n - c, k), comb(n, k)) for n, c in tasks)
             out[k] = float(total / len(tasks))
@@ -174,11 +174,13 @@ def test_one_task_of_four_with_one_correct() -> None:
     assert stats.as_dict()["mixed"] == {"tasks": 1, "share": 1.0}
 
 
-def test_pass_at_k_only_over_tasks_with_k_rollouts() -> None:
+def test_pass_at_k_only_over_tasks_with_all_rollouts() -> None:
     stats = RewardStats(max_k=8)
     stats.add_task(TaskRewards(0, 2, 0, 0.0), [0.0, 0.0])
     stats.add_task(TaskRewards(1, 8, 8, 8.0), [1.0] * 8)
-    assert stats.as_dict()["pass_at_k"] == {"1": 0.5, "2": 0.5, "4": 1.0, "8": 1.0}
+    stats.add_task(TaskRewards(2, 8, 0, 0.0), [0.0] * 8)
+    assert stats.as_dict()["pass_at_k"] == {"1": 0.5, "2": 0.5, "4": 0.5, "8": 0.5}
+    assert stats.as_dict()["pass_at_k_tasks"] == {"1": 2, "2": 2, "4": 2, "8": 2}
     assert unbiased_pass_at_k(16, 1, 16) == 1.0
     assert unbiased_pass_at_k(16, 0, 8) == 0.0
     with pytest.raises(ValueError):

@@ -124,17 +124,17 @@ def plan_run(
         )
         identity = ledger.open_run(identity, restart=spec.restart)
         if stored is not None and identity.run_id != stored.run_id:
-            _remove_discarded_dataset(stored.dataset_url or spec.dataset_url(), spec, dataset_options)
+            _remove_discarded_dataset(stored.dataset_url or spec.dataset_url(), spec, dataset_options, store)
         if scan.bad_rows:
             bad.seek(0)
             ledger.write_bad_rows(bad)
     return RunPlan(scan=scan, identity=identity, committed=ledger.committed())
 
 
-def _remove_discarded_dataset(url: str, spec: RunSpec, options: dict[str, Any]) -> None:
+def _remove_discarded_dataset(url: str, spec: RunSpec, options: dict[str, Any], store: Store) -> None:
     """A restart publishes nothing of the run it discards, also where it published outside the output."""
     if not same_object(url, spec.input, options):
-        remove_published(url, options)
+        remove_published(url, options, store)
 
 
 def _chunk_dict(chunk: Any) -> dict[str, Any]:

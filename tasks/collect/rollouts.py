@@ -80,8 +80,6 @@ class RolloutStats:
     verify_s: float = 0.0
     output_tokens: int = 0
     retries: int = 0
-    reward_sum: float = 0.0
-    reward_count: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         p50, p95 = latency_percentiles(self.latencies)
@@ -93,8 +91,6 @@ class RolloutStats:
             "verify_s": round(self.verify_s, 6),
             "output_tokens": self.output_tokens,
             "retries": self.retries,
-            "reward_sum": self.reward_sum,
-            "reward_count": self.reward_count,
         }
 
 
@@ -223,8 +219,6 @@ async def _rollout_line(
     stats.latencies.append(result.latency_s)
     stats.output_tokens += result.output_tokens
     stats.retries += result.attempts - 1
-    stats.reward_sum += reward
-    stats.reward_count += 1
     out = {**row, **result.fields}
     out["reward"] = reward
     out["_ng_task_index"] = task_index

@@ -14,6 +14,7 @@ from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.store import describe_error, open_input
 
 MAX_BAD_TEXT = 2000
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class InputError(Exception):
@@ -100,9 +101,9 @@ def _bad_input(url: str, line: int, problem: str) -> InputError:
     )
 
 
-def _open(url: str, storage_options: dict[str, Any] | None):
+def _open(url: str, storage_options: dict[str, Any] | None, offset: int = 0):
     try:
-        return open_input(url, storage_options)
+        return open_input(url, storage_options, offset)
     except FileNotFoundError as exc:
         raise InputError(
             f"Input {url} does not exist. Check the path (or the bucket and key, and the credentials for "
@@ -154,6 +155,11 @@ def scan_input(
             if limit is not None and tasks >= limit:
                 break
             digest.update(line)
+            if lineno == 1 and line.startswith(GZIP_MAGIC):
+                raise InputError(
+                    f"Input {url} is gzip-compressed but its name does not say so. Name it *.jsonl.gz "
+                    f"(compressed inputs are read by their extension) or decompress it. No request was sent."
+                )
             if not line.strip():
                 continue
             cutter.open(tasks, line_offset, lineno)
@@ -190,8 +196,7 @@ def iter_chunk_rows(
     """(task_index, row) for the chunk's valid rows, in order, reading from the chunk's byte offset."""
     task = chunk.first_task
     end = chunk.first_task + chunk.num_tasks
-    with _open(url, storage_options) as fh:
-        fh.seek(chunk.byte_offset)
+    with _open(url, storage_options, chunk.byte_offset) as fh:
         for line in fh:
             if task >= end:
                 return

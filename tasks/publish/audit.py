@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -31,7 +31,6 @@ class ChunkAudit:
     out_of_order: int = 0
     missing_reward: int = 0
     failed: int = 0
-    reward_sum: float = 0.0
     output_tokens: int = 0
     sha_matches: bool = True
     committed: bool = True
@@ -43,6 +42,9 @@ class ChunkAudit:
     @property
     def missing(self) -> int:
         return max(0, self.expected - self.unique)
+
+
+AUDIT_FIELDS = {f.name for f in fields(ChunkAudit)}  # a cached audit of an older version may hold more
 
 
 def _is_number(value: Any) -> bool:
@@ -74,8 +76,7 @@ def audit_chunk(
         cached = orjson.loads(store.read_bytes(cache_rel))
         same = cached.get("rewards", {}).get("threshold") == threshold and "story" in cached
         if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256 and same:
-            cached.pop("missing", None)
-            return ChunkAudit(**cached)
+            return ChunkAudit(**{k: v for k, v in cached.items() if k in AUDIT_FIELDS})
     check = _LineCheck(
         ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed),
         range(spec.first_task, spec.first_task + spec.num_tasks),
@@ -163,7 +164,6 @@ class _LineCheck:
         self.last = key
         reward = row.get("reward")
         if _is_number(reward):
-            audit.reward_sum += reward
             self.stats.add_reward(float(reward))
             self.task_done(self.grouper.add(key[0], float(reward)))
         else:
@@ -187,7 +187,6 @@ class AuditSummary:
     invalid: int = 0
     out_of_order: int = 0
     missing_reward: int = 0
-    reward_sum: float = 0.0
     output_tokens: int = 0
     chunks_total: int = 0
     chunks_committed: int = 0
@@ -208,29 +207,32 @@ class AuditSummary:
 
     @property
     def reward_mean(self) -> float | None:
-        scored = self.rows_written - self.missing_reward - self.invalid
-        return self.reward_sum / scored if scored > 0 else None
+        """The mean of the rewards the statistics counted: each (task, rollout) once, duplicates not."""
+        return self.rewards.mean if self.rewards is not None and self.rewards.count else None
 
     def add(self, audit: ChunkAudit) -> None:
+        """Count one chunk; a withdrawn one (its bytes changed after commit) counts wholly as missing, so
+        none of its rows or rewards reach the figures of a dataset it is no longer part of."""
         self.rows_expected += audit.expected
-        self.rows_written += audit.rows
         self.failed += audit.failed
-        self.duplicates += audit.duplicates
-        self.missing += audit.missing
-        self.invalid += audit.invalid
-        self.out_of_order += audit.out_of_order
-        self.missing_reward += audit.missing_reward
-        self.reward_sum += audit.reward_sum
-        self.output_tokens += audit.output_tokens
-        self.chunks_committed += int(audit.committed)
-        if not audit.committed:
-            self.uncommitted_chunks.append(audit.chunk)
+        self.chunks_committed += int(audit.committed and audit.sha_matches)
+        self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
         if audit.data_lost:
             self.lost_chunks.append(audit.chunk)
         if not audit.sha_matches:
             self.sha_mismatches += 1
             self.changed_chunks.append(audit.chunk)
-        self.problems.extend(f"chunk {audit.chunk}: {p}" for p in audit.problems[:5])
+        if not (audit.committed and audit.sha_matches):
+            self.uncommitted_chunks.append(audit.chunk)
+            self.missing += audit.expected
+            return
+        self.rows_written += audit.rows
+        self.duplicates += audit.duplicates
+        self.missing += audit.missing
+        self.invalid += audit.invalid
+        self.out_of_order += audit.out_of_order
+        self.missing_reward += audit.missing_reward
+        self.output_tokens += audit.output_tokens
         if audit.story:
             self.story.merge(RowStory.from_state(audit.story))
         if audit.rewards:

@@ -6,11 +6,11 @@ import hashlib
 import posixpath
 from typing import Any
 
-from rollflow.tasks.collect.paths import TASKS_NAME
+from rollflow.tasks.collect.paths import published_tasks, record_tasks, tasks_url
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import tasks_path
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
-from rollflow.tasks.storage.store import StorageError, Store
+from rollflow.tasks.storage.store import StorageError, Store, describe_error
 
 COPY_BLOCK = 4 * 1024 * 1024
 
@@ -19,10 +19,24 @@ class ChunkChanged(StorageError):
     """A chunk object changed between its audit and its copy; nothing was published."""
 
 
+class PublishFailed(StorageError):
+    """Writing the dataset (or its per-task file) failed: nothing appeared there, the chunks are kept."""
+
+
 def split_url(url: str) -> tuple[str, str]:
     """(parent URL, object name) of a dataset URL, for a Store rooted at the parent."""
     parent, name = posixpath.split(url.rstrip("/"))
     return parent or ".", name
+
+
+def publish_failed(url: str, ledger: Ledger, needed: int | None, exc: OSError) -> PublishFailed:
+    reason = describe_error(url, exc, "choose another dataset path")
+    size = f"The dataset needs {needed:,} bytes; once" if needed is not None else "Once"
+    return PublishFailed(
+        f"Publishing {url} failed: {reason}. Nothing was published there (the partial copy was removed) "
+        f"and the committed chunks in {ledger.store.root_url} are untouched. {size} it can be written, "
+        f"run the same command again: it publishes without collecting anything again."
+    )
 
 
 def concatenate(
@@ -38,9 +52,22 @@ def concatenate(
     plain in-order copy gives the ordered dataset without parsing or holding any of it. Only chunks with
     a manifest are copied (a data object without one is no commit), and each copy is hashed against its
     manifest: bytes that changed after the audit abort the publish and the dataset object never appears.
+    A full disk (or any other write error) is one PublishFailed; partial copies a killed run left are
+    removed first.
     """
     parent, name = split_url(dataset_url)
     target = Store(parent, storage_options)
+    target.remove_stale_copies(name)
+    needed = sum(m.bytes for i, m in manifests.items() if i in {c.index for c in chunks})
+    try:
+        return _copy_chunks(ledger, chunks, manifests, target, name)
+    except OSError as exc:
+        raise publish_failed(dataset_url, ledger, needed, exc) from exc
+
+
+def _copy_chunks(
+    ledger: Ledger, chunks: list[ChunkSpec], manifests: dict[int, ChunkManifest], target: Store, name: str
+) -> int:
     written = 0
     with target.open_write(name) as out:
         for spec in chunks:
@@ -70,15 +97,23 @@ def concatenate_tasks(
     dataset_url: str,
     storage_options: dict[str, Any],
 ) -> int:
-    """tasks.jsonl beside the dataset: each committed chunk's per-task reward lines (written by its
-    audit), in chunk order, so a user selects prompts without re-reading the dataset."""
-    parent, _ = split_url(dataset_url)
+    """`<dataset stem>.tasks.jsonl` beside the dataset: each committed chunk's per-task reward lines
+    (written by its audit), in chunk order, so a user selects prompts without re-reading the dataset.
+
+    The output records the file before writing it, so a --restart removes it and nothing else."""
+    url = tasks_url(dataset_url)
+    parent, name = split_url(url)
     target = Store(parent, storage_options)
     written = 0
-    with target.open_write(TASKS_NAME) as out:
-        for spec in chunks:
-            if spec.index in manifests:
-                block = ledger.store.read_bytes(tasks_path(spec.index))
-                out.write(block)
-                written += len(block)
+    try:
+        record_tasks(ledger.store, [*published_tasks(ledger.store), url])
+        target.remove_stale_copies(name)
+        with target.open_write(name) as out:
+            for spec in chunks:
+                if spec.index in manifests:
+                    block = ledger.store.read_bytes(tasks_path(spec.index))
+                    out.write(block)
+                    written += len(block)
+    except OSError as exc:
+        raise publish_failed(url, ledger, None, exc) from exc
     return written

@@ -10,10 +10,12 @@ import orjson
 
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.endpoints import endpoints_markdown
-from rollflow.tasks.publish.plot import diagnosis_markdown, tuning_markdown
+from rollflow.tasks.publish.plot import data_uri, diagnosis_markdown, tuning_markdown
 from rollflow.tasks.publish.rewards import rewards_markdown, rewards_png
 from rollflow.tasks.publish.story import story_markdown
 from rollflow.tasks.storage.store import Store
+
+REWARDS_PNG, THROUGHPUT_PNG = "rewards.png", "throughput.png"
 
 
 @dataclass
@@ -89,8 +91,7 @@ def build_report(
         "invalid": summary.invalid,
         "missing_reward": summary.missing_reward,
         "bad_input_rows": bad_rows,
-        "reward_mean": summary.reward_mean,
-        "rewards": summary.rewards.as_dict() if summary.rewards is not None else None,
+        **reward_figures(summary),
         **whole_run_rates(metrics, produced, summary),
         "collect_rollouts_per_s": round(metrics.collected / collect_s, 3) if collect_s > 0 else None,
         "wall_s": round(metrics.wall_s, 3),
@@ -105,6 +106,12 @@ def build_report(
     if tuning:
         report["tuning"] = tuning
     return report
+
+
+def reward_figures(summary: AuditSummary) -> dict[str, Any]:
+    """`reward_mean` is the statistics' own mean (each (task, rollout) once), so the two never differ."""
+    rewards = summary.rewards.as_dict() if summary.rewards is not None else None
+    return {"reward_mean": rewards["mean"] if rewards else None, "rewards": rewards}
 
 
 def whole_run_rates(metrics: RunMetrics, produced: int, summary: AuditSummary) -> dict[str, float | None]:
@@ -148,7 +155,10 @@ SUMMARY_KEYS = (
 )
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None) -> str:
+    """report.md; `images` maps rewards.png and throughput.png to what to show (data: URIs in the
+    Prefect artifact, which cannot reach the files), else the file names beside report.md."""
+    images = images or {}
     status = "published" if report["published"] else "NOT published"
     lines = [
         "# rollflow run report",
@@ -166,7 +176,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
     if report.get("rewards"):
-        lines += ["", rewards_markdown(report["rewards"], image="rewards.png")]
+        lines += ["", rewards_markdown(report["rewards"], image=images.get(REWARDS_PNG, REWARDS_PNG))]
     if report.get("story"):
         lines += ["", story_markdown(report["story"])]
     if report.get("endpoints"):
@@ -174,17 +184,29 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("diagnosis"):
         lines += ["", diagnosis_markdown(report["diagnosis"])]
     if report.get("tuning"):
-        lines += ["", tuning_markdown(report["tuning"], image="throughput.png")]
+        lines += ["", tuning_markdown(report["tuning"], image=images.get(THROUGHPUT_PNG, THROUGHPUT_PNG))]
     if report.get("missing_chunks"):
         chunks = ", ".join(map(str, report["missing_chunks"][:50]))
         lines += ["", f"Chunks not committed ({report['missing']:,} rollouts missing): {chunks}"]
+    if report.get("publish_error"):
+        lines += ["", "## Not published", "", report["publish_error"]]
     if report.get("audit_problems"):
         lines += ["", "## Audit problems", ""] + [f"- {p}" for p in report["audit_problems"]]
     return "\n".join(lines) + "\n"
 
 
 def write_report(store: Store, report: dict[str, Any]) -> None:
+    """report.json, report.md and rewards.png (throughput.png is written by tuning, when it ran)."""
     if report.get("rewards"):
-        store.write_bytes("rewards.png", rewards_png(report["rewards"]))
+        store.write_bytes(REWARDS_PNG, rewards_png(report["rewards"]))
     store.write_bytes("report.json", orjson.dumps(report, option=orjson.OPT_INDENT_2))
     store.write_bytes("report.md", render_markdown(report).encode())
+
+
+def embedded_images(store: Store, report: dict[str, Any]) -> dict[str, str]:
+    """The plots report.md refers to, as data: URIs read back from the output (for a Prefect artifact,
+    which shows no file beside it)."""
+    names = [REWARDS_PNG] if report.get("rewards") else []
+    names += [THROUGHPUT_PNG] if report.get("tuning") else []
+    found = store.read_many(names)
+    return {name: data_uri(png) for name, png in found.items()}

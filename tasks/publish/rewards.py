@@ -209,7 +209,9 @@ class RewardStats:
             self.none_correct += 1
         else:
             self.mixed += 1
-        for k in pass_ks(min(self.max_k, task.rollouts)):
+        if task.rollouts < self.max_k:  # a task with failed rollouts is left out of every k alike
+            return
+        for k in pass_ks(self.max_k):
             self.pass_sum[k] = self.pass_sum.get(k, 0.0) + unbiased_pass_at_k(task.rollouts, task.correct, k)
             self.pass_tasks[k] = self.pass_tasks.get(k, 0) + 1
 
@@ -248,7 +250,8 @@ class RewardStats:
         return math.sqrt(max(self.m2, 0.0) / self.count) if self.count else None
 
     def pass_at_k(self) -> dict[int, float]:
-        """Mean pass@k over the tasks with at least k rollouts, for each k some task reaches."""
+        """Mean pass@k over the tasks with all `max_k` rollouts rewarded: one set of tasks for every k,
+        so the figures compare (a task with failed rollouts would otherwise leave only the higher k)."""
         return {k: self.pass_sum[k] / n for k, n in sorted(self.pass_tasks.items())}
 
     def _share(self, tasks: int) -> dict[str, Any]:
@@ -270,6 +273,7 @@ class RewardStats:
             "none_correct": self._share(self.none_correct),
             "mixed": self._share(self.mixed),
             "pass_at_k": {str(k): round(v, 6) for k, v in self.pass_at_k().items()},
+            "pass_at_k_tasks": {str(k): n for k, n in sorted(self.pass_tasks.items())},
         }
 
 
@@ -312,8 +316,17 @@ def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
     for key, label in [("all_correct", "all correct"), ("none_correct", "none correct"), ("mixed", "mixed")]:
         share = d[key]["share"]
         lines.append(f"| {label} | {d[key]['tasks']:,} | {'-' if share is None else format(share, '.1%')} |")
-    lines += [f"| **all** | {d['tasks']:,} | |", "", "| k | pass@k |", "|---:|---:|"]
-    lines += [f"| {k} | {value:.4f} |" for k, value in d["pass_at_k"].items()]
+    lines += [f"| **all** | {d['tasks']:,} | |", ""]
+    if d["pass_at_k"]:
+        behind = d.get("pass_at_k_tasks", {})
+        lines += [
+            "pass@k (unbiased estimate) over the tasks whose every rollout has a reward, the same tasks "
+            "for every k:",
+            "",
+            "| k | pass@k | tasks |",
+            "|---:|---:|---:|",
+        ]
+        lines += [f"| {k} | {v:.4f} | {behind.get(k, 0):,} |" for k, v in d["pass_at_k"].items()]
     if image:
         lines += ["", f"![per-task mean reward histogram]({image})"]
     return "\n".join([*lines, ""])

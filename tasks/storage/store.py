@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import posixpath
@@ -11,7 +12,9 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import fsspec
+from fsspec.compression import compr
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import infer_compression
 
 TMP_MARK = ".tmp-"
 READ_BLOCK = 4 * 1024 * 1024
@@ -36,9 +39,39 @@ def storage_options_for(url: str, options: dict[str, Any] | None, fresh: bool = 
     return opts
 
 
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+LOCAL_ERRORS = {
+    errno.ENOSPC: "no space left on device (ENOSPC): free space there or {elsewhere}",
+    errno.EDQUOT: "disk quota exceeded (EDQUOT): free space within the quota or {elsewhere}",
+    errno.EROFS: "it is on a read-only file system (EROFS): {elsewhere}",
+    errno.EACCES: "permission denied (EACCES): this user ({user}) may not write there; check the "
+    "directory's owner and mode (ls -ld), fix them (chmod, chown), or {elsewhere}",
+    errno.EPERM: "operation not permitted (EPERM): this user ({user}) may not write there (owner, mode or "
+    "an immutable attribute); fix that, or {elsewhere}",
+}
+
+
+def _local_reason(exc: BaseException, elsewhere: str) -> str | None:
+    """Advice for a local path's OSError, by errno (never the S3 credentials advice)."""
+    if not isinstance(exc, OSError) or exc.errno not in LOCAL_ERRORS:
+        return None
+    where = f" ({exc.filename})" if exc.filename else ""
+    try:
+        user = os.environ.get("USER") or str(os.getuid())
+    except AttributeError:  # pragma: no cover - no getuid on this platform
+        user = "this user"
+    return LOCAL_ERRORS[exc.errno].format(elsewhere=elsewhere, user=user) + where
+
+
 def describe_error(url: str, exc: BaseException, elsewhere: str = "choose another location") -> str:
     """A plain-words reason for a storage failure, never including credentials."""
     text = f"{type(exc).__name__}: {exc}"
+    local = _local_reason(exc, elsewhere) if is_local(url) else None
+    if local is not None:
+        return local
     if (isinstance(exc, FileNotFoundError) and "bucket" in text.lower()) or "NoSuchBucket" in text:
         bucket = url.split("://", 1)[-1].split("/", 1)[0]
         return (
@@ -148,6 +181,22 @@ class Store:
             raise
         fh.close()
 
+    def remove_stale_copies(self, rel: str) -> list[str]:
+        """Partial copies of `rel` left by a process that is gone (killed while writing it), removed;
+        a live writer's copy is left alone. Only local disks leave such copies (S3 aborts the upload)."""
+        if not self.local:
+            return []
+        folder, name = os.path.split(self.path(rel))
+        prefix, removed = f"{name}{TMP_MARK}", []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.listdir(folder or "."):
+                pid = entry[len(prefix) :].split("-", 1)[0] if entry.startswith(prefix) else ""
+                if pid.isdigit() and not _alive(int(pid)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(folder, entry))
+                        removed.append(entry)
+        return removed
+
     def open_read(self, rel: str) -> IO[bytes]:
         """Buffered so line iteration is fast: fsspec's own readline re-reads a whole block per line."""
         return _buffered(self.fs.open(self.path(rel), "rb", block_size=READ_BLOCK), self.local)
@@ -186,10 +235,73 @@ class Store:
             ) from exc
 
 
-def open_input(url: str, storage_options: dict[str, Any] | None = None) -> IO[bytes]:
-    """The input file as a binary stream (local path or fsspec URL), read in large blocks."""
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def open_input(url: str, storage_options: dict[str, Any] | None = None, offset: int = 0) -> IO[bytes]:
+    """The input file as a binary stream (local path or fsspec URL) from `offset`, read in large blocks.
+
+    Compressed inputs (by extension: .gz, .bz2, .xz, .zst, ...) are read decompressed, and `offset` counts
+    decompressed bytes; they cannot seek, so the bytes before `offset` are read and dropped. So are they
+    on an HTTP server that ignores Range requests (python -m http.server): it is read as one stream.
+    """
     fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options, fresh=False))
-    return _buffered(fs.open(path, "rb", block_size=READ_BLOCK), isinstance(fs, LocalFileSystem))
+    compression = infer_compression(path)
+    local = isinstance(fs, LocalFileSystem)
+    stream = _is_http(fs) and not _serves_ranges(fs, path)
+    raw = fs.open(path, "rb", block_size=0 if stream else READ_BLOCK)
+    if compression is None:
+        fh = _buffered(raw, local)
+        if stream:
+            _skip(fh, offset)
+        else:
+            fh.seek(offset)
+        return fh
+    fh = compr[compression](raw, mode="rb")
+    close = fh.close
+
+    def close_both() -> None:  # as fsspec's OpenFile does: the decompressor, then the file under it
+        close()
+        raw.close()
+
+    fh.close = close_both
+    _skip(fh, offset)
+    return fh
+
+
+def _is_http(fs: Any) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in ("http", "https") for p in protocols)
+
+
+def _serves_ranges(fs: Any, path: str) -> bool:
+    """Whether the HTTP server answers a Range request with that range (a 2-byte probe at byte 1)."""
+    try:
+        with fs.open(path, "rb", block_size=2) as probe:
+            if not getattr(probe, "seekable", lambda: False)() or (probe.size or 0) < 3:
+                return False
+            probe.seek(1)
+            probe.read(1)
+    except ValueError:  # fsspec: "The HTTP server doesn't appear to support range requests"
+        return False
+    return True
+
+
+def _skip(fh: IO[bytes], count: int) -> None:
+    while count > 0:
+        data = fh.read(min(count, READ_BLOCK))
+        if not data:
+            return
+        count -= len(data)
 
 
 def _buffered(fh: IO[bytes], local: bool) -> IO[bytes]:

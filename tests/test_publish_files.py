@@ -1,0 +1,165 @@
+"""Publishing beside other files: per-task files named after their dataset, a user's files left alone,
+partial copies of a killed publish removed, a full disk and an unwritable output said in one paragraph."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from rollout_data import assert_complete, write_rows
+from test_errors import args_for, one_paragraph
+
+USER_FILE = b'{"mine": "a file of the user\'s, never touched"}\n'
+
+
+def _collect(run_cli, url: str, inp: Path, dataset: Path, *extra: str):
+    return run_cli(
+        "collect", "--backend-url", url, "--no-progress", "+num_repeats=2",
+        f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={dataset}", *extra,
+    )  # fmt: skip
+
+
+def _task_indices(path: Path) -> list[int]:
+    return [orjson.loads(line)["task_index"] for line in path.read_bytes().splitlines()]
+
+
+def test_two_datasets_in_one_folder_keep_their_own_task_files(run_cli, fast_sim, tmp_path: Path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "tasks.jsonl").write_bytes(USER_FILE)
+    math = write_rows(tmp_path / "math.jsonl", 30)
+    code = write_rows(tmp_path / "code.jsonl", 12, start=500)
+    for inp in (math, code):
+        res = _collect(run_cli, fast_sim.url, inp, results / inp.name)
+        assert res.returncode == 0, res.stderr
+    assert _task_indices(results / "math.tasks.jsonl") == list(range(30))
+    assert _task_indices(results / "code.tasks.jsonl") == list(range(12))
+    assert (results / "tasks.jsonl").read_bytes() == USER_FILE
+    code_tasks = (results / "code.tasks.jsonl").read_bytes()
+    # a restart of one discards its own dataset and per-task file, and nothing of the other's or the user's
+    res = _collect(run_cli, fast_sim.url, math, results / "math.jsonl", "--restart", "--limit", "5")
+    assert res.returncode == 0, res.stderr
+    assert _task_indices(results / "math.tasks.jsonl") == list(range(5))
+    assert (results / "code.tasks.jsonl").read_bytes() == code_tasks
+    assert (results / "tasks.jsonl").read_bytes() == USER_FILE
+
+
+def test_a_users_file_where_the_task_file_goes_is_refused(run_cli, fast_sim, tmp_path: Path):
+    inp = write_rows(tmp_path / "in.jsonl", 10)
+    theirs = tmp_path / "math.tasks.jsonl"
+    theirs.write_bytes(USER_FILE)
+    res = _collect(run_cli, fast_sim.url, inp, tmp_path / "math.jsonl")
+    assert res.returncode == 2, res.stderr
+    message = one_paragraph(res.stderr)
+    assert f"{theirs} exists and was not written by this output" in message and "No request" in message
+    assert theirs.read_bytes() == USER_FILE and not (tmp_path / "math.jsonl").exists()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_partial_copies_of_a_killed_publish_are_removed(run_cli, fast_sim, tmp_path: Path):
+    """A publish killed mid-copy leaves `<dataset>.tmp-<pid>-<hex>`; the next run removes it, but never
+    the copy of a writer that is still alive."""
+    inp = write_rows(tmp_path / "in.jsonl", 20)
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = out / f"rollouts.jsonl.tmp-{_dead_pid()}-0badc0de"
+    dead.write_bytes(b"half a dataset" * 1000)
+    dead_tasks = out / f"rollouts.tasks.jsonl.tmp-{_dead_pid()}-0badc0de"
+    dead_tasks.write_bytes(b"half")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        live = out / f"rollouts.jsonl.tmp-{writer.pid}-1ive1ive"
+        live.write_bytes(b"still being written")
+        res = run_cli(*args_for(inp, out, fast_sim.url))
+        assert res.returncode == 0, res.stderr
+        assert not dead.exists() and not dead_tasks.exists()
+        assert live.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 20, 1)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, *options: str) -> Iterator[Path]:
+    """A small tmpfs at `path` (root only: the disk that fills up, or the file system that is read-only)."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = ",".join(options)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.skipif(shutil.which("mount") is None or os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_disk_full_while_publishing_is_one_paragraph_and_a_rerun_publishes(run_cli, fast_sim, tmp_path):
+    inp = write_rows(tmp_path / "in.jsonl", 200)
+    out = tmp_path / "out"
+    with tmpfs(tmp_path / "small", "size=128k") as disk:
+        dataset = disk / "rollouts.jsonl"
+        args = args_for(inp, out, fast_sim.url, "--dataset", str(dataset), "--num-repeats", "2")
+        res = run_cli(*args)
+        assert res.returncode == 2, res.stderr
+        message = one_paragraph(res.stderr)
+        assert "Traceback" not in res.stderr, res.stderr
+        assert f"Publishing {dataset} failed: no space left on device (ENOSPC)" in message, message
+        assert "committed chunks" in message and "run the same command again" in message
+        assert not dataset.exists() and os.listdir(disk) == []
+        report = orjson.loads((out / "report.json").read_bytes())
+        assert report["published"] is False and "ENOSPC" in report["publish_error"]
+        manifests = sorted((out / "chunks").glob("*.json"))
+        assert len(manifests) == 4
+        committed = {m.name: m.read_bytes() for m in (out / "chunks").iterdir()}
+        # room again: the same command publishes what is committed, collecting nothing again
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        res = run_cli(*args)
+        assert res.returncode == 0, res.stderr
+        assert {m.name: m.read_bytes() for m in (out / "chunks").iterdir()} == committed
+        assert orjson.loads((out / "report.json").read_bytes())["metrics"]["chunks_run"] == 0
+        assert_complete(dataset.read_bytes().splitlines(), 200, 2)
+
+
+def _unprivileged(args: list[str]) -> list[str]:
+    """As root, the command runs without the capabilities that bypass file permissions."""
+    if os.geteuid() != 0:
+        return args
+    drop = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", "--bounding-set", drop, "--inh-caps", drop, *args]
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="needs setpriv as root")
+def test_unwritable_local_output_gets_advice_for_local_paths(cli_env, fast_sim, tmp_path: Path):
+    inp = write_rows(tmp_path / "in.jsonl", 5)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    exe = str(Path(sys.executable).with_name("rollflow"))
+    try:
+        res = subprocess.run(
+            _unprivileged([exe, *args_for(inp, locked / "out", fast_sim.url)]),
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        locked.chmod(0o755)
+    assert res.returncode == 2, res.stderr
+    message = one_paragraph(res.stderr)
+    assert "permission denied (EACCES)" in message and "chmod" in message, message
+    assert "AWS" not in message and "credentials" not in message and "bucket" not in message
