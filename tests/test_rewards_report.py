@@ -54,7 +54,7 @@ def test_reward_statistics_match_the_dataset(run_cli, tmp_path) -> None:
         none_ok = sum(c == 0 for c in correct.values())
         assert rewards["all_correct"]["tasks"] == all_ok and rewards["none_correct"]["tasks"] == none_ok
         assert rewards["mixed"]["tasks"] == ROWS - all_ok - none_ok > 0
-        tasks = [orjson.loads(line) for line in (out / "tasks.jsonl").read_bytes().splitlines()]
+        tasks = [orjson.loads(line) for line in (out / "rollouts.tasks.jsonl").read_bytes().splitlines()]
         assert [t["task_index"] for t in tasks] == list(range(ROWS))
         assert all(t["rollouts"] == REPEATS and t["correct"] == correct[t["task_index"]] for t in tasks)
         assert all(t["mean_reward"] == pytest.approx(sum(by_task[t["task_index"]]) / REPEATS) for t in tasks)

@@ -1,0 +1,141 @@
+"""The report agrees with the dataset it describes: withdrawn chunks and duplicates leave its figures, one
+reward mean, pass@k over one stated set of tasks, and the Prefect artifact shows its plots."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import urllib.request
+from fractions import Fraction
+from math import comb
+from pathlib import Path
+
+import orjson
+import pytest
+from rollout_data import write_rows
+from test_errors import args_for
+
+from rollflow.infra.local import spawn_simulator
+
+ROWS, CHUNK = 60, 20  # three chunks
+
+
+def _args(inp: Path, out: Path, url: str, *extra: str) -> list[str]:
+    base = args_for(inp, out, url, *extra)
+    base[base.index("--chunk-size") + 1] = str(CHUNK)
+    return base
+
+
+def _unique_rewards(dataset: Path) -> dict[tuple[int, int], float]:
+    rows = (orjson.loads(line) for line in dataset.read_bytes().splitlines())
+    return {(r["_ng_task_index"], r["_ng_rollout_index"]): r["reward"] for r in rows}
+
+
+def _duplicate_a_line(out: Path, chunk: int) -> None:
+    """A line written twice, its manifest made to vouch for it: the audit counts a duplicate."""
+    data_path, manifest_path = out / "chunks" / f"{chunk:05d}.jsonl", out / "chunks" / f"{chunk:05d}.json"
+    lines = data_path.read_bytes().splitlines(keepends=True)
+    data = b"".join([lines[0], *lines])
+    data_path.write_bytes(data)
+    manifest = orjson.loads(manifest_path.read_bytes())
+    manifest.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    manifest_path.write_bytes(orjson.dumps(manifest))
+
+
+def _change_rewards(out: Path, chunk: int) -> None:
+    """Bytes changed after the commit (valid rows, other rewards): the audit withdraws the chunk."""
+    path = out / "chunks" / f"{chunk:05d}.jsonl"
+    rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    path.write_bytes(b"".join(orjson.dumps({**r, "reward": 0.25}) + b"\n" for r in rows))
+
+
+def _run_then(run_cli, sim_url: str, tmp_path: Path, tamper) -> tuple[dict, dict[tuple[int, int], float]]:
+    """A complete run, its output tampered with, the same command again with --allow-incomplete."""
+    inp = write_rows(tmp_path / "rows.jsonl", ROWS)
+    out = tmp_path / "out"
+    args = _args(inp, out, sim_url, "--num-repeats", "2")
+    assert run_cli(*args).returncode == 0
+    tamper(out)
+    res = run_cli(*args, "--allow-incomplete")
+    assert res.returncode == 0, res.stderr
+    return orjson.loads((out / "report.json").read_bytes()), _unique_rewards(out / "rollouts.jsonl")
+
+
+def test_a_withdrawn_chunk_leaves_the_report(run_cli, fast_sim, tmp_path: Path):
+    report, rewards = _run_then(run_cli, fast_sim.url, tmp_path, lambda out: _change_rewards(out, 1))
+    assert sorted({task // CHUNK for task, _ in rewards}) == [0, 2]  # the withdrawn chunk is not published
+    assert report["missing_chunks"] == [1] and report["missing"] == CHUNK * 2
+    assert report["rows_written"] == report["rewards"]["rollouts"] == len(rewards) == 2 * CHUNK * 2
+    assert report["rewards"]["tasks"] == 2 * CHUNK
+    assert report["reward_mean"] == pytest.approx(statistics.fmean(rewards.values()), abs=1e-6)
+
+
+def test_a_duplicate_line_counts_once_in_the_one_reward_mean(run_cli, fast_sim, tmp_path: Path):
+    report, rewards = _run_then(run_cli, fast_sim.url, tmp_path, lambda out: _duplicate_a_line(out, 0))
+    assert report["duplicates"] == 1 and report["rows_written"] == ROWS * 2 + 1
+    assert report["rewards"]["rollouts"] == len(rewards) == ROWS * 2 and sum(rewards.values()) > 0
+    mean = statistics.fmean(rewards.values())
+    assert report["reward_mean"] == pytest.approx(mean, abs=1e-6)
+    assert report["reward_mean"] == report["rewards"]["mean"]
+
+
+def _brute_pass_at_k(rewards: dict[tuple[int, int], float], repeats: int) -> tuple[dict[str, float], int]:
+    by_task: dict[int, list[float]] = {}
+    for (task, _), reward in rewards.items():
+        by_task.setdefault(task, []).append(reward)
+    complete = [r for r in by_task.values() if len(r) == repeats]
+    out = {}
+    for k in (1, 2, 4):
+        values = [
+            1 - Fraction(comb(repeats - sum(x >= 1.0 for x in r), k), comb(repeats, k)) for r in complete
+        ]
+        out[str(k)] = float(sum(values) / len(values))
+    return out, len(complete)
+
+
+def test_pass_at_k_is_over_the_tasks_with_every_rollout(run_cli, tmp_path: Path):
+    sim = spawn_simulator("--latency-ms", "1", "--fault-rate", "0.15", "--fault-kinds", "500", "--seed", "3")
+    inp = write_rows(tmp_path / "rows.jsonl", ROWS)
+    out = tmp_path / "out"
+    try:
+        res = run_cli(
+            *_args(inp, out, sim.url, "--num-repeats", "4", "--max-retries", "0", "--allow-incomplete"),
+            env={"ROLLFLOW_BACKEND__BACKOFF_BASE_S": "0.01"},
+        )
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr
+    report = orjson.loads((out / "report.json").read_bytes())
+    want, complete = _brute_pass_at_k(_unique_rewards(out / "rollouts.jsonl"), 4)
+    assert 0 < complete < ROWS, "some tasks must have lost a rollout for this test to mean anything"
+    assert report["rewards"]["pass_at_k"] == pytest.approx(want, abs=1e-6)
+    assert report["rewards"]["pass_at_k_tasks"] == {"1": complete, "2": complete, "4": complete}
+    md = (out / "report.md").read_text()
+    assert f"| 4 | {want['4']:.4f} | {complete:,} |" in md
+
+
+def _report_artifact(server: object, output: Path) -> str:
+    body = {"artifacts": {"key": {"any_": ["rollflow-report"]}}, "sort": "CREATED_DESC", "limit": 50}
+    req = urllib.request.Request(
+        f"{server.url}/api/artifacts/filter",  # type: ignore[attr-defined]
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
+    found = orjson.loads(urllib.request.urlopen(req, timeout=30).read())
+    return next(a["data"] for a in found if f"Output: `{output}`" in a["data"])
+
+
+def test_report_artifact_embeds_its_plots(run_cli, prefect_server, fast_sim, tmp_path: Path):
+    """With tuning (--parallelism auto) the report has both plots: rewards.png and throughput.png."""
+    inp = write_rows(tmp_path / "rows.jsonl", 100)
+    out = tmp_path / "out"
+    args = _args(inp, out, fast_sim.url, "--num-repeats", "4")
+    args[args.index("--parallelism") + 1] = "auto"
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    markdown = _report_artifact(prefect_server, out)
+    assert "(rewards.png)" not in markdown and "(throughput.png)" not in markdown
+    assert "![per-task mean reward histogram](data:image/png;base64," in markdown
+    assert markdown.count("](data:image/png;base64,") == 2, markdown[:2000]
+    beside = (out / "report.md").read_text()  # the files beside report.md keep their names
+    assert "(rewards.png)" in beside and "(throughput.png)" in beside
