@@ -214,7 +214,7 @@ def test_parquet_holds_the_same_rollouts_and_rewards_as_jsonl(run_cli, collectio
         "reverify", str(source), "--output", str(out), "--verifier", "math_fast", "--format", "parquet"
     )
     assert res.returncode == 0, res.stderr
-    assert not (out / "rollouts.jsonl").exists() and (out / "tasks.jsonl").exists()
+    assert not (out / "rollouts.jsonl").exists() and (out / "rollouts.tasks.jsonl").exists()
     table = pads.dataset(str(out / "data"), format="parquet").to_table()
     json_columns = set(orjson.loads(table.schema.metadata[b"rollflow.json_columns"]))
     assert {"response", "responses_create_params", "_rf"} <= json_columns
