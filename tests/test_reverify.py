@@ -263,7 +263,7 @@ def test_the_collections_card_and_story_equal_report_json(collections) -> None:
     inp = collections["base"] / "rows.jsonl"
     assert story["origin"]["input_sha256"] == hashlib.sha256(inp.read_bytes()).hexdigest()
     assert story["origin"]["input_rows"] == TASKS
-    tasks = [orjson.loads(line) for line in (out / "tasks.jsonl").read_bytes().splitlines()]
+    tasks = [orjson.loads(line) for line in (out / "rollouts.tasks.jsonl").read_bytes().splitlines()]
     assert all("std_reward" in t for t in tasks)
     flaky = orjson.loads((collections["flaky"] / "report.json").read_bytes())
     assert flaky["story"]["returned"]["failures_by_kind"] == {"verifier": flaky["failed"]}
