@@ -218,10 +218,11 @@ CallableVerifier = Annotated[
 class VerifySettings(Settings):
     """How rewards are computed for backends that return none."""
 
-    verifier: BuiltinVerifier | CallableVerifier = Field(
-        "exact_match",
-        description="Reward for responses/chat backends: a built-in (exact_match, math, math_fast, http, "
-        "none) or module:function, your Python callable (row, text) -> float",
+    verifier: BuiltinVerifier | CallableVerifier | None = Field(
+        None,
+        description="Reward for replies that carry none: a built-in (exact_match, math, math_fast, http, "
+        "none) or module:function, your Python callable (row, text) -> float; default exact_match for "
+        "responses/chat backends, none for agent backends (an agent's own reward is always kept)",
     )
     url: str | None = Field(None, description="NeMo Gym resources server for the http verifier")
     processes: int | None = Field(
@@ -231,12 +232,27 @@ class VerifySettings(Settings):
         description="Processes running math and synchronous module:function checks (0: a thread of the "
         "collecting process); default from the cores",
     )
+    node_processes: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Verifier processes per node, split evenly over the node's Dask or Ray worker "
+        "processes (--verify-processes, when given, applies to each worker process instead); default "
+        "from the node's cores",
+    )
     check_timeout_s: float = Field(
         60.0,
         gt=0,
         le=MAX_SECONDS,
-        description="Longest one check may run in a verifier process; past it the rollout fails as "
-        "verifier_timeout",
+        description="Longest one check may run, whatever the verifier (in a verifier process, a thread, "
+        "or on the event loop); past it the rollout fails as verifier_timeout",
+    )
+    start_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="Longest a verifier process may take to import its verifier (not counted against any "
+        "check); past it, or when the import fails, its checks fail as verifier_crash",
     )
     timeout_s: float = Field(
         60.0, gt=0, le=MAX_SECONDS, description="Per-request timeout of the http verifier"
@@ -247,6 +263,12 @@ class VerifySettings(Settings):
         description="A rollout counts as correct in the reward statistics (pass@k, all/none/mixed "
         "tasks) when its reward is at least this",
     )
+
+    def verifier_for(self, backend_kind: str) -> str:
+        """The verifier a backend of `backend_kind` gets: the one set, else its default."""
+        if self.verifier is not None:
+            return self.verifier
+        return "none" if backend_kind == "agent" else "exact_match"
 
 
 class EngineSettings(Settings):

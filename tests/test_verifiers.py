@@ -15,6 +15,7 @@ from rollflow.tasks.backends.retry import RetryPolicy
 from rollflow.tasks.verify.verifiers import (
     CachedVerifier,
     VerifierError,
+    answer_view,
     exact_match,
     last_boxed,
     make_verifier,
@@ -112,8 +113,11 @@ async def test_http_verifier_cache_avoids_second_call(server: ScriptedServer) ->
     assert len(server.seen) == 1 and verify.hits == 1
     other = {"responses_create_params": {"input": "other question"}, "expected_answer": "42"}
     await verify(other, result("42"))  # http verifiers may read any field: another row is another key
-    await verify(row, result("43"))
-    assert len(server.seen) == 3
+    await verify(row, result("43"))  # the server is sent the response, not the text: the same input
+    assert len(server.seen) == 2
+    calls = {**RESPONSE, "output": [{"type": "function_call", "name": "f", "arguments": "{}"}]}
+    await verify(row, RolloutResult({"response": calls}, None, "42", 1, 0.0, 1))
+    assert len(server.seen) == 3, "the same text with other tool calls is another input"
 
 
 async def test_http_verifier_retries_then_fails(server: ScriptedServer) -> None:
@@ -123,13 +127,13 @@ async def test_http_verifier_retries_then_fails(server: ScriptedServer) -> None:
 
     server.script = [web.Response(status=400, text="bad row")]
     with pytest.raises(BackendError) as info:
-        await verify({}, result("b"))
+        await verify({"n": 2}, result("b"))
     assert info.value.kind == "verifier" and info.value.status == 400 and info.value.attempts == 1
     assert "bad row" in str(info.value)
 
     server.script = [{"score": 1}]
     with pytest.raises(BackendError, match="no numeric reward") as info:
-        await verify({}, result("c"))
+        await verify({"n": 3}, result("c"))
     assert info.value.attempts == FAST.max_retries + 1
 
 
@@ -184,14 +188,14 @@ def test_bad_specs_fail_at_make_time() -> None:
 async def test_cache_is_a_bounded_lru() -> None:
     calls: list[str] = []
 
-    async def score(row: dict, res: RolloutResult) -> float:
-        calls.append(res.text)
+    async def score(seen: tuple[dict, str]) -> float:
+        calls.append(seen[1])
         return 1.0
 
-    verify = CachedVerifier("t", score, size=2)
+    verify = CachedVerifier("t", answer_view, score, size=2)
     for text in ["a", "b", "a", "c", "b"]:  # "a" refreshed, so "b" is the one evicted by "c"
         await verify({"expected_answer": 1}, result(text))
     assert calls == ["a", "b", "c", "b"] and len(verify.cache) == 2
-    assert verifier_cache_key("t", {"expected_answer": 1}, "a") != verifier_cache_key(
-        "u", {"expected_answer": 1}, "a"
+    assert verifier_cache_key("t", ({"expected_answer": 1}, "a")) != verifier_cache_key(
+        "u", ({"expected_answer": 1}, "a")
     )

@@ -75,6 +75,8 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("verifier-url", "verify", "url"),
         ("verify-processes", "verify", "processes"),
         ("verify-timeout-s", "verify", "check_timeout_s"),
+        ("verify-start-timeout-s", "verify", "start_timeout_s"),
+        ("verify-node-processes", "verify", "node_processes"),
         ("correct-threshold", "verify", "correct_threshold"),
     ),
 }

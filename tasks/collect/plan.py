@@ -35,12 +35,14 @@ class RunPlan:
 
 def rollout_config(spec: RunSpec) -> dict[str, Any]:
     """The settings that change what a rollout is; parallelism, URLs and timeouts do not."""
+    kind = spec.backend.kind.value
     return {
         "backend_kind": spec.backend.kind.value,
         "model": spec.backend.model,
         "overrides": spec.collection.overrides,
         "agent_name": spec.collection.agent_name,
-        "verifier": spec.verify.verifier if spec.backend.kind.value != "agent" else None,
+        # an agent's default (none) stays None, as before agents could be given a verifier
+        "verifier": spec.verify.verifier if kind == "agent" else spec.verify.verifier_for(kind),
         "limit": spec.collection.limit,
         "skip_bad_rows": spec.collection.skip_bad_rows,
         # only when set, so outputs written before --seed existed keep their identity

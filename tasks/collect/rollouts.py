@@ -246,7 +246,12 @@ async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult
 def _check_reward(reward: Any, attempts: int) -> None:
     """A rollout without a finite number as its reward is a failure, retried by the next run."""
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        why = "the backend gave none and no verifier is set" if reward is None else f"it is {reward!r}"
+        why = (
+            "the backend gave none and no verifier is set (--verifier scores the replies that carry no "
+            "reward, an agent's too)"
+            if reward is None
+            else f"it is {reward!r}"
+        )
         raise BackendError(f"no numeric reward: {why}", kind="no_reward", attempts=attempts)
 
 

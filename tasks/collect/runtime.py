@@ -48,14 +48,17 @@ def collect_context(
     settings: RollflowSettings,
     parallelism: int | dict[str, int],
     shared: bool = False,
+    sharers: int = 1,
 ) -> CollectContext:
     """`parallelism` is the total (split evenly over the endpoints) or each endpoint's limit by URL.
 
     `shared`: this process is one of several workers of the run; it starts with no share of the limit
-    and sends nothing until the run's share book gives it one.
+    and sends nothing until the run's share book gives it one. `sharers`: the worker processes of this
+    node, which split its verifier processes.
     """
     spec = handles.spec
-    verifier = make_verifier(spec.verify) if spec.backend.kind.value != "agent" else None
+    verify = spec.verify.model_copy(update={"verifier": spec.verify.verifier_for(spec.backend.kind.value)})
+    verifier = make_verifier(verify, sharers=sharers)
     urls = spec.backend.urls
     limits = split_limit(parallelism, urls) if isinstance(parallelism, int) else parallelism
     limits = {url: limits[url] for url in urls}

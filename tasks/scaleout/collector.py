@@ -31,6 +31,7 @@ from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
 from rollflow.tasks.scaleout.book import SHARE_LEASE_S
 from rollflow.tasks.scaleout.channels import EXCHANGE_TIMEOUT_S
+from rollflow.tasks.scaleout.node import node_sharers
 from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
 from rollflow.tasks.verify.pool import close_pools
@@ -216,7 +217,8 @@ class WorkerCollector:
         handles = open_run(run.spec, settings)
         if run.scope.owner is not None:
             handles.ledger.fence = owner_fence(handles.store, run.scope.owner, run.scope.margin_s)
-        ctx = collect_context(handles, settings, run.share, shared=run.link is not None)
+        sharers = await asyncio.to_thread(node_sharers)
+        ctx = collect_context(handles, settings, run.share, shared=run.link is not None, sharers=sharers)
         ctx.run = run_key(run)
         urls = run.spec.backend.urls
         limits = run.share if isinstance(run.share, dict) else split_limit(run.share, urls)

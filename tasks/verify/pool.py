@@ -4,6 +4,10 @@ A check runs in a worker process (verify_worker) under `timeout_s`; past it the 
 replaced and the rollout fails as `verifier_timeout`; a worker that dies mid-check fails it as
 `verifier_crash`. Neither is a reward: the rollout is a failure, retried by the next run. One pool per
 process and spec (a Dask or Ray worker process gets its own), shared by every chunk that process runs.
+
+Each process has one dispatcher thread that writes checks and reads replies through non-blocking pipes
+in one select() loop, so a check's deadline never waits on a write (a megabyte row queued behind a hung
+check) nor a write on a read (a long error text coming back while the next check goes out).
 """
 
 from __future__ import annotations
@@ -12,21 +16,27 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import logging
 import os
+import pickle
 import queue
 import select
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import IO, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from rollflow.settings import redact
 from rollflow.tasks.backends.backends import BackendError
-from rollflow.tasks.verify.worker import READY, receive, send
+from rollflow.tasks.verify.worker import HEADER, READY, frame
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a worker's import and warm-up (SymPy), never counted against a check
+BACKOFF_S = (0.5, 30.0)  # relaunching a process that failed to start: first wait, longest wait
+READ_BYTES = 1 << 20
 
 
 def cores() -> int:
@@ -37,44 +47,106 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_processes() -> int:
-    """The cores, the collecting process counted: it keeps one where there are more than two (it needs
-    about 0.3 ms a rollout, so on smaller machines every core also verifies)."""
+def default_processes(node_total: int | None = None, sharers: int = 1) -> int:
+    """This process's share of the node's verifier processes. `node_total` (default: the cores, the
+    collecting process counted: it keeps one where there are more than two, since it needs about 0.3 ms
+    a rollout) is split evenly over the `sharers` worker processes of the node (Dask, Ray)."""
     have = cores()
-    return have if have <= 2 else have - 1
+    total = node_total if node_total is not None else (have if have <= 2 else have - 1)
+    return max(1, total // max(1, sharers))
+
+
+class StartFailed(Exception):
+    """A verifier process did not start; the message says why."""
 
 
 class _Worker:
-    """One verifier process and its pipes."""
+    """One verifier process and its two non-blocking pipes, with what is still to write and to parse."""
 
     def __init__(self, spec: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollflow.tasks.verify.worker", spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,  # unbuffered: a reply read ahead into a buffer would hide from select()
-            env=env,
-        )
+        argv = [sys.executable, "-m", "rollflow.tasks.verify.worker", spec, str(os.getpid())]
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        except OSError as exc:
+            raise StartFailed(f"cannot start a process ({type(exc).__name__}: {exc})") from None
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.inbox: IO[bytes] = self.proc.stdin
-        self.outbox: IO[bytes] = self.proc.stdout
-        send(self.inbox, sorted(redact.registered()))
+        self.write_fd, self.read_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        os.set_blocking(self.write_fd, False)
+        os.set_blocking(self.read_fd, False)
+        self.outgoing = bytearray(frame(sorted(redact.registered())))
+        self.incoming = bytearray()
+        self.broken = False  # its stdin is closed: it died, what it wrote is still read
 
-    def wait(self, timeout_s: float) -> Any:
-        """The next message, TimeoutError after `timeout_s`, EOFError if the process died."""
-        ready, _, _ = select.select([self.outbox], [], [], max(0.0, timeout_s))
-        if not ready:
+    def queue(self, data: bytes) -> None:
+        if not self.broken:
+            self.outgoing += data
+
+    def step(self, deadline: float | None) -> list[Any]:
+        """Write what fits, read what came; the messages complete so far. TimeoutError at `deadline`
+        (time.monotonic()), EOFError once the process closed its end and every message was read."""
+        messages = self._parse()
+        if messages:
+            return messages
+        writing = [self.write_fd] if self.outgoing and not self.broken else []
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        readable, writable, _ = select.select([self.read_fd], writing, [], wait)
+        if writable:
+            try:
+                sent = os.write(self.write_fd, self.outgoing)
+                del self.outgoing[:sent]
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.broken, self.outgoing = True, bytearray()
+        if readable:
+            data = os.read(self.read_fd, READ_BYTES)
+            if not data:
+                raise EOFError("the process closed its pipe")
+            self.incoming += data
+            return self._parse()
+        if not writable and deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError
-        return receive(self.outbox)
+        return []
 
-    def kill(self) -> None:
+    def _parse(self) -> list[Any]:
+        messages, view, at = [], self.incoming, 0
+        while len(view) - at >= HEADER.size:
+            (size,) = HEADER.unpack_from(view, at)
+            if len(view) - at - HEADER.size < size:
+                break
+            start = at + HEADER.size
+            messages.append(pickle.loads(view[start : start + size]))
+            at = start + size
+        if at:
+            del self.incoming[:at]
+        return messages
+
+    def start(self, timeout_s: float) -> None:
+        """Wait for its READY; StartFailed when it cannot import its verifier or takes too long."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                for message in self.step(deadline):
+                    if message == READY:
+                        return
+                    raise StartFailed(f"its process could not load the verifier: {message[1]}")
+        except TimeoutError:
+            raise StartFailed(
+                f"its process was not ready within {timeout_s:g}s (importing the verifier; raise "
+                "--verify-start-timeout-s if the import is slow)"
+            ) from None
+        except EOFError:
+            raise StartFailed(f"its process exited while starting (exit {self.proc.wait()})") from None
+
+    def kill(self) -> int:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
-        for stream in (self.inbox, self.outbox):
+        code = self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
-                stream.close()
+                stream.close()  # type: ignore[union-attr]
+        return code
 
 
 class VerifyMeter:
@@ -96,11 +168,11 @@ class VerifyMeter:
 
 @dataclass
 class _Job:
-    row: dict[str, Any]
-    text: str
+    message: bytes  # the framed (row, text), kept to send again to a new process
     future: asyncio.Future[float]
     loop: asyncio.AbstractEventLoop
     meter: VerifyMeter | None
+    crashes: int = field(default=0)
 
     def settle(self, value: float | None = None, error: BaseException | None = None) -> None:
         def apply() -> None:
@@ -118,23 +190,32 @@ class _Job:
 class VerifyPool:
     """`processes` verifier processes behind one async `check`; started on the first check.
 
-    Each process has a thread that keeps `DEPTH` checks in its pipe, so the process never waits for a
-    round trip between two checks; a check's timeout runs from when the process begins it.
+    Each process's dispatcher keeps `DEPTH` checks in its pipe, so the process never waits for a round
+    trip between two checks; a check's timeout runs from when the process begins it. A check whose
+    process dies under it is tried once more on a fresh process (the process may have died of another
+    cause just as it began), then fails as `verifier_crash`.
     """
 
     DEPTH = 2
+    CRASHES = 2
 
-    def __init__(self, spec: str, processes: int, timeout_s: float) -> None:
+    def __init__(
+        self, spec: str, processes: int, timeout_s: float, start_timeout_s: float = START_TIMEOUT_S
+    ) -> None:
         self.spec, self.processes, self.timeout_s = spec, processes, timeout_s
+        self.start_timeout_s = start_timeout_s
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._workers: set[_Worker] = set()
+        self._ready: set[_Worker] = set()  # started, running checks
+        self._told: set[str] = set()
+        self._stopping = threading.Event()
         self.closed = False
 
     async def check(self, row: dict[str, Any], text: str, meter: VerifyMeter | None = None) -> float:
         loop = asyncio.get_running_loop()
-        job = _Job(row, text, loop.create_future(), loop, meter)
+        job = _Job(frame((row, text)), loop.create_future(), loop, meter)
         with self._lock:  # a job queued before close() is settled by it or by a dispatcher
             if self.closed:
                 raise BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
@@ -146,82 +227,131 @@ class VerifyPool:
             self._jobs.put(job)
         return await job.future
 
-    def _spawn(self) -> _Worker | None:
-        """A started worker, None when the pool closed or the process cannot start (jobs then fail)."""
+    def _spawn(self) -> _Worker:
+        """A started worker; StartFailed when it cannot start (or the pool closed meanwhile)."""
         worker = _Worker(self.spec)
         with self._lock:
+            if self.closed:
+                worker.kill()
+                raise StartFailed("the run is stopping")
             self._workers.add(worker)
         try:
-            if worker.wait(START_TIMEOUT_S) == READY:
-                return worker
-        except (EOFError, TimeoutError, OSError):
-            pass
-        self._retire(worker)
-        return None
+            worker.start(self.start_timeout_s)
+        except StartFailed:
+            self._retire(worker)
+            raise
+        with self._lock:
+            self._ready.add(worker)
+        return worker
 
-    def _retire(self, worker: _Worker) -> None:
-        worker.kill()
+    def _retire(self, worker: _Worker) -> int:
+        code = worker.kill()
         with self._lock:
             self._workers.discard(worker)
+            self._ready.discard(worker)
+        return code
 
     def _serve(self) -> None:
         """One worker process's dispatcher: feed it, read its replies, replace it when it fails."""
         pending: collections.deque[_Job] = collections.deque()
+        failures = 0
         while not self.closed:
-            worker = self._spawn()
-            if worker is None:
-                self._fail_all(pending, "its process did not start; see the lines it printed above")
+            try:
+                worker = self._spawn()
+            except StartFailed as exc:
                 if self.closed:
-                    return
-                time.sleep(1.0)
+                    break
+                failures += 1
+                self._fail_until(pending, str(exc), min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (failures - 1)))
                 continue
+            failures = 0
             try:
                 self._drive(worker, pending)
-            except Exception as exc:  # a pipe broke mid-send: the process is gone
-                self._fail_all(pending, f"its process failed ({type(exc).__name__}: {exc})")
-            self._retire(worker)
+            finally:
+                self._retire(worker)
         self._fail_all(pending, "the run is stopping")
 
+    def _fail_until(self, pending: collections.deque[_Job], why: str, backoff_s: float) -> None:
+        """Fail the checks held, then wait `backoff_s` before the next launch; while no process of the
+        pool runs, checks that come meanwhile fail too (nothing could run them), else they wait for one."""
+        if why not in self._told:
+            self._told.add(why)
+            log.warning("verifier %r: %s; its checks fail until a process starts", self.spec, why)
+        self._fail_all(pending, why)
+        until = time.monotonic() + backoff_s
+        while not self.closed and (left := until - time.monotonic()) > 0:
+            if self._ready:
+                self._stopping.wait(min(left, 0.1))
+                continue
+            try:
+                job = self._jobs.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            pending.append(job)
+            self._fail_all(pending, why)
+
     def _drive(self, worker: _Worker, pending: collections.deque[_Job]) -> None:
+        """Run checks on `worker` until it fails (its checks then stay in `pending`) or the pool closes."""
         for job in pending:  # checks a failed process held, minus the one that failed it
-            send(worker.inbox, (job.row, job.text))
+            worker.queue(job.message)
         began = time.monotonic()
         while not self.closed:
-            idle = not pending
-            if not self._fill(worker, pending, block=idle):
-                return
-            if idle:  # the process waited for work: its check begins now
-                began = time.monotonic()
+            if not pending:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                pending.append(job)
+                worker.queue(job.message)
+                began = time.monotonic()  # the process waited for work: its check begins now
+            self._fill(worker, pending)
             try:
-                status, value, cpu = worker.wait(began + self.timeout_s - time.monotonic())
+                replies = worker.step(began + self.timeout_s)
             except TimeoutError:
                 pending.popleft().settle(error=self._timeout_error())
                 return
-            except (EOFError, OSError) as exc:
-                pending.popleft().settle(error=self._crash_error(worker, exc))
+            except EOFError:
+                self._crashed(pending, self._retire(worker))
                 return
-            job = pending.popleft()
-            if job.meter is not None:
-                job.meter.add(cpu, time.monotonic() - began)
-            began = time.monotonic()
-            if status == "ok":
-                job.settle(float(value))
-            else:
-                job.settle(error=BackendError(f"verifier failed: {value}", kind="verifier", retryable=False))
+            for status, value, cpu in replies:
+                job = pending.popleft()
+                now = time.monotonic()
+                if job.meter is not None:
+                    job.meter.add(cpu, now - began)
+                began = now
+                if status == "ok":
+                    job.settle(value)
+                else:
+                    error = BackendError(f"verifier failed: {value}", kind="verifier", retryable=False)
+                    job.settle(error=error)
 
-    def _fill(self, worker: _Worker, pending: collections.deque[_Job], block: bool) -> bool:
-        """Send checks until DEPTH are in the pipe; False when the pool closed."""
+    def _fill(self, worker: _Worker, pending: collections.deque[_Job]) -> None:
+        """Queue checks until DEPTH are in the pipe; a None (the pool closing) goes back for the loop."""
         while len(pending) < self.DEPTH:
             try:
-                job = self._jobs.get(block=block)
+                job = self._jobs.get_nowait()
             except queue.Empty:
-                return True
+                return
             if job is None:
-                return False
+                self._jobs.put(None)
+                return
             pending.append(job)
-            send(worker.inbox, (job.row, job.text))
-            block = False
-        return True
+            worker.queue(job.message)
+
+    def _crashed(self, pending: collections.deque[_Job], code: int) -> None:
+        if not pending:
+            return  # it died between checks: nothing was lost
+        job = pending[0]
+        job.crashes += 1
+        if job.crashes >= self.CRASHES:
+            pending.popleft().settle(
+                error=BackendError(
+                    f"verifier {self.spec!r}: its process died on this rollout (exit {code}), "
+                    f"{job.crashes} times",
+                    kind="verifier_crash",
+                )
+            )
 
     def _fail_all(self, pending: collections.deque[_Job], why: str) -> None:
         while pending:
@@ -235,17 +365,11 @@ class VerifyPool:
             kind="verifier_timeout",
         )
 
-    def _crash_error(self, worker: _Worker, exc: BaseException) -> BackendError:
-        code = worker.proc.wait()
-        return BackendError(
-            f"verifier {self.spec!r}: its process died on this rollout (exit {code}, {type(exc).__name__})",
-            kind="verifier_crash",
-        )
-
     def close(self) -> None:
         """Stop every worker process; checks still waiting fail (the run is stopping)."""
         with self._lock:
             self.closed = True
+            self._stopping.set()
             workers = list(self._workers)
             for _ in self._threads:
                 self._jobs.put(None)
@@ -260,19 +384,24 @@ class VerifyPool:
                 job.settle(
                     error=BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
                 )
+        with self._lock:  # a None taken above belonged to a dispatcher: it must still wake
+            for _ in self._threads:
+                self._jobs.put(None)
 
 
-_pools: dict[tuple[str, int, float], VerifyPool] = {}
+_pools: dict[tuple[str, int, float, float], VerifyPool] = {}
 _pools_lock = threading.Lock()
 
 
-def shared_pool(spec: str, processes: int, timeout_s: float) -> VerifyPool:
+def shared_pool(
+    spec: str, processes: int, timeout_s: float, start_timeout_s: float = START_TIMEOUT_S
+) -> VerifyPool:
     """This process's pool for `spec`: chunks (and Dask or Ray tasks) in one process share it."""
-    key = (spec, processes, timeout_s)
+    key = (spec, processes, timeout_s, start_timeout_s)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None or pool.closed:
-            pool = _pools[key] = VerifyPool(spec, processes, timeout_s)
+            pool = _pools[key] = VerifyPool(spec, processes, timeout_s, start_timeout_s)
         return pool
 
 

@@ -4,11 +4,12 @@ server, or your callable."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib
 import inspect
+import pickle
 import re
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from fractions import Fraction
@@ -21,8 +22,10 @@ from rollflow.settings import VerifySettings
 from rollflow.tasks.backends.backends import BackendError, RolloutResult
 from rollflow.tasks.backends.http import session_for_loop
 from rollflow.tasks.backends.retry import RETRYABLE_STATUS, RetryPolicy, parse_retry_after
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.verify.mathcheck import math_verify_match
 from rollflow.tasks.verify.pool import VerifyMeter, default_processes, shared_pool
+from rollflow.tasks.verify.threads import check_threads
 
 Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000
@@ -96,26 +99,44 @@ def math_match(row: dict[str, Any], text: str) -> float:
     return 1.0 if a is not None and a == b else 0.0
 
 
-def verifier_cache_key(name: str, row: dict[str, Any], text: str, whole_row: bool = False) -> bytes:
-    """sha1 of what decides a reward: the verifier, the expected answer (or the whole row) and the text.
+def verifier_cache_key(name: str, seen: Any) -> bytes:
+    """sha1 of the verifier and everything it is given (`seen`: the bytes it is sent, or its arguments,
+    exactly: integers of any size, 1 apart from 1.0): the one rule for every verifier, so a cached
+    reward is reused only when the verifier would see the very same input."""
+    if not isinstance(seen, bytes):
+        try:
+            seen = rowjson.dumps(seen)
+        except (TypeError, ValueError):
+            seen = pickle.dumps(seen, protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.sha1(name.encode() + b"\0" + seen).digest()
 
-    Built-ins read only expected_answer; http and callable verifiers may read any field of the row,
-    so for them the whole row is part of the key.
-    """
-    what = row if whole_row else row.get("expected_answer")
-    return hashlib.sha1(orjson.dumps([name, what, text], default=str)).digest()
+
+View = Callable[[dict[str, Any], RolloutResult], Any]
+Check = Callable[[Any], Awaitable[Any]]
+
+
+def answer_view(row: dict[str, Any], result: RolloutResult) -> tuple[dict[str, Any], str]:
+    """What a built-in reads: the row's expected_answer alone, and the final text."""
+    return {k: row[k] for k in ("expected_answer",) if k in row}, result.text
+
+
+def row_view(row: dict[str, Any], result: RolloutResult) -> tuple[dict[str, Any], str]:
+    """What a module:function is given: the whole row and the final text."""
+    return row, result.text
 
 
 class CachedVerifier:
-    """Verify each (answer, text) once per process: re-runs and repeats of one output cost nothing.
+    """Verify each input once per process: re-runs and repeats of one output cost nothing.
 
-    An LRU of `size` sha1 keys (~100 bytes each). Two identical calls in flight at once may both run.
+    `view` picks what the verifier is given from (row, rollout); `check` scores it. The key is that
+    input (verifier_cache_key). An LRU of `size` sha1 keys (~100 bytes each). Two identical calls in
+    flight at once may both run.
     """
 
-    def __init__(self, name: str, fn: Verifier, whole_row: bool = False, size: int = CACHE_SIZE) -> None:
+    def __init__(self, name: str, view: View, check: Check, size: int = CACHE_SIZE) -> None:
         self.name = name
-        self.fn = fn
-        self.whole_row = whole_row
+        self.view = view
+        self.check = check
         self.size = size
         self.cache: OrderedDict[bytes, float] = OrderedDict()
         self.hits = 0
@@ -130,53 +151,69 @@ class CachedVerifier:
         return (meter.cpu_s, meter.busy_s, meter.checks) if meter is not None else (0.0, 0.0, 0)
 
     async def __call__(self, row: dict[str, Any], result: RolloutResult) -> float:
-        key = verifier_cache_key(self.name, row, result.text, self.whole_row)
+        seen = self.view(row, result)
+        key = verifier_cache_key(self.name, seen)
         hit = self.cache.get(key)
         if hit is not None:
             self.cache.move_to_end(key)
             self.hits += 1
             return hit
-        reward = float(await self.fn(row, result))
+        reward = float(await self.check(seen))
         self.cache[key] = reward
         if len(self.cache) > self.size:
             self.cache.popitem(last=False)
         return reward
 
 
-def _sync(fn: Callable[[dict[str, Any], str], Any], meter: VerifyMeter | None = None) -> Verifier:
-    """A synchronous reward function, run on a thread: a slow one must not stall the event loop (and
-    with it the output lease's renewals and every other rollout)."""
+def timeout_error(name: str, timeout_s: float, then: str) -> BackendError:
+    return BackendError(
+        f"verifier {name!r} took longer than --verify-timeout-s {timeout_s:g}s on this rollout; {then}",
+        kind="verifier_timeout",
+    )
 
-    def timed(row: dict[str, Any], text: str) -> Any:
-        cpu, wall = time.thread_time(), time.perf_counter()
+
+async def _bounded(name: str, timeout_s: float, awaitable: Awaitable[Any]) -> Any:
+    """An awaited check under --verify-timeout-s, cancelled past it."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        raise timeout_error(name, timeout_s, "it was cancelled") from None
+
+
+def _threaded(name: str, fn: Callable[..., Any], timeout_s: float, meter: VerifyMeter | None = None) -> Check:
+    """A synchronous reward function on this process's check threads (never on the event loop, where
+    a slow one would stall the output lease's renewals and every other rollout). An awaitable it
+    returns is awaited on the loop, as in a verifier process."""
+
+    async def check(seen: tuple[dict[str, Any], str]) -> Any:
         try:
-            return fn(row, text)
-        finally:
-            if meter is not None:
-                meter.add(time.thread_time() - cpu, time.perf_counter() - wall)
-
-    async def verify(row: dict[str, Any], result: RolloutResult) -> float:
-        value = await asyncio.to_thread(timed, row, result.text)
+            value = await check_threads().run(functools.partial(fn, *seen), timeout_s, meter)
+        except TimeoutError:
+            raise timeout_error(name, timeout_s, "its thread is left to finish, and replaced") from None
         if inspect.isawaitable(value):
-            value = await value
-        return float(value)
+            value = await _bounded(name, timeout_s, value)
+        return value
 
-    return verify
+    return check
 
 
 def _cpu_bound(
-    spec: str, settings: VerifySettings, fn: Callable[[dict[str, Any], str], Any], whole_row: bool
+    spec: str, settings: VerifySettings, fn: Callable[..., Any], view: View, sharers: int
 ) -> CachedVerifier:
-    """A CPU-bound check: in this process's verifier pool, or in a thread when --verify-processes is 0."""
-    processes = settings.processes if settings.processes is not None else default_processes()
+    """A CPU-bound check: in this process's verifier pool, or on a thread when --verify-processes is 0."""
+    processes = (
+        settings.processes
+        if settings.processes is not None
+        else default_processes(settings.node_processes, sharers)
+    )
     meter = VerifyMeter()
 
-    async def pooled(row: dict[str, Any], result: RolloutResult) -> float:
-        pool = shared_pool(spec, processes, settings.check_timeout_s)
-        sent = row if whole_row else {k: row[k] for k in ("expected_answer",) if k in row}
-        return await pool.check(sent, result.text, meter)
+    async def pooled(seen: tuple[dict[str, Any], str]) -> float:
+        pool = shared_pool(spec, processes, settings.check_timeout_s, settings.start_timeout_s)
+        return await pool.check(*seen, meter)
 
-    verifier = CachedVerifier(spec, pooled if processes else _sync(fn, meter), whole_row=whole_row)
+    check = pooled if processes else _threaded(spec, fn, settings.check_timeout_s, meter)
+    verifier = CachedVerifier(spec, view, check)
     verifier.processes, verifier.meter = processes, meter
     return verifier
 
@@ -194,13 +231,14 @@ def _callable(spec: str) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def _async(fn: Callable[[dict[str, Any], str], Awaitable[Any]]) -> Verifier:
-    """An async reward function stays on the event loop (it waits on I/O; it does not burn a core)."""
+def _async(spec: str, fn: Callable[..., Awaitable[Any]], timeout_s: float) -> Check:
+    """An async reward function stays on the event loop (it waits on I/O; it does not burn a core),
+    under --verify-timeout-s."""
 
-    async def verify(row: dict[str, Any], result: RolloutResult) -> float:
-        return float(await fn(row, result.text))
+    async def check(seen: tuple[dict[str, Any], str]) -> Any:
+        return await _bounded(spec, timeout_s, fn(*seen))
 
-    return verify
+    return check
 
 
 async def _post_verify(url: str, body: bytes, timeout: aiohttp.ClientTimeout) -> float:
@@ -244,19 +282,22 @@ def _reward_of(payload: bytes, url: str, status: int) -> float:
     return float(reward)
 
 
-def _http(settings: VerifySettings, policy: RetryPolicy) -> Verifier:
-    """NeMo Gym resources server: POST {url}/verify with the row and its response, read `reward`."""
+def _http(settings: VerifySettings, policy: RetryPolicy) -> tuple[View, Check]:
+    """NeMo Gym resources server: POST {url}/verify with the row and its response, read `reward`; the
+    whole check, retries included, under --verify-timeout-s."""
     if not settings.url:
         raise VerifierError("--verifier http needs --verifier-url (the resources server's base URL).")
     url = settings.url.rstrip("/") + "/verify"
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
 
-    async def verify(row: dict[str, Any], result: RolloutResult) -> float:
-        body = orjson.dumps({**row, "response": result.fields.get("response")})
+    def body(row: dict[str, Any], result: RolloutResult) -> bytes:
+        return rowjson.dumps({**row, "response": result.fields.get("response")})
+
+    async def post(data: bytes) -> float:
         tries = 0
         while True:
             try:
-                return await _post_verify(url, body, timeout)
+                return await _post_verify(url, data, timeout)
             except BackendError as exc:
                 tries += 1
                 exc.attempts = tries
@@ -264,34 +305,41 @@ def _http(settings: VerifySettings, policy: RetryPolicy) -> Verifier:
                     raise
                 await asyncio.sleep(policy.delay(tries - 1, exc.retry_after))
 
-    return verify
+    async def check(data: bytes) -> float:
+        return await _bounded(f"http:{settings.url}", settings.check_timeout_s, post(data))  # type: ignore[no-any-return]
+
+    return body, check
 
 
-def make_verifier(settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY) -> Verifier | None:
+def make_verifier(
+    settings: VerifySettings, policy: RetryPolicy = DEFAULT_POLICY, sharers: int = 1
+) -> Verifier | None:
     """The reward function named by settings.verifier (None for `none`); bad specs fail here, not per row.
 
-    `policy` is the retry policy of the http verifier (pass the backend's to retry alike).
+    `policy` is the retry policy of the http verifier (pass the backend's to retry alike). `sharers`:
+    the worker processes of this node that share its verifier processes (Dask, Ray).
     """
-    spec = settings.verifier
+    spec = settings.verifier_for("responses")
+    timeout_s = settings.check_timeout_s
     if spec == "none":
         return None
     if spec == "exact_match":
-        verifier = CachedVerifier(spec, _sync(exact_match))
+        verifier = CachedVerifier(spec, answer_view, _threaded(spec, exact_match, timeout_s))
         verifier.plain = exact_match
         return verifier
     if spec == "math":
-        return _cpu_bound(spec, settings, math_verify_match, whole_row=False)
+        return _cpu_bound(spec, settings, math_verify_match, answer_view, sharers)
     if spec == "math_fast":
-        verifier = CachedVerifier(spec, _sync(math_match))
+        verifier = CachedVerifier(spec, answer_view, _threaded(spec, math_match, timeout_s))
         verifier.plain = math_match
         return verifier
     if spec == "http":
-        return CachedVerifier(f"http:{settings.url}", _http(settings, policy), whole_row=True)
+        return CachedVerifier(f"http:{settings.url}", *_http(settings, policy))
     if ":" in spec:
         fn = _callable(spec)
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-            return CachedVerifier(spec, _async(fn), whole_row=True)
-        return _cpu_bound(spec, settings, fn, whole_row=True)
+            return CachedVerifier(spec, row_view, _async(spec, fn, timeout_s))
+        return _cpu_bound(spec, settings, fn, row_view, sharers)
     raise VerifierError(
         f"Unknown verifier {spec!r}. Use exact_match, math, math_fast, http (with --verifier-url), none, or "
         f"module:function."
