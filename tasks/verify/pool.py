@@ -139,9 +139,14 @@ class _Worker:
         except EOFError:
             raise StartFailed(f"its process exited while starting (exit {self.proc.wait()})") from None
 
-    def kill(self) -> int:
-        if self.proc.poll() is None:
+    def stop(self) -> None:
+        """SIGKILL, from any thread: its dispatcher then reads EOF and retires it."""
+        with contextlib.suppress(OSError):
             self.proc.kill()
+
+    def kill(self) -> int:
+        """Stop it, reap it, close its pipes: only from the thread that drives it."""
+        self.stop()
         code = self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
@@ -240,6 +245,9 @@ class VerifyPool:
         except StartFailed:
             self._retire(worker)
             raise
+        except Exception as exc:
+            self._retire(worker)
+            raise StartFailed(f"its process could not be started ({type(exc).__name__}: {exc})") from exc
         with self._lock:
             self._ready.add(worker)
         return worker
@@ -267,6 +275,9 @@ class VerifyPool:
             failures = 0
             try:
                 self._drive(worker, pending)
+            except Exception as exc:  # a bug here must cost its checks, never the dispatcher
+                log.exception("verifier %r: its dispatcher failed", self.spec)
+                self._fail_all(pending, f"its dispatcher failed ({type(exc).__name__}: {exc})")
             finally:
                 self._retire(worker)
         self._fail_all(pending, "the run is stopping")
@@ -374,7 +385,7 @@ class VerifyPool:
             for _ in self._threads:
                 self._jobs.put(None)
         for worker in workers:
-            worker.kill()
+            worker.stop()
         while True:
             try:
                 job = self._jobs.get_nowait()
