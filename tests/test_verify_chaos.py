@@ -326,3 +326,28 @@ def test_an_explicit_verifier_scores_agent_replies_that_carry_no_reward(run_cli,
     assert all(
         "--verifier scores the replies that carry no reward" in e["message"] for e in failures.values()
     )
+
+
+@pytest.mark.parametrize("processes", ["0", "1"])
+def test_sigterm_during_a_hung_check_stops_the_run_promptly(cli_env, long_sim, tmp_path, processes):
+    mark = tmp_path / "began"
+    case = Case(tmp_path, CHAOS, [{"do": "hang", "mark": str(mark)}, {"do": "ok"}])
+    args = case.args(long_sim.url, f"{case.module}:score", "--verify-processes", processes)
+    args[args.index("--verify-timeout-s") + 1] = (
+        "600"  # the check is still running when the run is told to stop
+    )
+    proc = spawn(args, {**cli_env, **case.env})
+    try:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), f"the check never began: {proc.stderr.read().decode()[-2000:]}"  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run was still alive 30 s after SIGTERM") from None
+    finally:
+        proc.kill()
+        proc.wait()
+    case.assert_no_process_left()
