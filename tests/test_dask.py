@@ -9,6 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
 from fixtures_dask import PRELOAD, reset_stats, sim_stats
 
@@ -133,22 +134,26 @@ def _verifier_processes(pid: int) -> list[int]:
     found = []
     for child in children(pid):
         try:
-            if b"verify_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"rollflow.tasks.verify.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
         except OSError:
             continue
     return found
 
 
+@pytest.mark.parametrize(
+    ("sizing", "each"), [(("--verify-processes", "1"), 1), (("--verify-node-processes", "4"), 2)]
+)
 def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
-    run_cli, cli_env, slow_sim, rows_input, tmp_path
+    run_cli, cli_env, slow_sim, rows_input, tmp_path, sizing, each
 ):
     """`--verifier math` on Dask: each worker process starts its own verifier processes once, for all the
-    chunks it runs (not one pool per chunk), and the run publishes with every reward computed."""
+    chunks it runs (not one pool per chunk), and the run publishes with every reward computed. The node's
+    verifier processes are split over its worker processes, never each sized to the whole node."""
     out = tmp_path / "out"
     args = [a if a != "agent" else "responses" for a in run_args(rows_input, str(out), slow_sim)]
     args += ["--runner", "dask", "--dask-workers", "2", "--chunk-size", "100", "--limit", "600",
-             "--verifier", "math", "--verify-processes", "1"]  # fmt: skip
+             "--verifier", "math", *sizing]  # fmt: skip
     proc = spawn(args, cli_env)
     seen: dict[int, set[int]] = {}
 
@@ -159,7 +164,7 @@ def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
 
     wait_until(pools_up, proc, timeout_s=180)
     assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
-    assert all(len(pids) == 1 for pids in seen.values()), f"verifier processes per Dask worker: {seen}"
+    assert all(len(pids) == each for pids in seen.values()), f"verifier processes per Dask worker: {seen}"
     rows = [line for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
     assert len(rows) == 2 * 600 and all(b'"reward":' in row for row in rows)
 

@@ -111,13 +111,13 @@ async def test_http_verifier_cache_avoids_second_call(server: ScriptedServer) ->
     assert await verify(row, result("42")) == 1.0
     assert await verify(dict(row), result("42")) == 1.0
     assert len(server.seen) == 1 and verify.hits == 1
+    calls = {**RESPONSE, "output": [{"type": "function_call", "name": "f", "arguments": "{}"}]}
+    await verify(row, RolloutResult({"response": calls}, None, "42", 1, 0.0, 1))
+    assert len(server.seen) == 2, "the same text with other tool calls is another input"
     other = {"responses_create_params": {"input": "other question"}, "expected_answer": "42"}
     await verify(other, result("42"))  # http verifiers may read any field: another row is another key
     await verify(row, result("43"))  # the server is sent the response, not the text: the same input
-    assert len(server.seen) == 2
-    calls = {**RESPONSE, "output": [{"type": "function_call", "name": "f", "arguments": "{}"}]}
-    await verify(row, RolloutResult({"response": calls}, None, "42", 1, 0.0, 1))
-    assert len(server.seen) == 3, "the same text with other tool calls is another input"
+    assert len(server.seen) == 3
 
 
 async def test_http_verifier_retries_then_fails(server: ScriptedServer) -> None:
