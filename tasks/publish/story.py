@@ -170,14 +170,15 @@ def verifier_story(verify: VerifySettings, scored: bool = True) -> dict[str, Any
     when the backend gave the rewards (an agent)."""
     if not scored:
         return None
-    library = LIBRARIES.get(verify.verifier)
+    name = verify.verifier_for("responses")  # an agent's replies are scored only by a verifier set
+    library = LIBRARIES.get(name)
     try:
         library_version = version(library) if library else None
     except PackageNotFoundError:
         library_version = None
     return {
-        "name": verify.verifier,
-        "url": scrub_url(verify.url) if verify.verifier == "http" and verify.url else None,
+        "name": name,
+        "url": scrub_url(verify.url) if name == "http" and verify.url else None,
         "library": library,
         "library_version": library_version,
         "correct_threshold": verify.correct_threshold,
@@ -221,7 +222,9 @@ def run_story(spec: RunSpec, identity: RunIdentity, summary: Any, ledger: Ledger
             "seed": spec.collection.seed,
             "num_repeats": spec.collection.num_repeats,
         },
-        "scored_by": verifier_story(spec.verify, scored=kind != "agent"),
+        "scored_by": verifier_story(
+            spec.verify, scored=kind != "agent" or spec.verify.verifier_for(kind) != "none"
+        ),
         "origin": {
             "rollflow_version": identity.rollflow_version,
             "input": scrub_url(spec.input),

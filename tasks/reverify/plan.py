@@ -41,10 +41,11 @@ def rollflow_version() -> str:
 
 def reverify_config(spec: ReverifySpec, mode: str) -> dict[str, Any]:
     """What changes the rescored dataset: the verifier and how the source is read; not parallelism."""
+    verifier = spec.verify.verifier_for("responses")  # reverify scores every row, as a responses run
     return {
         "reverify": mode,
-        "verifier": spec.verify.verifier,
-        "verifier_url": spec.verify.url if spec.verify.verifier == "http" else None,
+        "verifier": verifier,
+        "verifier_url": spec.verify.url if verifier == "http" else None,
     }
 
 

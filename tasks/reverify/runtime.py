@@ -46,6 +46,6 @@ def reverify_context(handles: ReverifyHandles, plan: ReverifyPlan) -> ReverifyCo
         mode=plan.source.mode,
         source_options=handles.source_options,
         verifier=verifier,
-        verifier_name=spec.verify.verifier,
+        verifier_name=spec.verify.verifier_for("responses"),
         parallelism=spec.parallelism,
     )
