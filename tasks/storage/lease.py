@@ -78,6 +78,12 @@ class LeaseInfo:
         return True
 
 
+def counted_until(expires_at: float, margin_s: float) -> float:
+    """The one lease check's bound: a lease counts as held until `margin_s` (the run's `Lease.margin_s`,
+    ttl / MARGIN_PARTS) before it expires, for the run that renews it and for the workers that read it."""
+    return expires_at - margin_s
+
+
 def _stamp(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -108,7 +114,7 @@ class Lease:
         self.lost_reason = ""
         self.lost_error: Exception | None = None
         self.margin_s = ttl_s / MARGIN_PARTS
-        self.valid_until = time.monotonic() + ttl_s - self.margin_s
+        self.valid_until = counted_until(time.monotonic() + ttl_s, self.margin_s)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollflow-lease")
 
     def _body(self) -> bytes:
@@ -135,7 +141,7 @@ class Lease:
             body = self._body()
             if self.cas.write(body, token if data is not None else None):
                 self.token = self.cas.read()[1]
-                self.valid_until = started + self.ttl_s - self.margin_s
+                self.valid_until = counted_until(started + self.ttl_s, self.margin_s)
                 return
         data, _ = self.cas.read()
         info = _parse(data)
@@ -220,7 +226,7 @@ class Lease:
                 break
             try:
                 started = await self._renew_within(self.valid_until - now)
-                self.valid_until = started + self.ttl_s - self.margin_s
+                self.valid_until = counted_until(started + self.ttl_s, self.margin_s)
             except (LeaseLost, OutputGone) as exc:
                 self.lost_error = exc
                 self._lose(str(exc))
@@ -288,12 +294,13 @@ class OwnerCheck:
         self.valid_until = 0.0  # epoch seconds: the last lease read, less the margin
 
     def judge(self, info: LeaseInfo | None) -> LeaseLost | None:
-        if info is None or info.owner != self.owner or info.expires_at - self.margin_s <= time.time():
+        until = counted_until(info.expires_at, self.margin_s) if info is not None else 0.0
+        if info is None or info.owner != self.owner or until <= time.time():
             return LeaseLost(
                 f"The lease on {self.store.root_url} is no longer held by the run this worker writes for "
                 f"({self.owner}); the chunk stopped without committing."
             )
-        self.valid_until = info.expires_at - self.margin_s
+        self.valid_until = until
         return None
 
     def read(self) -> LeaseInfo | None:
