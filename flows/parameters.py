@@ -12,10 +12,21 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.settings import (
+    BackendParams,
+    CollectionSettings,
+    RollflowSettings,
+    RunSpec,
+    TuningSettings,
+    VerifySettings,
+)
+from rollflow.settings.models import EngineSettings
 from rollflow.tasks.storage.ledger import IdentityMismatch
 
 REQUIRED = ("input", "output")
+# Section defaults with no field set: a run that leaves a section out runs it as served.
+AS_SERVED_BACKEND, AS_SERVED_COLLECTION = BackendParams(), CollectionSettings()
+AS_SERVED_VERIFY, AS_SERVED_TUNING, AS_SERVED_ENGINE = VerifySettings(), TuningSettings(), EngineSettings()
 
 
 def given_fields(parameters: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,15 @@ from prefect.runtime import deployment as runtime_deployment
 
 from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress
 from rollflow.flows.messages import deadline_message, incomplete_message
-from rollflow.flows.parameters import refusal, run_spec
+from rollflow.flows.parameters import (
+    AS_SERVED_BACKEND,
+    AS_SERVED_COLLECTION,
+    AS_SERVED_ENGINE,
+    AS_SERVED_TUNING,
+    AS_SERVED_VERIFY,
+    refusal,
+    run_spec,
+)
 from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import chunk_error
@@ -355,11 +363,6 @@ async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, An
         return await run_collection(spec, settings, handles)
     finally:
         close_pools()  # this process's verifier processes; a Dask worker's close when it exits
-
-
-# Section defaults with no field set: a run that leaves a section out runs it as served.
-AS_SERVED_BACKEND, AS_SERVED_COLLECTION = BackendParams(), CollectionSettings()
-AS_SERVED_VERIFY, AS_SERVED_TUNING, AS_SERVED_ENGINE = VerifySettings(), TuningSettings(), EngineSettings()
 
 
 @flow(name="rollflow-run", log_prints=False)

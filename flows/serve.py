@@ -33,16 +33,16 @@ def default_parameters(settings: RollflowSettings) -> dict[str, Any]:
     return params
 
 
-def spec_parameter(params: dict[str, Any]) -> dict[str, Any]:
-    """The same defaults as one `spec`, the parameter of the diagnose and tune flows."""
-    spec = {k: v for k, v in params.items() if k != "engine"}
-    return {"spec": {**spec, **params.get("engine", {})}}
+def stage_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """The same defaults for the diagnose and tune flows, which take the run's parameters but its
+    publishing and deadline ones."""
+    return {k: v for k, v in params.items() if k in rollflow_tune.parameters.properties}
 
 
 def deployments(name: str, params: dict[str, Any], schedule: dict[str, Any]) -> list[Any]:
     """rollflow-run (with its schedule, if any), rollflow-diagnose, rollflow-tune and rollflow-reverify."""
     tags = ["rollflow"]
-    stage = spec_parameter(params)
+    stage = stage_parameters(params)
     return [
         rollflow_run.to_deployment(
             name=name, parameters=params, tags=tags, description="diagnose, tune, collect, publish",

@@ -9,14 +9,30 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
+from rollflow.flows.parameters import (
+    AS_SERVED_BACKEND,
+    AS_SERVED_COLLECTION,
+    AS_SERVED_ENGINE,
+    AS_SERVED_TUNING,
+    AS_SERVED_VERIFY,
+    run_spec,
+)
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.settings import RollflowSettings, RunSpec, TuningSettings
+from rollflow.settings import (
+    BackendParams,
+    CollectionSettings,
+    RollflowSettings,
+    RunSpec,
+    TuningSettings,
+    VerifySettings,
+)
+from rollflow.settings.models import EngineSettings
 from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan
@@ -164,7 +180,7 @@ async def choose_parallelism(
     return chosen, found
 
 
-async def _stage(spec: RunSpec, tune_too: bool, params: TuningParams | None) -> dict[str, Any]:
+async def _stage(spec: RunSpec, tune_too: bool) -> dict[str, Any]:
     """Probes write parts (and --restart discards chunks), so the stage holds the output's lease."""
     settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_run(spec, settings)
@@ -172,7 +188,7 @@ async def _stage(spec: RunSpec, tune_too: bool, params: TuningParams | None) -> 
     await lease_task(handles, lease)
     handles.ledger.fence = lease.check
     try:
-        return await lease.guard(_diagnose_and_tune(spec, settings, handles, tune_too, params))
+        return await lease.guard(_diagnose_and_tune(spec, settings, handles, tune_too))
     finally:
         await asyncio.to_thread(lease.release)
 
@@ -182,10 +198,9 @@ async def _diagnose_and_tune(
     settings: RollflowSettings,
     handles: RunHandles,
     tune_too: bool,
-    params: TuningParams | None,
 ) -> dict[str, Any]:
     plan = await plan_task(handles, None)
-    chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too, params=params)
+    chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too)
     name = "tuning.json" if tune_too else "diagnosis.json"
     await asyncio.to_thread(
         handles.store.write_bytes, name, orjson.dumps({**found, "chosen_parallelism": chosen}, option=2)
@@ -194,12 +209,64 @@ async def _diagnose_and_tune(
 
 
 @flow(name="rollflow-diagnose", log_prints=False)
-async def rollflow_diagnose(spec: RunSpec, params: TuningParams | None = None) -> dict[str, Any]:
-    """diagnose-bottleneck alone: the verdict, with its figures, in <output>/diagnosis.json."""
-    return await _stage(spec, tune_too=False, params=params)
+async def rollflow_diagnose(
+    input: str,
+    output: str,
+    dataset: str | None = None,
+    format: Literal["jsonl", "parquet"] | None = None,
+    backend: BackendParams = AS_SERVED_BACKEND,
+    collection: CollectionSettings = AS_SERVED_COLLECTION,
+    verify: VerifySettings = AS_SERVED_VERIFY,
+    tuning: TuningSettings = AS_SERVED_TUNING,
+    engine: EngineSettings = AS_SERVED_ENGINE,
+    restart: bool | None = None,
+) -> dict[str, Any]:
+    """diagnose-bottleneck alone: the verdict, with its figures, in <output>/diagnosis.json.
+
+    A field left out keeps its served value, as for rollflow-run.
+
+    Args:
+        input: Input JSONL of NeMo Gym rows: local path or s3://...
+        output: Output directory (ledger, reports): local path or s3://...
+        dataset: Where the run publishes the dataset; default rollouts.jsonl in the output directory
+        format: jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)
+        backend: Where rollouts come from and how hard to try for each one
+        collection: How the input is planned into chunks and how many requests run at once
+        verify: How rewards are computed for backends that return none
+        tuning: diagnose-bottleneck and tune-parallelism
+        engine: Where chunks run: this process, or a Dask or Ray cluster's workers
+        restart: Discard a different run's committed chunks and start over
+    """
+    return await _stage(run_spec(locals(), RollflowSettings()), tune_too=False)
 
 
 @flow(name="rollflow-tune", log_prints=False)
-async def rollflow_tune(spec: RunSpec, params: TuningParams | None = None) -> dict[str, Any]:
-    """diagnose-bottleneck then tune-parallelism: <output>/tuning.json and throughput.png."""
-    return await _stage(spec, tune_too=True, params=params)
+async def rollflow_tune(
+    input: str,
+    output: str,
+    dataset: str | None = None,
+    format: Literal["jsonl", "parquet"] | None = None,
+    backend: BackendParams = AS_SERVED_BACKEND,
+    collection: CollectionSettings = AS_SERVED_COLLECTION,
+    verify: VerifySettings = AS_SERVED_VERIFY,
+    tuning: TuningSettings = AS_SERVED_TUNING,
+    engine: EngineSettings = AS_SERVED_ENGINE,
+    restart: bool | None = None,
+) -> dict[str, Any]:
+    """diagnose-bottleneck then tune-parallelism: <output>/tuning.json and throughput.png.
+
+    A field left out keeps its served value, as for rollflow-run.
+
+    Args:
+        input: Input JSONL of NeMo Gym rows: local path or s3://...
+        output: Output directory (ledger, reports): local path or s3://...
+        dataset: Where the run publishes the dataset; default rollouts.jsonl in the output directory
+        format: jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)
+        backend: Where rollouts come from and how hard to try for each one
+        collection: How the input is planned into chunks and how many requests run at once
+        verify: How rewards are computed for backends that return none
+        tuning: diagnose-bottleneck and tune-parallelism
+        engine: Where chunks run: this process, or a Dask or Ray cluster's workers
+        restart: Discard a different run's committed chunks and start over
+    """
+    return await _stage(run_spec(locals(), RollflowSettings()), tune_too=True)

@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
     known = user_errors()
     try:
         with known_errors_quiet(known, verbose), using(api):
-            found = asyncio.run(flow_fn(spec))
+            params = spec.parameters()
+            found = asyncio.run(flow_fn(**{k: params[k] for k in flow_fn.parameters.properties}))
     except known as exc:
         console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
