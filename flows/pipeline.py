@@ -347,6 +347,7 @@ def remote_figures(spec: RunSpec, result: CollectResult) -> dict[str, Any]:
         return {}
     return {
         "runner": spec.runner,
+        "share_book_errors": result.book_errors[:20],
         "workers": [{k: v for k, v in w.items() if k != "endpoints"} for w in result.workers],
         "peak_in_flight_allowed": result.peak_allowed,
     }

@@ -32,8 +32,9 @@ SUBMIT_S = 0.05
 @dataclass
 class CollectResult:
     outcomes: list[ChunkOutcome] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # chunk tasks that failed after their retries
     stopped: bool = False
+    book_errors: list[str] = field(default_factory=list)  # share book rounds that failed (no chunk's)
     workers: list[dict[str, Any]] = field(default_factory=list)  # per worker process (remote runners)
     peak_in_flight: int | None = None  # remote runners: the most the workers had in flight at once
     peak_allowed: int | None = None  # remote runners: the most the share book let them have at once
@@ -88,8 +89,8 @@ def _board_round(board: Board, result: CollectResult) -> None:
         board.round()
     except Exception as exc:
         note = redact.redact(f"share book round failed: {type(exc).__name__}: {exc}")
-        if note not in result.errors:
-            result.errors.append(note)
+        if note not in result.book_errors:
+            result.book_errors.append(note)
 
 
 async def collect_remote(

@@ -102,9 +102,21 @@ class RunSlot:
 
     def count(self, event: ProgressEvent) -> None:
         """A running chunk's attempt or rollouts (the process's hub also carries other runs' events, whose
-        chunks have the same indexes)."""
-        if event.run == self.key and event.chunk in self.planned and event.kind in ("attempt", "rollouts"):
+        chunks have the same indexes). An attempt's adopted rollouts go to the chunk's demand only: they
+        were counted where they were collected, so a retried chunk is not counted twice."""
+        if event.run != self.key or event.chunk not in self.planned:
+            return
+        if event.kind == "attempt":
+            self.counted.chunks[event.chunk] = [event.done, 0]
+        elif event.kind == "rollouts":
             self.counted.add(event)
+
+    def carried(self) -> tuple[int, int, int, int, float]:
+        """The figures a later slot of the run in this process goes on from (after this one idled out)."""
+        return self.counted.done, self.counted.failed, self.chunks_done, self.reports, self.cpu0
+
+    def carry(self, figures: tuple[int, int, int, int, float]) -> None:
+        self.counted.done, self.counted.failed, self.chunks_done, self.reports, self.cpu0 = figures
 
     def report(self, worker: str) -> dict[str, Any]:
         self.reports += 1
@@ -153,6 +165,7 @@ class WorkerCollector:
         self.worker = worker_id()
         self.loop = asyncio.new_event_loop()
         self.slots: dict[str, RunSlot] = {}
+        self.carried: dict[str, tuple[int, int, int, int, float]] = {}  # figures of runs' closed slots
         self._opening: dict[str, asyncio.Future[RunSlot]] = {}
         self.exchanges = concurrent.futures.ThreadPoolExecutor(EXCHANGE_THREADS, "rollflow-exchange")
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollflow-collector", daemon=True)
@@ -205,6 +218,8 @@ class WorkerCollector:
         finally:
             if self._opening.get(key) is not None and self._opening[key].done():
                 self._opening.pop(key, None)
+        if key in self.carried:  # the run's slot idled out here earlier: its figures go on
+            slot.carry(self.carried.pop(key))
         self.slots[key] = slot
         if run.link is not None and slot.sync is None:
             slot.sync = asyncio.create_task(self._keep_share(key, slot))
@@ -238,7 +253,7 @@ class WorkerCollector:
                 slot.last_ok = slot.sent_at
                 if reply and reply.get("closed"):
                     slot.ctx.pool.set_share(0, slot.run_limits)
-                    self.slots.pop(key, None)
+                    self._close_slot(key, slot)
                     return
                 if reply:
                     slot.apply(self.worker, reply)
@@ -249,9 +264,14 @@ class WorkerCollector:
             now = time.monotonic()
             past_deadline = slot.scope.stop_at is not None and time.time() > slot.scope.stop_at
             if not slot.planned and (now - slot.last_active > IDLE_S or past_deadline):
-                self.slots.pop(key, None)
+                self._close_slot(key, slot)
                 return
             await asyncio.sleep(POLL_S)
+
+    def _close_slot(self, key: str, slot: RunSlot) -> None:
+        if self.slots.get(key) is slot:
+            self.slots.pop(key)
+            self.carried[key] = slot.carried()
 
     async def _exchange(self, slot: RunSlot) -> dict[str, Any] | None:
         """One exchange on the exchange threads; one still under way (a scheduler that does not answer)
