@@ -46,7 +46,36 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     report = slot.report(me)
     assert report["demand"] == 84 and report["chunks"] == {"7": [15, 1]}
     assert report["applied_seq"] == 3 and report["applied"] == 8
-    assert report["rotation"] == {} and report["snapshot"]["rollouts"] == 15  # followed, not found here
+    assert report["rotation"] == {}  # followed, not found here
+    assert report["snapshot"]["rollouts"] == 5  # the 10 adopted were counted where they were collected
+
+
+def test_a_slot_recreated_after_idling_goes_on_from_its_first_life(tmp_path: Path, monkeypatch) -> None:
+    """A run with no chunk here for IDLE_S loses its slot; its next chunk here opens a new one, whose
+    figures (and report numbers, which the board orders by) go on from the first life's."""
+    monkeypatch.setattr(collector_module, "IDLE_S", 0.3)
+    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
+    collector, link = WorkerCollector.get(), RecordingLink()
+    run = RemoteRun(spec, WorkerScope(), None, link, 4)
+
+    def on_loop(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, collector.loop).result(timeout=30)
+
+    first = on_loop(collector._slot(run))
+    first.start(3, 20)
+    first.count(ProgressEvent("rollouts", chunk=3, done=20, run=first.ctx.run))
+    first.end(3)
+    first.chunks_done += 1
+    key = collector_module.run_key(run)
+    deadline = time.monotonic() + 10
+    while key in collector.slots and time.monotonic() < deadline:  # the run idles out here
+        time.sleep(0.05)
+    assert key not in collector.slots
+    seq = max(r["n"] for r in link.reports)
+    second = on_loop(collector._slot(run))
+    assert second is not first
+    snap = second.report(collector.worker)["snapshot"]
+    assert (snap["rollouts"], snap["chunks"]) == (20, 1) and snap["seq"] > seq
 
 
 class StuckLink:
