@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
+from rollflow.flows.engines import dask_runner
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import chunk_error
 from rollflow.settings import RollflowSettings, redact
@@ -33,6 +35,7 @@ from rollflow.tasks.wrappers.reverify_tasks import (
     failures_task,
     plan_reverify_task,
     publish_task,
+    reverify_chunk_remote_task,
     reverify_chunk_task,
 )
 
@@ -74,6 +77,46 @@ async def rescore_stage(ctx: ReverifyContext, plan: ReverifyPlan, spec: Reverify
     return done
 
 
+def _rescore_on_dask(plan: ReverifyPlan, spec: ReverifySpec, lease: Lease, stop: threading.Event) -> Rescored:
+    """Every pending chunk as a task on the Dask cluster; runs in a thread, which `stop` ends early."""
+    done = Rescored()
+    task = reverify_chunk_remote_task.with_options(retries=spec.chunk_retries)
+    params = {"spec": spec, "source": plan.source, "owner": lease.owner, "margin_s": lease.margin_s}
+    with _dask(spec) as runner:
+        pending = [runner.submit(task, {**params, "chunk": chunk}) for chunk in plan.pending]
+        while pending and not stop.wait(0.05):
+            for future in [f for f in pending if f.wrapped_future.done()]:
+                pending.remove(future)
+                try:
+                    done.outcomes.append(future.result())
+                except Exception as exc:
+                    done.errors.append(redact.redact(f"{type(exc).__name__}: {exc}"))
+        if pending:
+            runner.client.cancel([f.wrapped_future for f in pending])
+    return done
+
+
+def _dask(spec: ReverifySpec) -> Any:
+    """The cluster at --dask-address, a cluster class's, or a local one of --dask-workers processes."""
+    if spec.dask_address or spec.dask_cluster_class:
+        return dask_runner(spec, 0)  # type: ignore[arg-type]
+    from prefect_dask import DaskTaskRunner
+
+    kwargs = {"n_workers": spec.dask_workers, "threads_per_worker": spec.chunks_in_flight, "processes": True}
+    return DaskTaskRunner(cluster_kwargs=kwargs)
+
+
+async def rescore_remote(plan: ReverifyPlan, spec: ReverifySpec, lease: Lease) -> Rescored:
+    stop = threading.Event()
+    t0 = time.perf_counter()
+    try:
+        done = await asyncio.to_thread(_rescore_on_dask, plan, spec, lease, stop)
+    finally:
+        stop.set()
+    done.seconds = time.perf_counter() - t0
+    return done
+
+
 def _metrics(
     rescored: Rescored, stages: dict[str, float], wall_s: float, plan: ReverifyPlan
 ) -> dict[str, Any]:
@@ -94,13 +137,16 @@ def _metrics(
     }
 
 
-async def _reverify(handles: ReverifyHandles) -> dict[str, Any]:
+async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     spec, t_start = handles.spec, time.perf_counter()
     stages: dict[str, float] = {}
     plan = await plan_reverify_task(handles)
     ctx = reverify_context(handles, plan)
     stages["plan"] = time.perf_counter() - t_start
-    rescored = await rescore_stage(ctx, plan, spec)
+    if spec.runner == "dask" and plan.pending:
+        rescored = await rescore_remote(plan, spec, lease)
+    else:
+        rescored = await rescore_stage(ctx, plan, spec)
     stages["rescore"] = rescored.seconds
     t = time.perf_counter()
     summary = await compare_task(handles, plan)
@@ -150,7 +196,7 @@ async def rollflow_reverify(spec: ReverifySpec) -> dict[str, Any]:
     await lease_task(handles, lease)
     handles.ledger.fence = lease.check
     try:
-        return await lease.guard(_reverify(handles))
+        return await lease.guard(_reverify(handles, lease))
     finally:
         await asyncio.to_thread(lease.release)
         close_pools()

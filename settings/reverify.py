@@ -6,14 +6,19 @@ from typing import Literal
 
 from pydantic import Field
 
-from rollflow.settings.models import Settings, VerifySettings
+from rollflow.settings.models import EngineSettings, VerifySettings
 
 # What a verification failure is: only these rollouts hold a response to score again.
 VERIFY_FAILURE_KINDS = ("verifier", "verifier_timeout", "verifier_crash")
 
 
-class ReverifySpec(Settings):
-    """A published output rescored with another verifier; no request goes to any backend."""
+class ReverifySpec(EngineSettings):
+    """A published output rescored with another verifier; no request goes to any backend.
+
+    runner local scores the chunks in this process; dask sends each chunk task to a Dask worker process
+    (--dask-address, a cluster class, or a local cluster), which reads the source and commits the chunk
+    itself under the run's lease.
+    """
 
     source: str = Field(
         ...,

@@ -294,3 +294,19 @@ def test_a_parquet_collection_holds_the_jsonl_runs_rollouts(collections, tmp_pat
     report = orjson.loads((out / "report.json").read_bytes())
     assert report["dataset"] == str(out / "data") and report["format"] == "parquet"
     assert front_matter(out / "README.md")["configs"][0]["data_files"][0]["path"] == "data/*.parquet"
+
+
+def test_reverify_on_a_dask_cluster_equals_the_local_one(
+    run_cli, collections, dask_cluster, tmp_path
+) -> None:
+    """Chunks scored and committed by Dask worker processes (a scheduler and two workers on loopback)."""
+    source, fresh, out = collections["exact"], collections["math_fast"], tmp_path / "dask"
+    res = run_cli(
+        "reverify", str(source), "--output", str(out), "--verifier", "math_fast", "--chunk-size", "20",
+        "--runner", "dask", "--dask-address", dask_cluster.address,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), TASKS, REPEATS)
+    assert rewards(out / "rollouts.jsonl") == rewards(fresh / "rollouts.jsonl")
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["metrics"]["chunks_run"] == len(list((out / "chunks").glob("*.json"))) > 1

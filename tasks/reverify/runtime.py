@@ -9,6 +9,7 @@ from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.reverify.chunk import ReverifyContext
 from rollflow.tasks.reverify.plan import ReverifyPlan
+from rollflow.tasks.reverify.source import SourcePlan
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store
 from rollflow.tasks.verify.verifiers import VerifierError, make_verifier
@@ -33,6 +34,10 @@ def open_reverify(spec: ReverifySpec, settings: RollflowSettings) -> ReverifyHan
 
 def reverify_context(handles: ReverifyHandles, plan: ReverifyPlan) -> ReverifyContext:
     """The collection's verifier, built from the same settings (pool, processes, timeouts)."""
+    return context_for(handles, plan.source)
+
+
+def context_for(handles: ReverifyHandles, source: SourcePlan) -> ReverifyContext:
     spec = handles.spec
     verifier = make_verifier(spec.verify)
     if verifier is None:
@@ -42,8 +47,8 @@ def reverify_context(handles: ReverifyHandles, plan: ReverifyPlan) -> ReverifyCo
         )
     return ReverifyContext(
         ledger=handles.ledger,
-        source_url=plan.source.url,
-        mode=plan.source.mode,
+        source_url=source.url,
+        mode=source.mode,
         source_options=handles.source_options,
         verifier=verifier,
         verifier_name=spec.verify.verifier_for("responses"),

@@ -9,13 +9,15 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.runtime import task_run
 
-from rollflow.settings import redact
+from rollflow.settings import RollflowSettings, redact
+from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome, reverify_chunk
 from rollflow.tasks.reverify.compare import Comparison, compare_run
 from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
 from rollflow.tasks.reverify.publish import publish_jsonl, publish_parquet, write_failures
-from rollflow.tasks.reverify.runtime import ReverifyHandles
-from rollflow.tasks.reverify.source import SourceChunk
+from rollflow.tasks.reverify.runtime import ReverifyHandles, context_for, open_reverify
+from rollflow.tasks.reverify.source import SourceChunk, SourcePlan
+from rollflow.tasks.storage.lease import owner_fence
 from rollflow.tasks.wrappers.prefect_tasks import worth_retrying
 
 
@@ -41,6 +43,28 @@ async def plan_reverify_task(handles: ReverifyHandles) -> ReverifyPlan:
 )
 async def reverify_chunk_task(ctx: ReverifyContext, chunk: SourceChunk) -> ReverifyOutcome:
     try:
+        return await reverify_chunk(ctx, chunk, attempt=task_run.run_count or 1)
+    except Exception as exc:
+        raise redact.redacted_error(exc) from None
+
+
+@task(
+    name="reverify-chunk",
+    task_run_name="chunk-{chunk.index:05d}",
+    cache_policy=NONE,
+    retries=3,
+    retry_delay_seconds=[1, 5, 15],
+    retry_condition_fn=worth_retrying,
+)
+async def reverify_chunk_remote_task(
+    spec: ReverifySpec, chunk: SourceChunk, source: SourcePlan, owner: str, margin_s: float
+) -> ReverifyOutcome:
+    """On a Dask worker: this process's own store, ledger and verifier; commits only while `owner` holds
+    the output's lease."""
+    try:
+        handles = open_reverify(spec, RollflowSettings())
+        handles.ledger.fence = owner_fence(handles.store, owner, margin_s)
+        ctx = context_for(handles, source)
         return await reverify_chunk(ctx, chunk, attempt=task_run.run_count or 1)
     except Exception as exc:
         raise redact.redacted_error(exc) from None
