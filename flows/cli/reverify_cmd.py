@@ -44,6 +44,7 @@ def add_reverify_parser(sub: Any) -> None:
         "--runner", choices=("local", "dask"), help="local (default) or dask: chunks on Dask workers"
     )
     p.add_argument("--dask-address", help="the Dask scheduler to send chunks to (default: a local cluster)")
+    p.add_argument("--dask-workers", type=int, help="processes of the local Dask cluster (default 2)")
     p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
     p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
     p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
@@ -57,7 +58,15 @@ VERIFY_FLAGS = {
     "verify_timeout_s": "check_timeout_s",
     "correct_threshold": "correct_threshold",
 }
-TOP_FLAGS = ("format", "chunk_size", "parallelism", "chunks_in_flight", "runner", "dask_address")
+TOP_FLAGS = (
+    "format",
+    "chunk_size",
+    "parallelism",
+    "chunks_in_flight",
+    "runner",
+    "dask_address",
+    "dask_workers",
+)
 
 
 def build_reverify_spec(args: argparse.Namespace) -> Any:
