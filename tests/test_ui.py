@@ -1,19 +1,18 @@
-"""The Prefect UI as a person uses it: headless Chromium fills rollflow-run's form and submits a run."""
+"""The Prefect UI as a person uses it: headless Chromium opens the served rollflow-run deployment, starts a
+Custom run with one field changed, and finds the run's progress, report (its plots shown) and dataset link."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import orjson
 import pytest
 from rollout_data import assert_complete, write_rows
+from served_runs import artifacts, deployment, ok, serve, wait_final
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Screenshots go to the test's temporary directory; ROLLFLOW_UI_SHOTS=docs/img refreshes the README's.
@@ -22,6 +21,13 @@ ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
+ROWS = 40
+# Every plot a page shows, as (src prefix, natural width): a plot that did not load has width 0.
+IMAGES_JS = (
+    "() => Array.from(document.querySelectorAll('img'))"
+    ".filter(i => i.getAttribute('src') && !i.getAttribute('src').endsWith('.svg'))"
+    ".map(i => [i.getAttribute('src').slice(0, 22), i.complete ? i.naturalWidth : 0])"
+)
 
 
 def prop(page, label: str):
@@ -39,101 +45,101 @@ def field(page, label: str):
     return prop(page, label).locator("textarea, input").first
 
 
-def choose(page, label: str, option: str) -> None:
-    """Pick `option` in the select of the property labelled `label` (an enum such as the backend kind)."""
-    control = prop(page, label).locator(".p-select-button__control").first
-    control.focus()
-    page.keyboard.press(" ")  # the select opens on the keyboard reliably; a click only focuses it
-    page.get_by_role("option", name=option, exact=True).click()
-    expect_value = prop(page, label).locator(".p-select-button__value").first
-    expect_value.filter(has_text=option).wait_for(timeout=10_000)
+def shot(page, shots: Path, name: str) -> None:
+    page.wait_for_timeout(300)  # let the page repaint what was typed or loaded
+    page.screenshot(path=str(shots / name), full_page=False)
 
 
-def api(server, path: str, body: dict | None = None) -> object:
-    data = orjson.dumps(body) if body is not None else None
-    req = urllib.request.Request(
-        f"{server.url}/api{path}", data=data, headers={"Content-Type": "application/json"}
-    )
-    return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
+def loaded_images(page, timeout_s: float = 20) -> list[list]:
+    """The page's images once every one has loaded or failed (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    found = page.evaluate(IMAGES_JS)
+    while time.monotonic() < deadline and not (found and all(width > 0 for _, width in found)):
+        page.wait_for_timeout(250)
+        found = page.evaluate(IMAGES_JS)
+    return found
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is installed by .ci/run")
-def test_run_form_submits_a_run_that_publishes_to_s3(prefect_server, cli_env, fast_sim, moto_s3, tmp_path):
+def test_custom_run_with_one_field_changed_publishes_with_the_rest_as_served(
+    prefect_server, cli_env, fast_sim, moto_s3, tmp_path
+) -> None:
     from playwright.sync_api import sync_playwright
 
-    inp = write_rows(tmp_path / "rows.jsonl", 120)
     bucket = moto_s3.new_bucket()
     out = f"s3://{bucket}/ui-run"
-    exe = str(Path(sys.executable).with_name("rollflow"))
-    # The served process looks for submitted runs every PREFECT_RUNNER_POLL_FREQUENCY seconds (10 by
-    # default): each second here, so the run starts soon after Submit
-    env = {**cli_env, **moto_s3.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    serve = subprocess.Popen(
-        [exe, "serve", "--name", "ui"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    env = {
+        **cli_env,
+        **moto_s3.env,  # S3 keys stay in the serving process's environment, never in a parameter
+        "ROLLFLOW_PIPELINE__INPUT": str(write_rows(tmp_path / "rows.jsonl", ROWS)),
+        "ROLLFLOW_PIPELINE__OUTPUT": out,
+        "ROLLFLOW_BACKEND__KIND": "chat",
+        "ROLLFLOW_BACKEND__URL": fast_sim.url,
+        "ROLLFLOW_BACKEND__MODEL": "m",
+        "ROLLFLOW_COLLECTION__NUM_REPEATS": "2",
+        "ROLLFLOW_COLLECTION__PARALLELISM": "16",
+        "ROLLFLOW_VERIFY__VERIFIER": "math_fast",
+        "ROLLFLOW_VERIFY__PROCESSES": "0",
+    }
+    api, url = prefect_server.env["PREFECT_API_URL"], prefect_server.url
+    shots = Path(os.environ.get(SHOTS_ENV) or tmp_path / "shots")
+    shots.mkdir(parents=True, exist_ok=True)
+    proc = serve(env, "--name", "ui")
     try:
-        deadline = time.monotonic() + 60
-        deployment = None
-        while deployment is None and time.monotonic() < deadline:
-            try:
-                deployment = api(prefect_server, "/deployments/name/rollflow-run/ui")
-            except urllib.error.HTTPError:
-                time.sleep(0.25)
-        assert deployment is not None, "rollflow serve did not register its deployment"
+        served = deployment(api, "ui", proc)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-            context = browser.new_context(viewport={"width": 1400, "height": 1000})
-            page = context.new_page()
-            page.goto(f"{prefect_server.url}/deployments/deployment/{deployment['id']}/run")
-            field(page, "Input").wait_for(timeout=30_000)
-            field(page, "Input").fill(str(inp))
-            field(page, "Output").fill(out)
-            choose(page, "Kind", "agent")
-            field(page, "Url").fill(fast_sim.url)  # the first Url is the backend's
-            field(page, "Parallelism").fill("16")
-            field(page, "Chunk Size").fill("50")
-            shots = Path(os.environ.get(SHOTS_ENV) or tmp_path / "shots")
-            shots.mkdir(parents=True, exist_ok=True)
-            prop(page, "Input").evaluate("e => e.scrollIntoView({block: 'start'})")
-            page.wait_for_timeout(300)  # let the form repaint what was typed
-            page.screenshot(path=str(shots / "ui-run-form.png"), full_page=False)
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            page.goto(f"{url}/deployments/deployment/{served['id']}")
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_text("Custom run", exact=True).first.click()
+            repeats = field(page, "Num Repeats")
+            repeats.wait_for(timeout=30_000)
+            assert repeats.input_value() == "2", "the form shows the served value"
+            repeats.fill("3")
+            repeats.evaluate("e => e.scrollIntoView({block: 'center'})")
+            shot(page, shots, "ui-run-form.png")
             page.get_by_role("button", name="Submit").click()
-            page.wait_for_url(f"**/deployments/deployment/{deployment['id']}**", timeout=30_000)
-            runs: list = []
-            deadline = time.monotonic() + 30
+            page.wait_for_url(f"**/deployments/deployment/{served['id']}**", timeout=30_000)
+            query = {"flow_runs": {"deployment_id": {"any_": [served["id"]]}}}
+            deadline, runs = time.monotonic() + 30, []
             while not runs and time.monotonic() < deadline:
                 time.sleep(0.25)
-                runs = api(
-                    prefect_server, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}}}
-                )
+                runs = ok(api, "/flow_runs/filter", query)
             assert len(runs) == 1, "the form's Submit created exactly one flow run"
             run_id = runs[0]["id"]
-            state = "PENDING"
-            deadline = time.monotonic() + 180
-            while state not in ("COMPLETED", "FAILED", "CRASHED") and time.monotonic() < deadline:
-                time.sleep(0.5)
-                state = api(prefect_server, f"/flow_runs/{run_id}")["state"]["type"]
-            assert state == "COMPLETED", state
-            page.goto(f"{prefect_server.url}/runs/flow-run/{run_id}")
-            page.get_by_role("tab", name="Artifacts").or_(
-                page.get_by_text("Artifacts", exact=True)
-            ).first.click()
-            page.get_by_text("rollflow-report").first.wait_for(timeout=30_000)
-            page.screenshot(path=str(shots / "ui-run-artifacts.png"), full_page=False)
+            run = wait_final(api, run_id)
+            assert run["state"]["type"] == "COMPLETED", f"{run['state']['type']}: {run['state']['message']}"
+
+            page.goto(f"{url}/runs/flow-run/{run_id}")
+            tab = page.get_by_role("tab", name="Artifacts").or_(page.get_by_text("Artifacts", exact=True))
+            tab.first.click()
+            try:
+                for key in ("rollflow-report", "rollflow-dataset", "rollflow-progress"):
+                    page.get_by_text(key).first.wait_for(timeout=30_000)
+            finally:
+                shot(page, shots, "ui-run-artifacts.png")
+            found = artifacts(api, run_id)
+            page.goto(f"{url}/artifacts/artifact/{found['rollflow-report']['id']}")
+            page.get_by_text("rollflow run report").first.wait_for(timeout=30_000)
+            images = loaded_images(page)
+            page.get_by_text("Rewards", exact=False).first.evaluate("e => e.scrollIntoView({block: 'start'})")
+            shot(page, shots, "ui-run-report.png")
             browser.close()
+        plots = [i for i in images if i[0].startswith("data:image/png")]
+        assert plots and all(width > 0 for _, width in plots), f"the report's plots did not load: {images}"
+        assert found["rollflow-progress"]["data"] == 100.0
+        assert found["rollflow-dataset"]["data"].startswith(f"[{out}/rollouts.jsonl]")
+
+        expected = copy.deepcopy(served["parameters"])
+        expected["collection"]["num_repeats"] = 3
+        assert run["parameters"]["collection"]["num_repeats"] == 3
         fs = moto_s3.fs()
-        assert_complete(fs.cat_file(f"{out}/rollouts.jsonl").splitlines(), 120, 1)
-        artifacts = api(
-            prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}}
-        )
-        keys = {a["key"] for a in artifacts}
-        assert {"rollflow-report", "rollflow-dataset", "rollflow-progress"} <= keys, keys
-        report = next(a for a in artifacts if a["key"] == "rollflow-report")
-        assert "rows_written" in report["data"] and "published" in report["data"]
-        params = api(prefect_server, f"/flow_runs/{run_id}")["parameters"]
-        assert params["backend"]["kind"] == "agent" and params["collection"]["parallelism"] == 16, params
-        run_json = orjson.loads(fs.cat_file(f"{out}/run.json"))
-        assert run_json["parallelism"] == 16, run_json
+        report = orjson.loads(fs.cat_file(f"{out}/report.json"))
+        assert report["spec"] == expected, "the one field changed, every other as served"
+        lines = fs.cat_file(f"{out}/rollouts.jsonl").splitlines()
+        assert_complete(lines, ROWS, 3)
+        assert {orjson.loads(line)["response"]["model"] for line in lines} == {"m"}
     finally:
-        serve.terminate()
-        serve.wait(30)
+        proc.terminate()
+        proc.wait(30)
