@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollflow.settings.models import EngineSettings, VerifySettings
 
@@ -40,6 +40,12 @@ class ReverifySpec(EngineSettings):
     )
     restart: bool = Field(False, description="Discard a different reverify's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if some rollouts failed verification")
+
+    @model_validator(mode="after")
+    def _local_or_dask(self) -> ReverifySpec:
+        if self.runner == "ray":
+            raise ValueError("reverify runs on --runner local or dask; ray is not offered for it")
+        return self
 
     def dataset_url(self) -> str:
         return f"{self.output.rstrip('/')}/rollouts.jsonl"
