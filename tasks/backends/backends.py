@@ -37,6 +37,7 @@ PATHS = {
     BackendKind.chat: "/v1/chat/completions",
 }
 LEAVE_GRACE_S = 0.5
+MAX_SNIPPET = 300  # characters of an error reply quoted in the failure
 
 
 def _url_hint(url: str, status: int) -> str:
@@ -229,9 +230,13 @@ class BackendClient:
                 retryable=True,
             ) from exc
         if status >= 400:
-            snippet = payload[:300].decode("utf-8", "replace")
+            # masked before it is cut: a cut through an echoed key would leave its first characters
+            snippet = self._scrub(payload.decode("utf-8", "replace"))[:MAX_SNIPPET]
             raise BackendError(
-                self._scrub(f"HTTP {status} from {url}: {snippet}{_url_hint(url, status)}"),
+                self._scrub(
+                    f"HTTP {status} from {url}: {snippet}{_url_hint(url, status)}"
+                    f"{self._waits_less(retry_after)}"
+                ),
                 kind=f"http_{status}",
                 status=status,
                 retryable=status in RETRYABLE_STATUS,
@@ -254,6 +259,16 @@ class BackendClient:
                 status=status,
                 retryable=True,
             ) from None
+
+    def _waits_less(self, retry_after: float | None) -> str:
+        """Said when the server asks for a longer wait than backoff_max_s: the retries came sooner."""
+        if retry_after is None or retry_after <= self.policy.max_s:
+            return ""
+        return (
+            f" (Retry-After: {retry_after:g} s, longer than backoff_max_s = {self.policy.max_s:g} s, so "
+            f"the retries came sooner than the server asked; set ROLLFLOW_BACKEND__BACKOFF_MAX_S to wait "
+            f"that long)"
+        )
 
     def _scrub(self, message: str) -> str:
         """A backend that echoes the request (headers included) must not put the key into an error."""

@@ -29,7 +29,10 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            image = {"url": part["image_url"]}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
         else:
             raise ConversionError(f"{where}, content part {n}: {_describe(part)} has no chat equivalent")
     if all(p["type"] == "text" for p in parts):
@@ -79,7 +82,10 @@ def _messages(params: dict[str, Any]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else orjson.dumps(output).decode()
+            if isinstance(output, list):  # content parts, as a message's content
+                text: Any = _content(output, f"{where}, output")
+            else:
+                text = output if isinstance(output, str) else orjson.dumps(output).decode()
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind != "reasoning":
             raise ConversionError(f"{where}: {_describe(item)} has no chat equivalent")

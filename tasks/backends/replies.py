@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rollflow.settings.redact import redact
+
 MAX_DETAIL = 300
 UNFINISHED = ("queued", "in_progress")
 
@@ -27,7 +29,7 @@ def error_detail(reply: dict[str, Any]) -> str:
     if isinstance(error, dict):
         error = error.get("message") or error
     detail = f"error object: {error}" if error else f"keys {sorted(reply)[:8]}"
-    return detail[:MAX_DETAIL]
+    return redact(detail)[:MAX_DETAIL]  # masked before it is cut, which could leave part of a key
 
 
 def responses_text(response: Any) -> str:
