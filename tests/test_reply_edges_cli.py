@@ -64,9 +64,13 @@ def test_a_key_echoed_at_the_edge_of_an_error_excerpt_is_not_written_in_part(run
     failures = _failures(out)
     assert {f["error"]["kind"] for f in failures} == {"http_401", "malformed"}, failures
     assert all("Bearer ***" in f["error"]["message"] for f in failures), failures
-    written = [res.stdout, res.stderr, *(p.read_text() for p in out.rglob("*") if p.is_file())]
-    for text in written:
-        assert KEY[:10] not in text, text
+    written = [
+        res.stdout.encode(),
+        res.stderr.encode(),
+        *(p.read_bytes() for p in out.rglob("*") if p.is_file()),
+    ]
+    for data in written:
+        assert KEY[:10].encode() not in data, data
 
 
 def test_every_part_of_a_multimodal_row_and_its_tool_history_reaches_the_server(run_cli, tmp_path):
