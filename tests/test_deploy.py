@@ -153,3 +153,17 @@ def test_local_up_prints_urls_and_stops_on_ctrl_c() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_section_given_in_part_keeps_its_other_fields_as_served(monkeypatch) -> None:
+    """What a run gives of a section (an explicit null included) replaces only those fields."""
+    from rollflow.flows.parameters import run_spec
+    from rollflow.flows.pipeline import rollflow_run
+
+    served = {"COLLECTION__NUM_REPEATS": "2", "COLLECTION__LIMIT": "10", "BACKEND__MODEL": "m"}
+    for key, value in served.items():
+        monkeypatch.setenv(f"ROLLFLOW_{key}", value)
+    given = {"input": "rows.jsonl", "output": "out", "collection": {"limit": None, "chunk_size": 7}}
+    spec = run_spec(rollflow_run.validate_parameters(given), RollflowSettings(_env_file=None))
+    assert (spec.collection.limit, spec.collection.chunk_size) == (None, 7)
+    assert (spec.collection.num_repeats, spec.backend.model) == (2, "m")
