@@ -124,3 +124,27 @@ def test_a_retry_after_longer_than_rollflow_waits_is_named_in_the_failure(run_cl
     message = failure["error"]["message"]
     for words in ("quota exceeded", "Retry-After: 86400", "0.2 s", "ROLLFLOW_BACKEND__BACKOFF_MAX_S"):
         assert words in message, (words, message)
+
+
+def test_tuning_that_finds_no_reliable_parallelism_names_what_the_backend_answered(run_cli, tmp_path):
+    """Half the prompts are longer than the model's context and get a 400: no level is reliable, and the
+    error names the status and the server's message instead of only counting errors."""
+    inp = _write(tmp_path / "in.jsonl", [{"input": f"q{i}"} for i in range(60)])
+    too_long = {
+        "object": "error",
+        "message": "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens",
+        "type": "BadRequestError",
+        "code": 400,
+    }
+
+    def context_limit(request: web.Request) -> web.Response:
+        if int(request.headers["X-Rollflow-Task-Index"]) % 2:
+            return json_reply(too_long, 400)
+        return json_reply(openai_chat(Said()))
+
+    with ThreadedServer(context_limit) as srv:
+        args = _args(inp, tmp_path / "out", srv.url, "--parallelism", "auto", "--diagnose-rows", "10")
+        res = run_cli(*args)
+    assert res.returncode == 2, res.stderr
+    for words in ("no parallelism", "http_400", "HTTP 400 from", "maximum context length is 4096"):
+        assert words in res.stderr, (words, res.stderr)

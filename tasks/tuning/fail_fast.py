@@ -62,6 +62,25 @@ def all_failed(batch: RolloutBatch, n: int = FAIL_FAST) -> bool:
     return not batch.results and len(batch.failures) >= n
 
 
+def first_failure(batch: RolloutBatch) -> str:
+    """The message of the step's first failed rollout (in task order), or "" when none failed."""
+    if not batch.failures:
+        return ""
+    return str(orjson.loads(batch.failures[min(batch.failures)])["error"]["message"])
+
+
+def failures_said(kinds: Counter[str], first: str) -> str:
+    """What the failed attempts of unreliable levels were, so "no level worked" names its cause."""
+    if not kinds:
+        return ""
+    counted = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    return (
+        f" The failed attempts: {counted}; the first failure: {first.rstrip('.')}."
+        if first
+        else f" ({counted})"
+    )
+
+
 def rejection(batch: RolloutBatch, parallelism: int) -> BackendRejects:
     """The error of a step in which every rollout failed: how many, of which kinds, and the first reason."""
     errors = [orjson.loads(line)["error"] for _, line in sorted(batch.failures.items())]

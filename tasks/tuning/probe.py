@@ -38,7 +38,7 @@ from rollflow.tasks.collect.rollouts import (
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.tuning.engine import EngineStep, engine_step, fed_window, sample_mid_step
-from rollflow.tasks.tuning.fail_fast import all_failed, rejection, until_all_fail
+from rollflow.tasks.tuning.fail_fast import all_failed, first_failure, rejection, until_all_fail
 from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class StepResult:
     saved: int = 0
     records: list[RequestRecord] = field(default_factory=list, repr=False)
     engine: EngineStep | None = None
+    first_failure: str = ""  # the first failed rollout's message: what a failed tuning names
     # What the checks took (CPU, busy time) and the collecting process's CPU, over the step's wall time.
     usage: VerifyUsage = field(default_factory=lambda: VerifyUsage())
 
@@ -215,6 +216,7 @@ async def probe_step(
         records=batch.records,
         engine=seen,
         usage=usage,
+        first_failure=first_failure(batch),
     )
 
 

@@ -33,6 +33,7 @@ The report says which rule decided (`choice_rule`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.tuning.diagnose import TuningError
 from rollflow.tasks.tuning.engine import engine_sampler
+from rollflow.tasks.tuning.fail_fast import failures_said
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
 from rollflow.tasks.tuning.search import ENGINE_QUEUE, Search
 from rollflow.tasks.tuning.tune_rules import (
@@ -204,9 +206,13 @@ async def tune(
 def _require_a_valid_level(run: Search) -> None:
     """No level answered reliably: nothing to choose from, and the message says what each level did."""
     if not run.valid():
+        steps = [s for _, s, _ in run.history]
+        kinds = sum((Counter(s.attempt_errors) for s in steps), Counter[str]())
+        first = next((s.first_failure for s in steps if s.first_failure), "")
         raise TuningError(
             "Tuning found no parallelism at which the backend answered reliably "
-            f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for _, s, _ in run.history)}). "
+            f"({'; '.join(f'{s.parallelism}: {s.errors} errors' for s in steps)})."
+            f"{failures_said(kinds, first)} "
             "Check the backend, or pass a fixed --parallelism."
         )
 
