@@ -51,12 +51,16 @@ def test_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
                 "--runner", "dask", "--dask-address", dask_cluster.address, "--limit", "600"]  # fmt: skip
         proc = spawn(args, {**cli_env, **moto_s3.env})
         wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 1, proc, timeout_s=120)
+        # While the dead one is being found: the live one's 8, plus at most one attempt per worker whose
+        # part of it is 0 fixed slots (such an endpoint still takes attempts: see split_limit); all 16 of
+        # the run on it at once would be twice its limit.
+        early = sim_stats(sim)["max_in_flight_seen"]
         reset_stats(sim)  # from here on, the dead replica is out for every worker
         assert proc.wait(120) == 0, proc.stderr.read().decode()[-3000:]
         seen = sim_stats(sim)["max_in_flight_seen"]
     finally:
         sim.stop()
-    assert 4 < seen <= 8, f"{seen} requests at once on the live replica"
+    assert early <= 8 + 2 and 4 < seen <= 8, f"{early}, then {seen} requests at once on the live replica"
 
 
 def test_two_runs_at_once_on_one_cluster_each_count_their_own(

@@ -202,3 +202,21 @@ def test_a_pool_opened_later_numbers_its_findings_after_an_earlier_ones():
     second.failed(second.endpoint(B), "connection", refused=True)
     assert first.rotation()[B][0] == second.rotation()[B][0] == "out"
     assert second.rotation()[B][1] > first.rotation()[B][1]
+
+
+def test_a_workers_share_goes_to_the_replicas_in_rotation_once_the_book_counts_them():
+    """Share 8 of a run over A and B (4 + 4). This worker takes B out: until the book knows, the share is
+    of both, so A keeps its 4 (all 8 on A would be twice A's part of the run's limit). Once the book's
+    rotation says B is out, the share is of A alone: all of it goes to A, none is lost to B."""
+    limit = ConcurrencyLimit(0, minimum=0)
+    pool = EndpointPool([A, B], {A: 4, B: 4}, limit)
+    pool.set_share(8, {A: 4, B: 4})
+    assert pool.limits() == {A: 4, B: 4} and limit.limit == 8
+    pool.failed(pool.endpoint(B), "connection", refused=True)
+    assert pool.limits() == {A: 4, B: 0} and limit.limit == 4
+    pool.follow(B, "out", 1)
+    assert pool.limits() == {A: 8, B: 0} and limit.limit == 8
+    pool.set_share(3, {A: 4, B: 4})
+    assert limit.limit == 3
+    pool.follow(B, "in", 2)
+    assert pool.endpoint(B).in_rotation and pool.limits() == {A: 2, B: 1} and limit.limit == 3

@@ -57,6 +57,7 @@ class Endpoint:
     finding: str = "in"
     found: int = 0
     followed: int = 0  # the newest run-wide rotation event (the share book's sequence) applied here
+    book_in: bool = True  # in rotation as the share book last published (what this worker's share is of)
     observers: list[AttemptObserver] = field(default_factory=list)
     engine: Callable[[], dict[str, Any] | None] | None = None
 
@@ -181,9 +182,10 @@ class EndpointPool:
         self._sync_total()
 
     def set_share(self, share: int, run_limits: dict[str, int]) -> None:
-        """A worker process's share of the run-wide limit, spread like the run's limits over the endpoints
-        in rotation only: a replica out of rotation takes none of it (else the share would be capped at
-        what the replicas still in hold of it)."""
+        """A worker process's share of the run-wide limit, spread like the run's limits over the replicas
+        the share book counts in rotation (its limit is theirs): a replica out of rotation takes none of
+        it. One this worker took out, of which the book does not know yet, keeps its part unused until
+        the book's next answer, so no live replica gets more than its limit meanwhile."""
         self.share, self.run_limits = share, dict(run_limits)
         self._spread()
 
@@ -196,7 +198,7 @@ class EndpointPool:
         ep = self._by_url.get(url)
         if ep is None or seq <= ep.followed:
             return
-        ep.followed = seq
+        ep.followed, ep.book_in = seq, state == "in"
         now = time.monotonic()
         if state == "out" and ep.in_rotation:
             self._eject(ep, now, found=False)
@@ -204,6 +206,8 @@ class EndpointPool:
             ep.retry_at = now + FOLLOWED_TRIAL_S
         elif state == "in" and not ep.in_rotation:
             self._rejoin(ep, now, found=False)
+        else:
+            self._spread()
 
     def rotation(self) -> dict[str, tuple[str, int]]:
         """This pool's own findings ("out" or "in", and their number): what it reports to the book.
@@ -261,12 +265,13 @@ class EndpointPool:
         self._spread()
 
     def _spread(self) -> None:
-        """A worker's share over the endpoints in rotation (all of them when none is), then the total."""
+        """A worker's share over the endpoints the book counts in rotation (all of them when it counts
+        none), none of it on those out here; then the total."""
         if self.share is not None:
-            live = {url: n for url, n in self.run_limits.items() if self._by_url[url].in_rotation}
-            spread = split_limit(self.share, live or self.run_limits)
+            basis = {url: n for url, n in self.run_limits.items() if self._by_url[url].book_in}
+            spread = split_limit(self.share, basis or self.run_limits)
             for ep in self.endpoints:
-                ep.limit = spread.get(ep.url, 0)
+                ep.limit = spread.get(ep.url, 0) if ep.in_rotation or not basis else 0
         self._sync_total()
 
     def _sync_total(self) -> None:
