@@ -148,3 +148,16 @@ def test_tuning_that_finds_no_reliable_parallelism_names_what_the_backend_answer
     assert res.returncode == 2, res.stderr
     for words in ("no parallelism", "http_400", "HTTP 400 from", "maximum context length is 4096"):
         assert words in res.stderr, (words, res.stderr)
+
+
+def test_a_limit_overridden_under_its_chat_name_says_which_key_to_override(run_cli, tmp_path):
+    """The row says max_output_tokens, --overrides says max_tokens: both would be sent, so the run is
+    refused, and the refusal says that an override replaces only the key of the same name."""
+    inp = _write(tmp_path / "in.jsonl", [{"input": "a", "max_output_tokens": 100}])
+    with ThreadedServer(lambda r: json_reply(openai_chat(Said()))) as srv:
+        res = run_cli(*_args(inp, tmp_path / "out", srv.url, "--overrides", '{"max_tokens": 50}'))
+        sent = len(srv.seen)
+    assert res.returncode == 2, res.stderr
+    assert sent == 0
+    for words in ("line 1", "'max_output_tokens' = 100", "max_tokens = 50", "override the key the row has"):
+        assert words in res.stderr, (words, res.stderr)

@@ -131,7 +131,9 @@ def _mapped(params: dict[str, Any]) -> dict[str, Any]:
                 raise _refuse(
                     "max_output_tokens",
                     limit,
-                    f"conflicts with {other} = {params[other]!r}; give one of them",
+                    f"conflicts with {other} = {params[other]!r}; give one of them (a key of --overrides "
+                    f"replaces only the row's key of the same name: to change a row's limit, override the "
+                    f"key the row has)",
                 )
         out["max_tokens"] = limit
     out.update(_reasoning(params.get("reasoning")))
