@@ -161,3 +161,15 @@ def test_a_limit_overridden_under_its_chat_name_says_which_key_to_override(run_c
     assert sent == 0
     for words in ("line 1", "'max_output_tokens' = 100", "max_tokens = 50", "override the key the row has"):
         assert words in res.stderr, (words, res.stderr)
+
+
+def test_a_limit_given_under_its_chat_name_too_is_sent_under_that_name_alone(run_cli, tmp_path):
+    """The row's max_output_tokens and the same max_completion_tokens (OpenAI's name for reasoning
+    models, which refuse max_tokens): one limit is sent, as max_completion_tokens, an int."""
+    inp = _write(tmp_path / "in.jsonl", [{"input": "a", "max_output_tokens": 64}])
+    with ThreadedServer(lambda r: json_reply(openai_chat(Said()))) as srv:
+        res = run_cli(*_args(inp, tmp_path / "out", srv.url, "--overrides", '{"max_completion_tokens": 64}'))
+        [body] = [s.json() for s in srv.seen]
+    assert res.returncode == 0, res.stderr
+    assert "max_tokens" not in body and "max_output_tokens" not in body, body
+    assert body["max_completion_tokens"] == 64 and type(body["max_completion_tokens"]) is int

@@ -135,7 +135,10 @@ def _mapped(params: dict[str, Any]) -> dict[str, Any]:
                     f"replaces only the row's key of the same name: to change a row's limit, override the "
                     f"key the row has)",
                 )
-        out["max_tokens"] = limit
+        # the same limit given under a chat name goes under that name alone (OpenAI's reasoning models
+        # refuse max_tokens beside max_completion_tokens)
+        if all(params.get(other) is None for other in ("max_tokens", "max_completion_tokens")):
+            out["max_tokens"] = limit
     out.update(_reasoning(params.get("reasoning")))
     out.update(_text(params.get("text")))
     out.update(_include(params.get("include")))
