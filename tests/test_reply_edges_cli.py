@@ -173,3 +173,28 @@ def test_a_limit_given_under_its_chat_name_too_is_sent_under_that_name_alone(run
     assert res.returncode == 0, res.stderr
     assert "max_tokens" not in body and "max_output_tokens" not in body, body
     assert body["max_completion_tokens"] == 64 and type(body["max_completion_tokens"]) is int
+
+
+def test_a_chat_reply_without_usage_is_stored_without_made_up_token_counts(run_cli, tmp_path):
+    """A gateway that strips `usage`: the row's response has none (as the responses kind stores it), not
+    zeros that the report would count as measured lengths; a partial usage keeps only what was said."""
+    inp = _write(tmp_path / "in.jsonl", [{"input": "a"}, {"input": "b"}])
+    out = tmp_path / "out"
+
+    def stripped(request: web.Request) -> web.Response:
+        reply = openai_chat(Said())
+        if request.headers["X-Rollflow-Task-Index"] == "0":
+            del reply["usage"]
+        else:
+            reply["usage"] = {"completion_tokens": 5}
+        return json_reply(reply)
+
+    with ThreadedServer(stripped) as srv:
+        res = run_cli(*_args(inp, out, srv.url))
+    assert res.returncode == 0, res.stderr
+    rows = {
+        r["_ng_task_index"]: r["response"]
+        for r in map(orjson.loads, (out / "rollouts.jsonl").read_bytes().splitlines())
+    }
+    assert rows[0]["usage"] is None, rows[0]
+    assert rows[1]["usage"] == {"output_tokens": 5}, rows[1]

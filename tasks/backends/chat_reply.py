@@ -120,23 +120,27 @@ def _logprobs(choice: dict[str, Any]) -> dict[str, Any]:
     return {"other": value}
 
 
-def _usage(usage: Any) -> dict[str, Any]:
-    usage = usage if isinstance(usage, dict) else {}
-    in_tokens = int(usage.get("prompt_tokens") or 0)
-    out_tokens = int(usage.get("completion_tokens") or 0)
-    out: dict[str, Any] = {
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "total_tokens": usage.get("total_tokens", in_tokens + out_tokens),
-    }
+def _usage(usage: Any) -> dict[str, Any] | None:
+    """usage under the Responses names, with the values the server gave; None when it gave none (a
+    made-up 0 would count as a measured length in the report)."""
+    if not isinstance(usage, dict):
+        return None
     renamed = {
+        "prompt_tokens": "input_tokens",
+        "completion_tokens": "output_tokens",
         "prompt_tokens_details": "input_tokens_details",
         "completion_tokens_details": "output_tokens_details",
     }
-    for key, value in usage.items():
-        if key not in ("prompt_tokens", "completion_tokens", "total_tokens") and _said(value):
-            out[renamed.get(key, key)] = value
+    out = {renamed.get(key, key): value for key, value in usage.items() if _said(value)}
+    counts = (out.get("input_tokens"), out.get("output_tokens"))
+    if "total_tokens" not in out and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        out["total_tokens"] = counts[0] + counts[1]  # the Responses shape always has it
     return out
+
+
+def _output_tokens(usage: dict[str, Any] | None) -> int:
+    value = (usage or {}).get("output_tokens")
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
 
 
 def _status(finish: Any) -> tuple[str, dict[str, Any] | None]:
@@ -184,4 +188,4 @@ def chat_to_response(reply: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
         for key, value in source.items():
             if key not in known and key not in response and _said(value):
                 response[key] = value
-    return response, text, usage["output_tokens"]
+    return response, text, _output_tokens(usage)
