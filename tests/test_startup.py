@@ -68,11 +68,7 @@ def _runs_writing(api: str, out: Path, since: str) -> list[str]:
 
     flows = {f["id"]: f["name"] for f in post("/flows/filter", {})}
     runs = post("/flow_runs/filter", {"flow_runs": {"start_time": {"after_": since}}, "limit": 200})
-    return [
-        flows[r["flow_id"]]
-        for r in runs
-        if any(isinstance(v, dict) and v.get("output") == str(out) for v in r["parameters"].values())
-    ]
+    return [flows[r["flow_id"]] for r in runs if r["parameters"].get("output") == str(out)]
 
 
 def _now() -> str:
