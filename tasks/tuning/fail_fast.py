@@ -77,7 +77,7 @@ def failures_said(kinds: Counter[str], first: str) -> str:
     return (
         f" The failed attempts: {counted}; the first failure: {first.rstrip('.')}."
         if first
-        else f" ({counted})"
+        else f" The failed attempts: {counted}."
     )
 
 
