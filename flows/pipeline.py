@@ -332,7 +332,9 @@ async def report_step(
     )
     await asyncio.to_thread(write_report, handles.store, report)
     if published:
-        await asyncio.to_thread(write_card, spec.published_url(), handles.dataset_options, report)
+        await asyncio.to_thread(
+            write_card, spec.published_url(), handles.dataset_options, report, handles.store
+        )
     images = await asyncio.to_thread(embedded_images, handles.store, report)
     await acreate_markdown_artifact(
         render_markdown(report, images), key="rollflow-report", description="rollflow run report"

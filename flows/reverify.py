@@ -170,7 +170,7 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     await asyncio.to_thread(write_report, handles.store, report)
     if ok:
         url = spec.data_url() if spec.format == "parquet" else spec.dataset_url()
-        await asyncio.to_thread(write_card, url, handles.output_options, report)
+        await asyncio.to_thread(write_card, url, handles.output_options, report, handles.store)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-reverify-report", description="rollflow reverify report"
     )

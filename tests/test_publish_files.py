@@ -13,6 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import yaml
 from rollout_data import assert_complete, write_rows
 from test_errors import args_for, one_paragraph
 
@@ -49,6 +50,43 @@ def test_two_datasets_in_one_folder_keep_their_own_task_files(run_cli, fast_sim,
     assert _task_indices(results / "math.tasks.jsonl") == list(range(5))
     assert (results / "code.tasks.jsonl").read_bytes() == code_tasks
     assert (results / "tasks.jsonl").read_bytes() == USER_FILE
+
+
+def _card(path: Path) -> tuple[int, str]:
+    """(rollouts, data file) from a dataset card's YAML front matter."""
+    meta = yaml.safe_load(path.read_text().split("---\n")[1])
+    return meta["rollflow"]["rollouts"], meta["configs"][0]["data_files"][0]["path"]
+
+
+def test_two_datasets_in_one_folder_keep_their_own_cards(run_cli, fast_sim, tmp_path: Path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "README.md").write_bytes(USER_FILE)
+    math = write_rows(tmp_path / "math.jsonl", 30)
+    code = write_rows(tmp_path / "code.jsonl", 12, start=500)
+    for inp in (math, code):
+        res = _collect(run_cli, fast_sim.url, inp, results / inp.name)
+        assert res.returncode == 0, res.stderr
+    assert _card(results / "math.README.md") == (60, "math.jsonl")
+    assert _card(results / "code.README.md") == (24, "code.jsonl")
+    assert (results / "README.md").read_bytes() == USER_FILE
+    code_card = (results / "code.README.md").read_bytes()
+    res = _collect(run_cli, fast_sim.url, math, results / "math.jsonl", "--restart", "--limit", "5")
+    assert res.returncode == 0, res.stderr
+    assert _card(results / "math.README.md") == (10, "math.jsonl")
+    assert (results / "code.README.md").read_bytes() == code_card
+    assert (results / "README.md").read_bytes() == USER_FILE
+
+
+def test_a_users_file_where_the_card_goes_is_refused(run_cli, fast_sim, tmp_path: Path):
+    inp = write_rows(tmp_path / "in.jsonl", 10)
+    theirs = tmp_path / "math.README.md"
+    theirs.write_bytes(USER_FILE)
+    res = _collect(run_cli, fast_sim.url, inp, tmp_path / "math.jsonl")
+    assert res.returncode == 2, res.stderr
+    message = one_paragraph(res.stderr)
+    assert f"{theirs} exists and was not written by this output" in message and "No request" in message
+    assert theirs.read_bytes() == USER_FILE and not (tmp_path / "math.jsonl").exists()
 
 
 def test_a_users_file_where_the_task_file_goes_is_refused(run_cli, fast_sim, tmp_path: Path):

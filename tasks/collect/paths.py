@@ -1,6 +1,7 @@
 """Where a run reads and writes, checked before the first request: the input is never under the output
 (the dataset or a --restart would overwrite or delete it), the dataset path names an object, and the
-per-task file published beside the dataset is named after it and never replaces a file of the user's."""
+per-task file and the dataset card published beside the dataset are named after it (unless the folder is the
+output's own) and never replace a file of the user's."""
 
 from __future__ import annotations
 
@@ -14,14 +15,37 @@ from rollflow.tasks.collect.rows import InputError
 from rollflow.tasks.storage.store import Store, storage_options_for
 
 TASKS_SUFFIX = ".tasks.jsonl"  # per-task reward lines, published beside the dataset
-PUBLISHED = "published.json"  # in the output: the per-task files this output wrote (so only they are removed)
+PUBLISHED = (
+    "published.json"  # in the output: the files this output wrote beside the dataset (only they are removed)
+)
+CARD = "README.md"  # the dataset card in the output's own folder, where Hugging Face reads it
+CARD_SUFFIX = ".README.md"  # the dataset card of a dataset in a folder the output does not own
+
+
+def _beside(dataset_url: str, suffix: str) -> str:
+    parent, name = posixpath.split(dataset_url.rstrip("/"))
+    stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
+    return posixpath.join(parent, stem + suffix) if parent else stem + suffix
 
 
 def tasks_url(dataset_url: str) -> str:
     """`results/math.jsonl` -> `results/math.tasks.jsonl`: two datasets in one folder keep their own."""
-    parent, name = posixpath.split(dataset_url.rstrip("/"))
-    stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
-    return posixpath.join(parent, stem + TASKS_SUFFIX) if parent else stem + TASKS_SUFFIX
+    return _beside(dataset_url, TASKS_SUFFIX)
+
+
+def card_url(published_url: str, output_url: str) -> str:
+    """`OUT/rollouts.jsonl` or `OUT/data` -> `OUT/README.md` (the folder is the output's own); a dataset
+    elsewhere, `results/math.jsonl` -> `results/math.README.md`, so shared folders keep each card and
+    a user's README.md."""
+    parent = posixpath.split(published_url.rstrip("/"))[0] or "."
+    if posixpath.normpath(parent) == posixpath.normpath(output_url.rstrip("/") or "/"):
+        return posixpath.join(parent, CARD)
+    return _beside(published_url, CARD_SUFFIX)
+
+
+def owns_card_folder(card: str) -> bool:
+    """Whether the card is the output's own README.md (rewritten freely) rather than one beside a dataset."""
+    return posixpath.basename(card) == CARD
 
 
 def _location(url: str, options: dict[str, Any] | None) -> tuple[str, str, Any]:
@@ -30,16 +54,29 @@ def _location(url: str, options: dict[str, Any] | None) -> tuple[str, str, Any]:
     return protocol, posixpath.normpath(fs._strip_protocol(path)), fs
 
 
-def published_tasks(store: Store) -> list[str]:
-    """The per-task files this output published (URLs), from its own record."""
+def _published(store: Store) -> dict[str, Any]:
     try:
-        return list(orjson.loads(store.read_bytes(PUBLISHED)).get("tasks", []))
+        record = orjson.loads(store.read_bytes(PUBLISHED))
     except (FileNotFoundError, ValueError):
-        return []
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def published_files(store: Store, kind: str) -> list[str]:
+    """The files of one kind (`tasks`, `cards`) this output published (URLs), from its own record."""
+    return list(_published(store).get(kind, []))
+
+
+def record_files(store: Store, kind: str, urls: list[str]) -> None:
+    store.write_bytes(PUBLISHED, orjson.dumps({**_published(store), kind: sorted(set(urls))}))
+
+
+def published_tasks(store: Store) -> list[str]:
+    return published_files(store, "tasks")
 
 
 def record_tasks(store: Store, urls: list[str]) -> None:
-    store.write_bytes(PUBLISHED, orjson.dumps({"tasks": sorted(set(urls))}))
+    record_files(store, "tasks", urls)
 
 
 def check_paths(
@@ -48,8 +85,10 @@ def check_paths(
     dataset_url: str,
     options: tuple[dict[str, Any], dict[str, Any]],
     store: Store,
+    card: str | None = None,
 ) -> None:
-    """Refuse (InputError, exit 2) an input inside the output, or a dataset path that is not an object."""
+    """Refuse (InputError, exit 2) an input inside the output, a dataset path that is not an object, or a
+    per-task file or card (`card`) beside the dataset that would replace a file this output did not write."""
     input_options, dataset_options = options
     where, inp, _ = _location(input_url, input_options)
     out_where, out = store.fs.protocol, posixpath.normpath(store.root)
@@ -70,27 +109,45 @@ def check_paths(
             f"The dataset path {dataset_url} is a directory; it must name a file (e.g. "
             f"{dataset_url.rstrip('/')}/rollouts.jsonl). No request was sent."
         )
-    _check_tasks_path(input_url, dataset_url, (where, inp), dataset_options, store)
-
-
-def _check_tasks_path(
-    input_url: str, dataset_url: str, inp: tuple[str, str], options: dict[str, Any], store: Store
-) -> None:
-    """The per-task file beside the dataset may replace only a file this output published itself."""
     beside = tasks_url(dataset_url)
+    _check_beside(input_url, beside, "tasks", (where, inp), dataset_options, store, dataset_url)
+    if card is not None and not owns_card_folder(card):  # the output's own README.md is rewritten freely
+        _check_beside(input_url, card, "cards", (where, inp), dataset_options, store, dataset_url)
+
+
+_WHAT = {"tasks": ("per-task file", "per-task reward lines"), "cards": ("dataset card", "dataset card")}
+
+
+def _check_beside(
+    input_url: str,
+    beside: str,
+    kind: str,
+    inp: tuple[str, str],
+    options: dict[str, Any],
+    store: Store,
+    dataset_url: str,
+) -> None:
+    """A file published beside the dataset may replace only a file this output published itself."""
+    name, lines = _WHAT[kind]
     where, path, fs = _location(beside, options)
     if (where, path) == inp:
         raise InputError(
-            f"The input {input_url} is where the run publishes its per-task file {beside} beside the "
+            f"The input {input_url} is where the run publishes its {name} {beside} beside the "
             f"dataset {dataset_url}; publishing would overwrite it. Choose another dataset path or rename "
             f"the input. No request was sent."
         )
-    if fs.exists(path) and beside not in published_tasks(store):
+    if fs.exists(path) and beside not in published_files(store, kind):
         raise InputError(
             f"{beside} exists and was not written by this output ({store.root_url}); the run publishes "
-            f"its per-task reward lines there, beside the dataset {dataset_url}, and never replaces a "
+            f"its {lines} there, beside the dataset {dataset_url}, and never replaces a "
             f"file it did not write. Move that file, or choose another dataset path. No request was sent."
         )
+
+
+def _remove(url: str, options: dict[str, Any]) -> None:
+    _, path, fs = _location(url, options)
+    if fs.exists(path):
+        fs.rm_file(path)
 
 
 def same_object(a: str, b: str, options: dict[str, Any]) -> bool:
@@ -98,16 +155,19 @@ def same_object(a: str, b: str, options: dict[str, Any]) -> bool:
 
 
 def remove_published(dataset_url: str, options: dict[str, Any], store: Store) -> bool:
-    """Delete the dataset a discarded run published (--restart), and its per-task file when this output
-    wrote it, wherever they live; whether the dataset was there. No other file is touched."""
+    """Delete the dataset a discarded run published (--restart), and its per-task file and card when this
+    output wrote them, wherever they live; whether the dataset was there. No other file is touched."""
     _, path, fs = _location(dataset_url, options)
     beside = tasks_url(dataset_url)
     ours = published_tasks(store)
     if beside in ours:
-        _, tasks_path, tasks_fs = _location(beside, options)
-        if tasks_fs.exists(tasks_path):
-            tasks_fs.rm_file(tasks_path)
+        _remove(beside, options)
         record_tasks(store, [u for u in ours if u != beside])
+    cards = published_files(store, "cards")
+    for card in cards:
+        _remove(card, options)
+    if cards:
+        record_files(store, "cards", [])
     if not fs.exists(path):
         return False
     fs.rm_file(path)

@@ -13,7 +13,7 @@ import orjson
 
 from rollflow.settings import RunSpec
 from rollflow.tasks.backends.formats import overrides_problem
-from rollflow.tasks.collect.paths import check_paths, remove_published, same_object
+from rollflow.tasks.collect.paths import card_url, check_paths, remove_published, same_object
 from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
@@ -85,7 +85,8 @@ def plan_run(
     """Fail fast (bad paths, output, input, changed run) before a single request is sent."""
     store.check_writable()
     dataset_options = dataset_options or {}
-    check_paths(spec.input, spec.output, spec.dataset_url(), (input_options, dataset_options), store)
+    card = card_url(spec.published_url(), spec.output)
+    check_paths(spec.input, spec.output, spec.dataset_url(), (input_options, dataset_options), store, card)
     _check_overrides(spec)
     stored = ledger.stored_identity()
     with tempfile.SpooledTemporaryFile(max_size=4 * 1024 * 1024) as bad:

@@ -1,4 +1,5 @@
-"""README.md beside a published dataset: a Hugging Face dataset card (YAML front matter: configs, features,
+"""The card beside a published dataset (README.md in the output's own folder, else `<stem>.README.md`): a
+Hugging Face dataset card (YAML front matter: configs, features,
 size category; then the run's story in prose and tables), built from report.json alone."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from typing import Any
 import orjson
 import yaml
 
+from rollflow.tasks.collect.paths import card_url, owns_card_folder, published_files, record_files
 from rollflow.tasks.publish.concat import split_url
 from rollflow.tasks.storage.store import Store
 
-CARD_NAME = "README.md"
 SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
          (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"))  # fmt: skip
 _DTYPES = {"string": "string", "int64": "int64", "double": "float64", "bool": "bool"}
@@ -194,9 +195,15 @@ def parquet_features(store: Store, shard: str) -> list[dict[str, str]]:
     return [{"name": f.name, "dtype": _DTYPES.get(str(f.type), str(f.type))} for f in schema]
 
 
-def write_card(dataset_url: str, options: dict[str, Any], report: dict[str, Any]) -> str:
-    """README.md in the dataset's folder (for Parquet, the folder above data/); returns its URL."""
+def write_card(dataset_url: str, options: dict[str, Any], report: dict[str, Any], output: Store) -> str:
+    """The card in the dataset's folder (for Parquet, the folder above data/); returns its URL.
+
+    A card outside the output's own folder is recorded in the output before it is written, so a
+    --restart removes it and nothing else."""
     parent, name = split_url(dataset_url)
+    card = card_url(dataset_url, output.root_url)
+    if not owns_card_folder(card):
+        record_files(output, "cards", [*published_files(output, "cards"), card])
     store = Store(parent, options)
     features = None
     if report.get("format") == "parquet":
@@ -205,5 +212,6 @@ def write_card(dataset_url: str, options: dict[str, Any], report: dict[str, Any]
         data_files = f"{name}/*.parquet"
     else:
         data_files = name
-    store.write_bytes(CARD_NAME, render_card(report, data_files, features).encode())
-    return posixpath.join(store.root_url, CARD_NAME)
+    card_name = posixpath.basename(card)
+    store.write_bytes(card_name, render_card(report, data_files, features).encode())
+    return posixpath.join(store.root_url, card_name)
