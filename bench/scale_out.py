@@ -31,16 +31,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 from harness import spawn_prefect_server, spawn_simulator, write_input
+from pyspy import Profiler, summary
 
 from rollflow.infra.local import free_port
 
-ROLLOUTS, PARALLELISM, SLOTS, LATENCY_MS = 12_000, 32, 32, 50.0
+ROLLOUTS = int(os.environ.get("ROLLFLOW_BENCH_ROLLOUTS", "12000"))
+PARALLELISM, SLOTS, LATENCY_MS = 32, 32, 50.0
+PROFILE = os.environ.get("ROLLFLOW_BENCH_PROFILE")  # a folder: py-spy profiles of every run go there
 CAPACITY = SLOTS / (LATENCY_MS / 1000)
 BIN = Path(sys.executable).parent
 ROLLFLOW = str(BIN / "rollflow")
@@ -197,9 +200,10 @@ def ray_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Proce
 
 def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with CpuMeter(engine_kind) as meter:
+    tag = name.split(",")[0] + ("-again" if "second" in name else "")
+    with CpuMeter(engine_kind) as meter, profiled(tag):
         proc = subprocess.run([ROLLFLOW, *args], env=env, capture_output=True, text=True, timeout=900)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # before py-spy's own CPU joins it
     if proc.returncode:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     report = json.loads((out / "report.json").read_text())
@@ -214,6 +218,29 @@ def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row
         meter.seconds("daemon"),
     )
     return row, report
+
+
+def profiled_kind(proc: psutil.Process) -> str | None:
+    """ "command" for the `rollflow run` process, "worker" for an engine's worker process, else None."""
+    cmd = proc.cmdline()
+    if len(cmd) > 2 and cmd[1].endswith("/rollflow") and cmd[2] == "run":
+        return "command"
+    return "worker" if engine_kind(proc) == "worker" else None
+
+
+@contextlib.contextmanager
+def profiled(tag: str) -> Iterator[None]:
+    """With ROLLFLOW_BENCH_PROFILE: py-spy on the command and the workers, and their top functions."""
+    if not PROFILE:
+        yield
+        return
+    out = Path(PROFILE)
+    with Profiler(profiled_kind, out, tag):
+        yield
+    for kind in ("command", "worker"):
+        text = summary(sorted(out.glob(f"{tag}-{kind}-*.txt")))
+        (out / f"{tag}-{kind}.summary.txt").write_text(text + "\n")
+        print(f"\nprofile of {tag}, {kind} processes:\n{text}", flush=True)
 
 
 def main() -> None:
