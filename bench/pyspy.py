@@ -23,8 +23,10 @@ import psutil
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 RATE = 50  # samples a second: enough for a share, light enough not to move the figures much
 # Leaves where a thread waits rather than works (py-spy --nonblocking cannot tell them idle itself).
-WAITS = ("select", "Condition.wait", "Event.wait", "Thread.join", "Queue.get", "SimpleQueue.get", "sleep",
-         "_worker", "poll", "epoll", "acquire", "wait_for_tstate_lock", "Thread.run", "main_loop")  # fmt: skip
+WAITS = tuple(
+    "." + name
+    for name in ("select", "wait", "join", "get", "sleep", "_worker", "poll", "acquire", "main_loop")
+)
 
 
 class Profiler:
@@ -95,9 +97,7 @@ def summary(paths: list[Path], top: int = 25) -> str:
                 continue
             n = int(count)
             frames = _frames(stack)
-            if frames[-1].rsplit(".", 1)[-1] in {w.rsplit(".", 1)[-1] for w in WAITS} or any(
-                frames[-1].endswith(w) for w in WAITS
-            ):
+            if frames[-1].endswith(WAITS):
                 waiting += n
                 continue
             total += n
@@ -106,7 +106,10 @@ def summary(paths: list[Path], top: int = 25) -> str:
                 inclusive[name] += n
     if not total:
         return "  (no samples)"
-    lines = [f"  {total} samples at work ({waiting} more waiting: select, locks, queues, sleep)", "  inclusive:"]
+    lines = [
+        f"  {total} samples at work ({waiting} more waiting: select, locks, queues, sleep)",
+        "  inclusive:",
+    ]
     lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in inclusive.most_common(top)]
     lines.append("  self:")
     lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in own.most_common(top)]

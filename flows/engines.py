@@ -8,6 +8,7 @@ a local cluster. Ray: a local instance or an existing cluster (`--ray-address`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,13 +30,18 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass
 class Engine:
-    """An entered Prefect task runner, the flow's side of the share book, and the link workers get."""
+    """An entered Prefect task runner, the flow's side of the share book, and the link workers get.
+
+    `watch(future, fn)` calls `fn()` (from any thread) once the future has ended, `cancel` cancels
+    futures, `slots()` is how many tasks the cluster runs at once now (0 when it does not say).
+    """
 
     runner: Any
     channel: DaskChannel | RayChannel
     link: DaskLink | RayLink
-    done: Callable[[Any], bool]
+    watch: Callable[[Any, Callable[[], None]], None]
     cancel: Callable[[list[Any]], None]
+    slots: Callable[[], int]
 
 
 def cluster_class(path: str) -> type:
@@ -100,7 +106,7 @@ def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[Engine]:
             name = f"rollflow-shares-{key}"
             channel = RayChannel.start(name)
             try:
-                yield Engine(runner, channel, RayLink(name), _ray_done, _ray_cancel)
+                yield Engine(runner, channel, RayLink(name), _ray_watch, _ray_cancel, _ray_slots)
             finally:
                 with contextlib.suppress(Exception):
                     channel.close()
@@ -108,25 +114,27 @@ def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[Engine]:
     with dask_runner(spec, chunks) as runner:
         channel = DaskChannel(runner.client, key)
         try:
-            yield Engine(runner, channel, DaskLink(key), _dask_done, _dask_cancel(runner))
+            slots = functools.partial(_dask_slots, runner)
+            yield Engine(runner, channel, DaskLink(key), _dask_watch, _dask_cancel(runner), slots)
         finally:
             with contextlib.suppress(Exception):
                 channel.close()
 
 
-def _dask_done(future: Any) -> bool:
-    return future.wrapped_future.done()
+def _dask_watch(future: Any, fn: Callable[[], None]) -> None:
+    future.wrapped_future.add_done_callback(lambda _: fn())
 
 
 def _dask_cancel(runner: Any) -> Callable[[list[Any]], None]:
     return lambda futures: runner.client.cancel([f.wrapped_future for f in futures])
 
 
-def _ray_done(future: Any) -> bool:
-    import ray
+def _dask_slots(runner: Any) -> int:
+    return sum(runner.client.nthreads().values())
 
-    ready, _ = ray.wait([future.wrapped_future], timeout=0)
-    return bool(ready)
+
+def _ray_watch(future: Any, fn: Callable[[], None]) -> None:
+    future.wrapped_future.future().add_done_callback(lambda _: fn())
 
 
 def _ray_cancel(futures: list[Any]) -> None:
@@ -135,3 +143,9 @@ def _ray_cancel(futures: list[Any]) -> None:
     for future in futures:
         with contextlib.suppress(Exception):
             ray.cancel(future.wrapped_future)
+
+
+def _ray_slots() -> int:
+    import ray
+
+    return int(ray.cluster_resources().get("CPU", 0))

@@ -33,7 +33,6 @@ from rollflow.settings import (
     RunSpec,
     TuningSettings,
     VerifySettings,
-    redact,
 )
 from rollflow.settings.models import EngineSettings
 from rollflow.tasks.backends.engine_metrics import sample_endpoints
@@ -43,7 +42,9 @@ from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
+from rollflow.tasks.collect.scheduler import run_chunks
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.publish.concat import PublishFailed
@@ -78,39 +79,22 @@ class RunIncomplete(Exception):
 async def collect_stage(
     ctx: CollectContext, plan: RunPlan, chunks_in_flight: int, deadline_s: float | None = None
 ) -> CollectResult:
-    """Run the pending chunks as tasks, a bounded number at once, all under ctx.limit.
+    """Run the pending chunks as Prefect tasks in this process, through the scheduler of every runner.
 
-    The chunk jobs live in a task group: at the deadline, or when this stage is cancelled (lease lost,
-    Ctrl-C), every running chunk is cancelled (saving its finished rollouts as parts) and awaited before
-    this returns or raises, so no chunk commits after its run. Whatever committed stays committed.
+    At the deadline, or when this stage is cancelled (lease lost, Ctrl-C), every running chunk is
+    cancelled (saving its finished rollouts as parts) and awaited before this returns or raises, so no
+    chunk commits after its run. Whatever committed stays committed.
     """
-    gate = asyncio.Semaphore(chunks_in_flight)
     collect = collect_chunk_task.with_options(retries=ctx.collection.chunk_retries)
-    results: list[ChunkOutcome | Exception] = []
 
-    async def run_one(chunk: Any) -> None:
-        async with gate:
-            t0 = time.perf_counter()
-            try:
-                outcome = await collect(ctx, chunk)
-            except Exception as exc:  # a chunk that failed after its retries; the audit reports the gap
-                results.append(chunk_error(exc))
-                return
-            outcome.task_s = time.perf_counter() - t0
-            results.append(outcome)
+    async def run_one(chunk: ChunkSpec) -> ChunkOutcome:
+        t0 = time.perf_counter()
+        outcome = await collect(ctx, chunk)
+        outcome.task_s = time.perf_counter() - t0
+        return outcome
 
-    stopped = False
-    try:
-        async with asyncio.timeout(deadline_s), asyncio.TaskGroup() as group:
-            for chunk in plan.pending:
-                group.create_task(run_one(chunk))
-    except TimeoutError:
-        stopped = True
-    return CollectResult(
-        outcomes=[r for r in results if isinstance(r, ChunkOutcome)],
-        errors=[redact.redact(f"{type(e).__name__}: {e}") for e in results if isinstance(e, Exception)],
-        stopped=stopped,
-    )
+    done = await run_chunks(plan.pending, run_one, chunks_in_flight, deadline_s, chunk_error)
+    return CollectResult.of(done)
 
 
 async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: RunHandles) -> dict[str, Any]:

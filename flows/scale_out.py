@@ -1,32 +1,42 @@
 """chunked-collect on many processes: chunk tasks go to Dask or Ray workers through Prefect's task runners,
 and this process keeps the run's share book (one limit for all workers) and counts their progress.
 
-The blocking engine calls run in a thread that stops when told (deadline, lease lost, Ctrl-C): it cancels
-the futures and leaves the runner, which closes a local cluster's workers. Workers of an existing cluster
-stop their chunk themselves at the deadline or when the run's lease is gone (tasks/scaleout/scope.py).
+The chunks are scheduled as the local runner's are (tasks/collect/scheduler.py): a bounded number in
+flight, each awaited through the engine's done callback, never polled. The engine's blocking calls
+(entering the runner, submitting, reading a result, leaving) run on one thread of their own; the share
+book's rounds on another, so a slow submission never delays the book. At the deadline, or when the run is
+cancelled, the futures still running are cancelled and the runner is left (which closes a local cluster's
+workers) before this returns or raises. Workers of an existing cluster stop their chunk themselves at the
+deadline or when the run's lease is gone (tasks/scaleout/scope.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import functools
 import secrets
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from rollflow.flows.engines import open_engine
+from rollflow.flows.engines import Engine, open_engine
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.collect.scheduler import Scheduled, run_chunks
 from rollflow.tasks.scaleout.board import Board
 from rollflow.tasks.scaleout.collector import POLL_S
 from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 
-WATCH_S = 0.02
-SUBMIT_S = 0.05
+T = TypeVar("T")
+MIN_REMOTE_IN_FLIGHT = 8  # chunks submitted ahead at least, so a cluster that adapts sees work queued
 
 
 @dataclass
@@ -39,58 +49,105 @@ class CollectResult:
     peak_in_flight: int | None = None  # remote runners: the most the workers had in flight at once
     peak_allowed: int | None = None  # remote runners: the most the share book let them have at once
 
-
-def _collect_blocking(
-    spec: RunSpec,
-    chunks: list[ChunkSpec],
-    limits: dict[str, int],
-    retries: int,
-    scope: WorkerScope,
-    stop: threading.Event,
-    loop: asyncio.AbstractEventLoop,
-) -> CollectResult:
-    result = CollectResult()
-    with open_engine(spec, f"{secrets.token_hex(6)}", len(chunks)) as engine:
-        board = Board(engine.channel, limits, loop)
-        task = collect_chunk_remote_task.with_options(retries=retries)
-        params = {"share": limits, "scope": scope, "resolve": resolve_secret_blocks, "link": engine.link}
-        unsent = list(chunks)
-        pending: list[Any] = []
-        next_round = 0.0
-        while (pending or unsent) and not stop.wait(WATCH_S):
-            if time.monotonic() >= next_round:
-                next_round = time.monotonic() + POLL_S
-                _board_round(board, result)
-            # Submitting costs ~0.1 s a chunk in Prefect: a few per tick, so the book never waits on it.
-            sent_until = time.monotonic() + SUBMIT_S
-            while unsent and time.monotonic() < sent_until:
-                pending.append(engine.runner.submit(task, {"spec": spec, "chunk": unsent.pop(0), **params}))
-            for future in [f for f in pending if engine.done(f)]:
-                pending.remove(future)
-                try:
-                    outcome = future.result()
-                    result.outcomes.append(outcome)
-                    board.finish(outcome)
-                except Exception as exc:
-                    result.errors.append(redact.redact(f"{type(exc).__name__}: {exc}"))
-        if pending or unsent:
-            engine.cancel(pending)
-            result.stopped = True
-        _board_round(board, result)
-        result.workers = board.workers(result.outcomes)
-        result.peak_in_flight = board.book.peak_in_flight
-        result.peak_allowed = board.book.peak_held
-    return result
+    @classmethod
+    def of(cls, done: Scheduled) -> CollectResult:
+        errors = [redact.redact(f"{type(exc).__name__}: {exc}") for exc in done.errors]
+        return cls(outcomes=done.outcomes, errors=errors, stopped=done.stopped)
 
 
-def _board_round(board: Board, result: CollectResult) -> None:
-    """A failed round is retried at the next tick; workers keep their shares meanwhile."""
-    try:
-        board.round()
-    except Exception as exc:
-        note = redact.redact(f"share book round failed: {type(exc).__name__}: {exc}")
-        if note not in result.book_errors:
-            result.book_errors.append(note)
+class EngineThread:
+    """The engine's blocking calls, one at a time on a thread of their own, in the flow's context (the
+    Prefect flow run the chunk tasks belong to)."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollflow-engine")
+        self.context = contextvars.copy_context()
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, functools.partial(self.context.run, fn, *args))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+class BoardThread:
+    """The share book's rounds every POLL_S on a thread of their own, until stopped."""
+
+    def __init__(self, board: Board, notes: list[str]) -> None:
+        self.board, self.notes = board, notes
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rollflow-share-book", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.round()
+            if self.stop.wait(POLL_S):
+                return
+
+    def round(self) -> None:
+        """A failed round is retried at the next one; workers keep their shares meanwhile."""
+        try:
+            self.board.round()
+        except Exception as exc:
+            note = redact.redact(f"share book round failed: {type(exc).__name__}: {exc}")
+            if note not in self.notes:
+                self.notes.append(note)
+
+    async def finish(self) -> None:
+        """Stop the rounds, then one last round: the workers' newest figures."""
+        self.stop.set()
+        await asyncio.to_thread(self.thread.join)
+        await asyncio.to_thread(self.round)
+
+
+@dataclass
+class RemoteChunks:
+    """The engine's side of the scheduler: submit a chunk task, wake when it ends, read its outcome."""
+
+    engine: Engine
+    calls: EngineThread
+    board: Board
+    task: Any
+    params: dict[str, Any]
+    live: dict[int, Any] = field(default_factory=dict)  # chunk index -> its future, until it ends
+
+    async def run(self, chunk: ChunkSpec) -> ChunkOutcome:
+        future = await self.calls.call(self._submit, chunk)
+        await self._ended(future)
+        try:
+            outcome: ChunkOutcome = await self.calls.call(future.result)
+        finally:
+            self.live.pop(chunk.index, None)
+        self.board.finish(outcome)
+        return outcome
+
+    def _submit(self, chunk: ChunkSpec) -> Any:
+        """On the engine's thread: whatever it submitted is known to `cancel_live` after it."""
+        future = self.engine.runner.submit(self.task, {**self.params, "chunk": chunk})
+        self.live[chunk.index] = future
+        return future
+
+    def cancel_live(self) -> None:
+        """On the engine's thread, after the scheduler stopped: the futures of chunks that did not end."""
+        if self.live:
+            self.engine.cancel(list(self.live.values()))
+            self.live.clear()
+
+    def _ended(self, future: Any) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        def ring() -> None:  # on the engine's thread
+            with contextlib.suppress(RuntimeError):  # the run is over and its loop closed
+                loop.call_soon_threadsafe(wake)
+
+        self.engine.watch(future, ring)
+        return ended
 
 
 async def collect_remote(
@@ -104,27 +161,67 @@ async def collect_remote(
 ) -> CollectResult:
     """`limits` are the run's per-endpoint limits; the workers share them through the share book.
 
-    Stopped at `deadline_s` or by cancellation; either way the thread is awaited before this returns
-    or raises, so no chunk of this run is still running when it does.
+    Stopped at `deadline_s` or by cancellation; either way the runner is left before this returns or
+    raises, so no chunk of this run is still running on a cluster this run started.
     """
-    stop = threading.Event()
     stop_at = None if deadline_s is None else time.time() + deadline_s
     scope = WorkerScope(stop_at=stop_at, owner=owner, margin_s=margin_s)
-    loop = asyncio.get_running_loop()
-    work = asyncio.ensure_future(
-        asyncio.to_thread(_collect_blocking, spec, chunks, limits, retries, scope, stop, loop)
-    )
-    cancelled = False
+    calls = EngineThread()
+    stack = contextlib.ExitStack()
     try:
-        await asyncio.wait({work}, timeout=deadline_s)
-    except asyncio.CancelledError:
-        cancelled = True
-    stop.set()
-    while not work.done():
+        engine = await _settled(
+            calls.call(stack.enter_context, open_engine(spec, secrets.token_hex(6), len(chunks)))
+        )
+        return await _collect(spec, chunks, limits, retries, scope, deadline_s, engine, calls)
+    finally:
+        await _settled(calls.call(stack.close))
+        calls.close()
+
+
+async def _collect(
+    spec: RunSpec,
+    chunks: list[ChunkSpec],
+    limits: dict[str, int],
+    retries: int,
+    scope: WorkerScope,
+    deadline_s: float | None,
+    engine: Engine,
+    calls: EngineThread,
+) -> CollectResult:
+    notes: list[str] = []
+    board = Board(engine.channel, limits, asyncio.get_running_loop())
+    params = {"share": limits, "scope": scope, "resolve": resolve_secret_blocks, "link": engine.link}
+    task = collect_chunk_remote_task.with_options(retries=retries)
+    remote = RemoteChunks(engine, calls, board, task, params)
+    in_flight = spec.collection.chunks_in_flight or max(
+        MIN_REMOTE_IN_FLIGHT, 2 * await calls.call(engine.slots)
+    )
+    rounds = BoardThread(board, notes)
+    rounds.thread.start()
+    try:
+        done = await run_chunks(chunks, remote.run, in_flight, deadline_s)
+    finally:
+        await _settled(calls.call(remote.cancel_live))
+        await _settled(rounds.finish())
+    result = CollectResult.of(done)
+    result.book_errors = notes
+    result.workers = board.workers(result.outcomes)
+    result.peak_in_flight = board.book.peak_in_flight
+    result.peak_allowed = board.book.peak_held
+    return result
+
+
+async def _settled(work: Any) -> Any:
+    """Await `work` to its end even when cancelled meanwhile; the cancellation is raised after it."""
+    future = asyncio.ensure_future(work)
+    cancelled = False
+    while not future.done():
         try:
-            await asyncio.shield(work)
+            await asyncio.shield(future)
         except asyncio.CancelledError:
+            if future.done():
+                break
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
-    return work.result()
+    return future.result()

@@ -1,0 +1,73 @@
+"""The one chunk scheduler of every runner: a bounded number of chunks in flight, the next one started as
+soon as one ends, all of them stopped at the deadline or when the run is cancelled.
+
+Where a chunk runs is the caller's `RunChunk`: a Prefect task in this process (the local runner), or a
+task submitted to Dask or Ray whose completion comes back through the engine's done callback. Nothing
+here polls: each chunk is one asyncio task that wakes when its chunk ends, so the cost of a completion
+does not grow with the number of chunks, pending or done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.rows import ChunkSpec
+
+RunChunk = Callable[[ChunkSpec], Awaitable[ChunkOutcome]]
+Fatal = Callable[[Exception], Exception]
+
+
+@dataclass
+class Scheduled:
+    """What the scheduler saw: each finished chunk's outcome or error, and whether the deadline stopped it."""
+
+    outcomes: list[ChunkOutcome] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
+    stopped: bool = False
+    peak_running: int = 0
+
+
+def _keep(exc: Exception) -> Exception:
+    return exc
+
+
+async def run_chunks(
+    chunks: Iterable[ChunkSpec],
+    run: RunChunk,
+    in_flight: int,
+    deadline_s: float | None = None,
+    error: Fatal = _keep,
+) -> Scheduled:
+    """Run every chunk through `run`, at most `in_flight` at once, until done or `deadline_s` passes.
+
+    A chunk that raises is counted as that chunk's error (`error` may re-raise instead, e.g. for a signal).
+    At the deadline, or when this coroutine is cancelled, every running chunk is cancelled and awaited
+    before this returns or raises, so no chunk of the run outlives it.
+    """
+    done = Scheduled()
+    gate = asyncio.Semaphore(max(1, in_flight))
+    running = 0
+
+    async def one(chunk: ChunkSpec) -> None:
+        nonlocal running
+        running += 1
+        done.peak_running = max(done.peak_running, running)
+        try:
+            done.outcomes.append(await run(chunk))
+        except Exception as exc:  # the chunk failed after its retries; the audit reports the gap
+            done.errors.append(error(exc))
+        finally:
+            running -= 1
+            gate.release()
+
+    try:
+        async with asyncio.timeout(deadline_s), asyncio.TaskGroup() as group:
+            for chunk in chunks:
+                await gate.acquire()
+                group.create_task(one(chunk))
+    except TimeoutError:
+        done.stopped = True
+    return done
