@@ -190,7 +190,13 @@ async def _collect(
 ) -> CollectResult:
     notes: list[str] = []
     board = Board(engine.channel, limits, asyncio.get_running_loop())
-    params = {"share": limits, "scope": scope, "resolve": resolve_secret_blocks, "link": engine.link}
+    params = {
+        "spec": spec,
+        "share": limits,
+        "scope": scope,
+        "resolve": resolve_secret_blocks,
+        "link": engine.link,
+    }
     task = collect_chunk_remote_task.with_options(retries=retries)
     remote = RemoteChunks(engine, calls, board, task, params)
     in_flight = spec.collection.chunks_in_flight or max(
