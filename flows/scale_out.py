@@ -36,7 +36,9 @@ from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 
 T = TypeVar("T")
-MIN_REMOTE_IN_FLIGHT = 8  # chunks submitted ahead at least, so a cluster that adapts sees work queued
+MIN_REMOTE_IN_FLIGHT = (
+    64  # chunks submitted ahead at least: a worker that joins or a cluster that adapts finds them queued
+)
 
 
 @dataclass
