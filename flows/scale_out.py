@@ -36,9 +36,8 @@ from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 
 T = TypeVar("T")
-MIN_REMOTE_IN_FLIGHT = (
-    64  # chunks submitted ahead at least: a worker that joins or a cluster that adapts finds them queued
-)
+# Chunks submitted ahead at least: a worker that joins, or a cluster that adapts, finds them queued.
+MIN_REMOTE_IN_FLIGHT = 64
 
 
 @dataclass
