@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import logging
 import secrets
 import threading
 import time
@@ -35,7 +36,9 @@ from rollflow.tasks.scaleout.collector import POLL_S
 from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+SMALL_REMOTE_CHUNK = 5000  # rollouts; below it a remote chunk's dispatch is a large part of its CPU
 # Chunks submitted ahead at least: a worker that joins, or a cluster that adapts, finds them queued.
 MIN_REMOTE_IN_FLIGHT = 64
 
@@ -203,6 +206,7 @@ async def _collect(
     in_flight = spec.collection.chunks_in_flight or max(
         MIN_REMOTE_IN_FLIGHT, 2 * await calls.call(engine.slots)
     )
+    _say_small_chunks(spec, len(chunks))
     rounds = BoardThread(board, notes)
     rounds.thread.start()
     try:
@@ -216,6 +220,22 @@ async def _collect(
     result.peak_in_flight = board.book.peak_in_flight
     result.peak_allowed = board.book.peak_held
     return result
+
+
+def _say_small_chunks(spec: RunSpec, chunks: int) -> None:
+    """Remote chunks pay a fixed dispatch each (Prefect's submission here, its task engine on the worker):
+    said once when many small ones will pay it, since the chunk size is the run's identity and stays."""
+    col = spec.collection
+    rollouts = col.chunk_size * col.num_repeats
+    if chunks >= 10 and rollouts < SMALL_REMOTE_CHUNK:
+        log.warning(
+            "--runner %s: %d chunks of %d rollouts; each remote chunk pays about 0.2-0.4 s of CPU for its "
+            "dispatch, so chunks of %d rollouts or more (--chunk-size) cost less per rollout",
+            spec.runner,
+            chunks,
+            rollouts,
+            SMALL_REMOTE_CHUNK,
+        )
 
 
 async def _settled(work: Any) -> Any:
