@@ -97,7 +97,7 @@ def summary(paths: list[Path], top: int = 25) -> str:
                 continue
             n = int(count)
             frames = _frames(stack)
-            if frames[-1].endswith(WAITS):
+            if len(frames) < 2 or frames[-1].endswith(WAITS):  # a thread with no Python frame: native
                 waiting += n
                 continue
             total += n
