@@ -317,8 +317,8 @@ def report(results: list[Row], ceiling: dict | None) -> None:
     local = [row for row in results if row.name == "local"]
     for row in results[1:] if local else []:
         rate, cpu = row.rate / local[0].rate, row.cpu_per_rollout / local[0].cpu_per_rollout
-        print(f"{row.name}: {rate:.2f} of the local runner's rate (goal >= 0.9), {cpu:.2f}x its CPU per rollout "
-              "(goal <= 1.3)")  # fmt: skip
+        print(f"{row.name}: {rate:.2f} of the local runner's rate (goal >= 0.9), "
+              f"{cpu:.2f}x its CPU per rollout (goal <= 1.3)")  # fmt: skip
     if ceiling is None:
         return
     print("\nzero-latency client ceiling, per Dask worker process (rollouts per CPU-second of that process):")
