@@ -23,6 +23,7 @@ from rollflow.flows.stops import chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.publish.card import write_card
+from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
 from rollflow.tasks.reverify.plan import ReverifyPlan
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
@@ -158,8 +159,8 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
         await publish_task(handles, plan)
     stages["publish"] = time.perf_counter() - t
     source = {
-        "url": plan.source.url,
-        "given": spec.source,
+        "url": scrub_url(plan.source.url),
+        "given": scrub_url(spec.source),
         "sha256": plan.source.fingerprint,
         "rows": plan.source.rows,
         "tasks": plan.source.tasks,

@@ -16,7 +16,7 @@ import pytest
 from cli_runs import spawn, wait_until
 from rollout_data import assert_complete
 
-from rollflow.infra.local import spawn_simulator
+from rollflow.infra.local import free_port_block, spawn_simulator
 
 pytestmark = pytest.mark.concurrent
 
@@ -87,7 +87,9 @@ def collections(run_cli, tmp_path_factory) -> dict[str, Path]:
     (base / "flaky_verifier.py").write_text(FLAKY)
     (base / "slow_verifier_rv.py").write_text(SLOW)
     inp = write_rows(base / "rows.jsonl")
-    sim = spawn_simulator("--latency-ms", "1", "--slots", "64")
+    # A port below the ephemeral range: one from free_port() can be taken by any outgoing connection
+    # before the simulator binds it, and under load the fixture then errors with the server exited.
+    sim = spawn_simulator("--latency-ms", "1", "--slots", "64", port=free_port_block(1))
     outs = {name: base / name for name in ("exact", "math_fast", "flaky", "parquet")}
     try:
         for name, verifier, extra in (
@@ -310,3 +312,33 @@ def test_reverify_on_a_dask_cluster_equals_the_local_one(
     assert rewards(out / "rollouts.jsonl") == rewards(fresh / "rollouts.jsonl")
     report = orjson.loads((out / "report.json").read_bytes())
     assert report["metrics"]["chunks_run"] == len(list((out / "chunks").glob("*.json"))) > 1
+
+
+def test_reverify_of_a_rangeless_http_source_with_credentials_in_its_url(
+    run_cli, collections, tmp_path
+) -> None:
+    """A dataset on `python -m http.server` (no Range requests) read chunk by chunk from byte offsets; the
+    URL's user:password never reaches report.json, report.md, run.json or the card."""
+    import subprocess
+    import sys
+
+    from rollflow.infra.local import wait_http
+
+    port = free_port_block(1)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
+         str(collections["exact"])],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", 30, server)
+        url, out = f"http://reader:pw-s3cr3t-77@127.0.0.1:{port}/rollouts.jsonl", tmp_path / "from_http"
+        res = run_cli("reverify", url, "--output", str(out), "--verifier", "math_fast", "--chunk-size", "25")
+    finally:
+        server.kill()
+        server.wait()
+    assert res.returncode == 0, res.stderr
+    assert rewards(out / "rollouts.jsonl") == rewards(collections["math_fast"] / "rollouts.jsonl")
+    for name in ("report.json", "report.md", "run.json", "README.md"):
+        text = (out / name).read_text()
+        assert "pw-s3cr3t-77" not in text and "127.0.0.1" in text, name

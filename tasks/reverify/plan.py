@@ -14,6 +14,7 @@ import fsspec
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.plan import config_hash
 from rollflow.tasks.collect.rows import InputError
+from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store, storage_options_for
@@ -82,7 +83,7 @@ def plan_reverify(
     config = reverify_config(spec, source.mode)
     chunk_size = spec.chunk_size if source.mode == "dataset" else 0
     identity = RunIdentity(
-        input_url=source.url,
+        input_url=scrub_url(source.url),  # run.json holds no user:password of the source's URL
         input_fingerprint=source.fingerprint,
         rows=source.rows,
         tasks=source.tasks,

@@ -142,8 +142,7 @@ def scan_dataset(url: str, chunk_size: int, options: dict[str, Any]) -> SourcePl
 def iter_dataset_lines(url: str, chunk: SourceChunk, options: dict[str, Any]) -> Iterator[bytes]:
     """The chunk's rows (without newline), read from its byte offset."""
     left = chunk.rows
-    with open_input(url, options) as fh:
-        fh.seek(chunk.byte_offset)
+    with open_input(url, options, offset=chunk.byte_offset) as fh:  # skips on a Range-less HTTP server
         for line in fh:
             if left == 0:
                 return
