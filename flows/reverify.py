@@ -25,7 +25,7 @@ from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
-from rollflow.tasks.reverify.plan import ReverifyPlan
+from rollflow.tasks.reverify.plan import ReverifyPlan, check_apart
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
 from rollflow.tasks.reverify.runtime import ReverifyHandles, open_reverify, reverify_context
 from rollflow.tasks.storage.lease import Lease
@@ -193,6 +193,8 @@ async def rollflow_reverify(spec: ReverifySpec) -> dict[str, Any]:
     """Rescore a published output with another verifier: no backend request, resumable by chunk."""
     settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_reverify(spec, settings)
+    # before the lease, which writes into the output: a refused output inside the source stays unwritten
+    check_apart(spec.source, spec.output, (handles.source_options, handles.output_options))
     lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
     await lease_task(handles, lease)
     handles.ledger.fence = lease.check

@@ -342,3 +342,18 @@ def test_reverify_of_a_rangeless_http_source_with_credentials_in_its_url(
     for name in ("report.json", "report.md", "run.json", "README.md"):
         text = (out / name).read_text()
         assert "pw-s3cr3t-77" not in text and "127.0.0.1" in text, name
+
+
+def test_an_output_inside_the_source_is_refused_before_anything_is_written(
+    run_cli, collections, tmp_path
+) -> None:
+    """--output in the source folder, a subfolder of it, or reached through a symlink to it: refused, and the
+    source folder gains not even a lock file."""
+    source = collections["exact"]
+    link = tmp_path / "link"
+    link.symlink_to(source, target_is_directory=True)
+    before = tree_digest(source)
+    for given, output in ((source, source), (source, source / "sub"), (link, source / "sub2")):
+        res = run_cli("reverify", str(given), "--output", str(output), "--verifier", "math_fast")
+        assert res.returncode != 0 and "overlap" in res.stderr, res.stderr
+        assert tree_digest(source) == before and not (source / "sub").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import posixpath
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -10,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.plan import config_hash
@@ -53,7 +55,10 @@ def reverify_config(spec: ReverifySpec, mode: str) -> dict[str, Any]:
 def _where(url: str, options: dict[str, Any]) -> tuple[str, str]:
     fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol, posixpath.normpath(fs._strip_protocol(path)).rstrip("/")
+    path = fs._strip_protocol(path)
+    if isinstance(fs, LocalFileSystem):
+        path = os.path.realpath(path)  # a symlink to the source folder is the source folder
+    return protocol, posixpath.normpath(path).rstrip("/")
 
 
 def check_apart(source: str, output: str, options: tuple[dict[str, Any], dict[str, Any]]) -> None:
@@ -74,8 +79,8 @@ def plan_reverify(
     output_options: dict[str, Any],
 ) -> ReverifyPlan:
     """Fail fast (bad source, overlap, a different reverify in the output) before any check runs."""
-    store.check_writable()
     check_apart(spec.source, spec.output, (source_options, output_options))
+    store.check_writable()
     if spec.failed_only:
         source = scan_failed(spec.source, source_options)
     else:
