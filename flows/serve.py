@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect.utilities.callables import ParameterSchema
+
 from rollflow.flows.pipeline import rollflow_run
 from rollflow.flows.reverify import rollflow_reverify
 from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
@@ -39,11 +41,27 @@ def stage_parameters(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k in rollflow_tune.parameters.properties}
 
 
+class ClosedParameters(ParameterSchema):
+    """A flow's parameter schema that names every parameter it takes: the API refuses another (409)."""
+
+    additionalProperties: bool = False
+
+
+def closed(deployment: Any) -> Any:
+    """The deployment with its parameter schema closed, so a misspelt parameter (`colection`) is refused
+    by name when the run is created, instead of the run crashing on a keyword the flow does not take."""
+    schema = deployment._parameter_openapi_schema
+    deployment._parameter_openapi_schema = ClosedParameters(
+        **schema.model_dump(exclude_unset=True), additionalProperties=False
+    )
+    return deployment
+
+
 def deployments(name: str, params: dict[str, Any], schedule: dict[str, Any]) -> list[Any]:
     """rollflow-run (with its schedule, if any), rollflow-diagnose, rollflow-tune and rollflow-reverify."""
     tags = ["rollflow"]
     stage = stage_parameters(params)
-    return [
+    return [closed(d) for d in [
         rollflow_run.to_deployment(
             name=name, parameters=params, tags=tags, description="diagnose, tune, collect, publish",
             **schedule,
@@ -51,4 +69,4 @@ def deployments(name: str, params: dict[str, Any], schedule: dict[str, Any]) -> 
         rollflow_diagnose.to_deployment(name=name, parameters=stage, tags=tags),
         rollflow_tune.to_deployment(name=name, parameters=stage, tags=tags),
         rollflow_reverify.to_deployment(name=name, tags=tags, description="rescore a published output"),
-    ]  # fmt: skip
+    ]]  # fmt: skip

@@ -17,9 +17,11 @@ MAX_SECONDS = 7 * 24 * 3600.0
 
 
 class Settings(BaseModel):
-    """Every settings model: NaN and infinity are refused, whatever the source (flag, env, .env, UI)."""
+    """Every settings model: NaN and infinity are refused, whatever the source (flag, env, .env, UI), and
+    so is an unknown field: a typo (`limti`) in a run's parameters or in ROLLFLOW_* must not run as
+    though it were left out."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
 class BackendKind(StrEnum):

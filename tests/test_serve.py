@@ -184,6 +184,8 @@ def test_a_run_with_one_field_changed_keeps_every_other_as_served(served: Served
         ({"collection": {"parallelism": -1}}, "parallelism"),
         ({"backend": {"kind": "grpc"}}, "kind"),
         ({"verify": {"verifier": "fuzzy"}}, "verifier"),
+        ({"collection": {"limti": 4}}, "limti"),  # a misspelt field must not run as if left out
+        ({"colection": {"limit": 4}}, "colection"),  # nor a misspelt section crash the run
     ],
 )
 def test_bad_parameters_are_refused(served: Served, tmp_path, change, needle) -> None:
@@ -202,3 +204,16 @@ def test_bad_parameters_are_refused(served: Served, tmp_path, change, needle) ->
         assert status in (409, 422), outcome
     assert needle in outcome
     assert not out.exists(), "a refused run must write nothing"
+
+
+def test_a_misspelt_field_is_refused_by_the_diagnose_and_tune_deployments(served: Served) -> None:
+    for flow in ("rollflow-diagnose", "rollflow-tune"):
+        dep = ok(served.api, f"/deployments/name/{flow}/test")
+        for change, needle in (
+            ({"tuning": {"diagnose_rowz": 4}}, "diagnose_rowz"),
+            ({"tunning": {}}, "tunning"),
+        ):
+            status, found = call(
+                served.api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": change}
+            )
+            assert status == 409 and needle in str(found), f"{flow} {change}: {status} {found}"
