@@ -217,3 +217,11 @@ def test_a_misspelt_field_is_refused_by_the_diagnose_and_tune_deployments(served
                 served.api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": change}
             )
             assert status == 409 and needle in str(found), f"{flow} {change}: {status} {found}"
+
+
+def test_serve_refuses_a_misspelt_setting_in_dotenv_by_name(run_cli, tmp_path) -> None:
+    """A typo in the served defaults must not serve the built-in value in its place."""
+    (tmp_path / ".env").write_text("ROLLFLOW_COLLECTION__NUM_REPEAT=2\n")
+    res = run_cli("serve", "--name", "typo", cwd=str(tmp_path), timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "ROLLFLOW_COLLECTION__NUM_REPEAT" in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rollflow.flows.cli.errors import UsageError
+from rollflow.flows.cli.errors import UsageError, load_settings
 
 DEPLOYMENT = "rollflow"  # the deployments' default name (flows.serve, loaded with Prefect only to serve)
 
@@ -40,9 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from prefect import serve
 
     from rollflow.flows.serve import default_parameters, deployments
-    from rollflow.settings import RollflowSettings
 
-    params = default_parameters(RollflowSettings())
+    params = default_parameters(load_settings())
     schedule = schedule_of(args, params)
     serve(*deployments(args.name, params, schedule), pause_on_shutdown=False, limit=args.limit)
     return 0
