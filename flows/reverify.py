@@ -22,6 +22,7 @@ from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
@@ -201,5 +202,6 @@ async def rollflow_reverify(spec: ReverifySpec) -> dict[str, Any]:
     try:
         return await lease.guard(_reverify(handles, lease))
     finally:
+        await close_loop_session()  # the http verifier's, on the loop that owns it
         await asyncio.to_thread(lease.release)
         close_pools()
