@@ -355,3 +355,79 @@ def test_sigterm_during_a_hung_check_stops_the_run_promptly(cli_env, long_sim, t
         proc.kill()
         proc.wait()
     case.assert_no_process_left()
+
+
+EXITS = """
+import subprocess, sys, time
+
+
+def score(row, text):
+    do = row.get("do", "ok")
+    if do == "exit":
+        raise SystemExit(4)
+    if do == "interrupt":
+        raise KeyboardInterrupt("from the check")
+    if do in ("child", "child_hang"):  # a child that outlives the check; its command line names this module
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", __name__])
+    if do == "child_hang":
+        time.sleep(3600)
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("processes", ["0", "1"])
+def test_a_check_raising_systemexit_or_keyboardinterrupt_fails_its_rollout_alone(
+    run_cli, fast_sim, tmp_path, processes
+):
+    case = Case(tmp_path, EXITS, [{"do": "exit"}, {"do": "interrupt"}, {"do": "ok"}])
+    res = run(
+        run_cli, case, *case.args(fast_sim.url, f"{case.module}:score", "--verify-processes", processes)
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    rewards, failures = case.outcome()
+    assert rewards == {2: 1.0}
+    assert {n: (e["kind"], e["message"]) for n, e in failures.items()} == {
+        0: ("verifier", "verifier failed: SystemExit: 4"),
+        1: ("verifier", "verifier failed: KeyboardInterrupt: from the check"),
+    }
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    case.assert_no_process_left()
+
+
+def test_children_a_check_starts_do_not_outlive_the_run(run_cli, fast_sim, tmp_path):
+    case = Case(tmp_path, EXITS, [{"do": "child"}, {"do": "child_hang"}])
+    res = run(run_cli, case, *case.args(fast_sim.url, f"{case.module}:score", "--verify-processes", "1"))
+    assert res.returncode == 1, res.stderr[-3000:]
+    rewards, failures = case.outcome()
+    assert rewards == {0: 1.0} and failures[1]["kind"] == "verifier_timeout", failures
+    case.assert_no_process_left()
+
+
+MUTATES = """
+def score(row, text):
+    had = "touched" in row
+    row["touched"] = True  # a verifier that writes into the row it is given
+    return 0.0 if had else 1.0
+
+
+async def score_async(row, text):
+    return score(row, text)
+"""
+
+
+@pytest.mark.parametrize(("fn", "processes"), [("score", "0"), ("score", "1"), ("score_async", "0")])
+def test_a_verifier_that_changes_its_row_changes_neither_the_output_nor_other_rollouts(
+    run_cli, fast_sim, tmp_path, fn, processes
+):
+    case = Case(tmp_path, MUTATES, [{"n": 0}, {"n": 1}])
+    args = case.args(
+        fast_sim.url, f"{case.module}:{fn}", "--verify-processes", processes, "--num-repeats", "3"
+    )
+    res = run(run_cli, case, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [
+        orjson.loads(line)
+        for p in (case.out / "chunks").glob("*.jsonl")
+        for line in p.read_bytes().splitlines()
+    ]
+    assert len(rows) == 6 and all(row["reward"] == 1.0 and "touched" not in row for row in rows), rows

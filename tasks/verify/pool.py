@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -67,7 +68,9 @@ class _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         argv = [sys.executable, "-m", "rollflow.tasks.verify.worker", spec, str(os.getpid())]
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            self.proc = subprocess.Popen(  # its own process group: stopping it stops what its checks started
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, process_group=0
+            )
         except OSError as exc:
             raise StartFailed(f"cannot start a process ({type(exc).__name__}: {exc})") from None
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -140,7 +143,11 @@ class _Worker:
             raise StartFailed(f"its process exited while starting (exit {self.proc.wait()})") from None
 
     def stop(self) -> None:
-        """SIGKILL, from any thread: its dispatcher then reads EOF and retires it."""
+        """SIGKILL to it and to the processes its checks started, from any thread: its dispatcher then
+        reads EOF and retires it."""
+        if self.proc.returncode is None:  # not reaped: its pid still names its group
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self.proc.kill()
 

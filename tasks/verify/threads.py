@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollflow.tasks.backends.backends import BackendError
 from rollflow.tasks.verify.pool import VerifyMeter
 
 THREADS = 8
@@ -91,8 +92,10 @@ class CheckThreads:
             cpu = time.thread_time()
             try:
                 value, error = call.fn(), None
-            except Exception as exc:
-                value, error = None, exc
+            except (
+                BaseException
+            ) as exc:  # a check's sys.exit() or KeyboardInterrupt ends its check, not the thread
+                value, error = None, exc if isinstance(exc, Exception) else _raised(exc)
             if call.meter is not None:
                 call.meter.add(time.thread_time() - cpu, time.monotonic() - call.began)
             with self._lock:
@@ -103,6 +106,11 @@ class CheckThreads:
                         self._running -= 1
                         return
             call.settle(value, error)
+
+
+def _raised(exc: BaseException) -> BackendError:
+    """A check's SystemExit or KeyboardInterrupt, worded as a verifier process words it."""
+    return BackendError(f"verifier failed: {type(exc).__name__}: {exc}", kind="verifier", retryable=False)
 
 
 _threads = CheckThreads()

@@ -4,6 +4,7 @@ server, or your callable."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import hashlib
 import importlib
@@ -121,8 +122,9 @@ def answer_view(row: dict[str, Any], result: RolloutResult) -> tuple[dict[str, A
 
 
 def row_view(row: dict[str, Any], result: RolloutResult) -> tuple[dict[str, Any], str]:
-    """What a module:function is given: the whole row and the final text."""
-    return row, result.text
+    """What a module:function is given: a copy of the whole row (one that changes it changes neither the
+    output nor the row's other rollouts, as in a verifier process) and the final text."""
+    return copy.deepcopy(row), result.text
 
 
 class CachedVerifier:

@@ -137,7 +137,7 @@ def serve(spec: str, parent: int) -> None:
         cpu = time.process_time()
         try:
             status, value = "ok", float(settle(check(row, text), loop))
-        except Exception as exc:
+        except BaseException as exc:  # sys.exit() or KeyboardInterrupt in a check fails that check alone
             status, value = "error", error_text(exc)
         send(outbox, (status, value, time.process_time() - cpu))
 
