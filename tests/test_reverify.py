@@ -357,3 +357,20 @@ def test_an_output_inside_the_source_is_refused_before_anything_is_written(
         res = run_cli("reverify", str(given), "--output", str(output), "--verifier", "math_fast")
         assert res.returncode != 0 and "overlap" in res.stderr, res.stderr
         assert tree_digest(source) == before and not (source / "sub").exists()
+
+
+def test_failed_only_on_a_reverified_source_counts_only_what_it_scored(
+    run_cli, collections, tmp_path
+) -> None:
+    """A source that was itself reverified keeps `_rf` in its rows: --failed-only on it copies them, and its
+    report counts none of them as rescored or changed by this run."""
+    first, second = tmp_path / "completed", tmp_path / "again"
+    res = run_cli("reverify", str(collections["flaky"]), "--output", str(first), "--verifier", "math_fast",
+                  "--failed-only")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    res = run_cli("reverify", str(first), "--output", str(second), "--verifier", "math_fast", "--failed-only")
+    assert res.returncode == 0, res.stderr
+    assert (second / "rollouts.jsonl").read_bytes() == (first / "rollouts.jsonl").read_bytes()
+    report = orjson.loads((second / "report.json").read_bytes())
+    assert report["rescored"] == 0 and report["changed"] == 0, report
+    assert report["before"]["mean"] == report["after"]["mean"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from rollflow.tasks.reverify.source import SourceChunk
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 TOP_TASKS = 10
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 FAILED = "failed"  # the before side of a rollout the source had no reward for
 
 
@@ -88,6 +89,7 @@ class _Pass:
     last: tuple[int, int] = (-1, -1)
     lines: list[bytes] = field(default_factory=list)
     story: RowStory = field(default_factory=RowStory)
+    only: set[tuple[int, int]] | None = None  # --failed-only: the rollouts this run scored; the rest are kept
 
     def __post_init__(self) -> None:
         self.before = RewardStats(threshold=self.threshold, max_k=self.max_k)
@@ -131,7 +133,8 @@ class _Pass:
             return
         self.last = key
         self.story.add(row)
-        rescored = "reverified_with" in rf
+        # a kept row of a source that was itself reverified carries _rf too: it was not scored by this run
+        rescored = "reverified_with" in rf if self.only is None else key in self.only
         old = rf.get("previous_reward") if rescored else reward
         old = old if _number(old) else None
         out.rescored += int(rescored)
@@ -156,7 +159,12 @@ class _Pass:
 
 
 def compare_chunk(
-    ledger: Ledger, chunk: SourceChunk, manifest: ChunkManifest, threshold: float, max_k: int
+    ledger: Ledger,
+    chunk: SourceChunk,
+    manifest: ChunkManifest,
+    threshold: float,
+    max_k: int,
+    only: set[tuple[int, int]] | None = None,
 ) -> ChunkComparison:
     """Stream one committed chunk: its hash against the manifest, its rows' old and new rewards.
 
@@ -168,7 +176,7 @@ def compare_chunk(
         cached = orjson.loads(store.read_bytes(cache))
         if cached.pop("key") == [manifest.sha256, threshold, max_k, CACHE_VERSION]:
             return ChunkComparison(**cached)
-    check = _Pass(threshold, max_k, ChunkComparison(chunk.index, failed=manifest.failed))
+    check = _Pass(threshold, max_k, ChunkComparison(chunk.index, failed=manifest.failed), only=only)
     digest = hashlib.sha256()
     with ledger.open_chunk(chunk.index) as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -250,6 +258,7 @@ def compare_run(
     manifests: dict[int, ChunkManifest],
     threshold: float,
     max_k: int,
+    rescorable: Callable[[SourceChunk], set[tuple[int, int]]] | None = None,
 ) -> Comparison:
     summary = Comparison(threshold, max_k, chunks_total=len(chunks))
     for chunk in chunks:
@@ -259,5 +268,6 @@ def compare_run(
             summary.add(ChunkComparison(chunk.index, committed=False))
             summary.problems.append(f"chunk {chunk.index}: not committed")
             continue
-        summary.add(compare_chunk(ledger, chunk, manifest, threshold, max_k))
+        only = None if rescorable is None else rescorable(chunk)
+        summary.add(compare_chunk(ledger, chunk, manifest, threshold, max_k, only))
     return summary

@@ -213,6 +213,12 @@ def iter_failed_chunk(url: str, chunk: SourceChunk, options: dict[str, Any]) -> 
         yield line, failed
 
 
+def rescorable_keys(url: str, chunk: SourceChunk, options: dict[str, Any]) -> set[RolloutKey]:
+    """--failed-only: the rollouts of a source chunk this run scores (its rescorable failures)."""
+    records = (rowjson.loads(raw) for raw in _failure_records(Ledger(Store(url, options)), chunk.index))
+    return {(int(r["_ng_task_index"]), int(r["_ng_rollout_index"])) for r in records if is_rescorable(r)}
+
+
 def _failure_key(raw: bytes) -> RolloutKey:
     record = rowjson.loads(raw)
     return int(record["_ng_task_index"]), int(record["_ng_rollout_index"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from functools import partial
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -16,7 +17,7 @@ from rollflow.tasks.reverify.compare import Comparison, compare_run
 from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
 from rollflow.tasks.reverify.publish import publish_jsonl, publish_parquet, write_failures
 from rollflow.tasks.reverify.runtime import ReverifyHandles, context_for, open_reverify
-from rollflow.tasks.reverify.source import SourceChunk, SourcePlan
+from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, rescorable_keys
 from rollflow.tasks.storage.lease import owner_fence
 from rollflow.tasks.wrappers.prefect_tasks import worth_retrying
 
@@ -74,8 +75,14 @@ async def reverify_chunk_remote_task(
 async def compare_task(handles: ReverifyHandles, plan: ReverifyPlan) -> Comparison:
     manifests = await asyncio.to_thread(handles.ledger.committed)
     threshold = handles.spec.verify.correct_threshold
+    source = plan.source
+    rescorable = (
+        partial(rescorable_keys, source.url, options=handles.source_options)
+        if source.mode == "failed"
+        else None
+    )
     return await asyncio.to_thread(
-        compare_run, handles.ledger, plan.source.chunks, manifests, threshold, plan.source.max_k
+        compare_run, handles.ledger, source.chunks, manifests, threshold, source.max_k, rescorable
     )
 
 
