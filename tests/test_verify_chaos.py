@@ -431,3 +431,28 @@ def test_a_verifier_that_changes_its_row_changes_neither_the_output_nor_other_ro
         for line in p.read_bytes().splitlines()
     ]
     assert len(rows) == 6 and all(row["reward"] == 1.0 and "touched" not in row for row in rows), rows
+
+
+HUGE_ERROR = """
+def score(row, text):
+    raise ValueError("x" * 300_000)
+
+
+async def score_async(row, text):
+    return score(row, text)
+"""
+
+
+@pytest.mark.parametrize(("fn", "processes"), [("score", "0"), ("score_async", "0")])
+def test_a_huge_error_text_is_capped_in_a_thread_and_on_the_loop_too(
+    run_cli, fast_sim, tmp_path, fn, processes
+):
+    case = Case(tmp_path, HUGE_ERROR, [{"n": 0}])
+    res = run(run_cli, case, *case.args(fast_sim.url, f"{case.module}:{fn}", "--verify-processes", processes))
+    assert res.returncode == 1, res.stderr[-3000:]
+    _, failures = case.outcome()
+    message = failures[0]["message"]
+    assert failures[0]["kind"] == "verifier" and message.startswith("verifier failed: ValueError: xxx"), (
+        message[:300]
+    )
+    assert len(message) < 5000, len(message)

@@ -27,6 +27,7 @@ from rollflow.tasks.storage import rowjson
 from rollflow.tasks.verify.mathcheck import math_verify_match
 from rollflow.tasks.verify.pool import VerifyMeter, default_processes, shared_pool
 from rollflow.tasks.verify.threads import check_threads
+from rollflow.tasks.verify.worker import error_text
 
 Verifier = Callable[[dict[str, Any], RolloutResult], Awaitable[float]]
 CACHE_SIZE = 100_000
@@ -167,6 +168,11 @@ class CachedVerifier:
         return reward
 
 
+def check_failed(exc: BaseException) -> BackendError:
+    """A check's own error, worded and capped as a verifier process words it (never a 300 KB message)."""
+    return BackendError(f"verifier failed: {error_text(exc)}", kind="verifier", retryable=False)
+
+
 def timeout_error(name: str, timeout_s: float, then: str) -> BackendError:
     return BackendError(
         f"verifier {name!r} took longer than --verify-timeout-s {timeout_s:g}s on this rollout; {then}",
@@ -192,6 +198,10 @@ def _threaded(name: str, fn: Callable[..., Any], timeout_s: float, meter: Verify
             value = await check_threads().run(functools.partial(fn, *seen), timeout_s, meter)
         except TimeoutError:
             raise timeout_error(name, timeout_s, "its thread is left to finish, and replaced") from None
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise check_failed(exc) from None
         if inspect.isawaitable(value):
             value = await _bounded(name, timeout_s, value)
         return value
@@ -238,7 +248,12 @@ def _async(spec: str, fn: Callable[..., Awaitable[Any]], timeout_s: float) -> Ch
     under --verify-timeout-s."""
 
     async def check(seen: tuple[dict[str, Any], str]) -> Any:
-        return await _bounded(spec, timeout_s, fn(*seen))
+        try:
+            return await _bounded(spec, timeout_s, fn(*seen))
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise check_failed(exc) from None
 
     return check
 
