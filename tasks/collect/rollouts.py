@@ -139,17 +139,14 @@ async def run_rollouts(
     source = iter(items)
 
     async def worker(item: WorkItem) -> None:
-        try:
-            while True:
-                await _run_one(ctx, client, batch, item, chunk)
-                if limit.in_use > limit.limit:
-                    return
-                nxt = next(source, None)
-                if nxt is None:
-                    return
-                item = nxt
-        finally:
-            limit.release()
+        while True:
+            await _run_one(ctx, client, batch, item, chunk)
+            if limit.in_use > limit.limit:
+                return
+            nxt = next(source, None)
+            if nxt is None:
+                return
+            item = nxt
 
     await _worker_per_permit(source, limit, worker)
 
@@ -157,14 +154,24 @@ async def run_rollouts(
 async def _worker_per_permit(
     source: Iterator[WorkItem], limit: ConcurrencyLimit, worker: Callable[[WorkItem], Awaitable[None]]
 ) -> None:
-    """Start a worker on the next item whenever a permit is free; wait for all, or cancel all on error."""
+    """Start a worker on the next item whenever a permit is free; wait for all, or cancel all on error.
+
+    Each worker's permit is given back by its task's done callback, which runs even for a task cancelled
+    before its first step (a `finally` inside the worker would never run then, and the shared limit of a
+    worker process would lose that permit for good).
+    """
     pending: set[asyncio.Task[None]] = set()
+
+    def finished(t: asyncio.Task[None]) -> None:
+        pending.discard(t)
+        limit.release()
+
     try:
         for item in source:
             await limit.acquire()
             t = asyncio.create_task(worker(item))
             pending.add(t)
-            t.add_done_callback(pending.discard)
+            t.add_done_callback(finished)
         if pending:
             await asyncio.gather(*pending)
     except BaseException:
