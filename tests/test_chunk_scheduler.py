@@ -166,3 +166,40 @@ async def test_local_chunks_run_a_bounded_number_at_once() -> None:
     done = await run_chunks((chunk(i) for i in range(CHUNKS)), run, IN_FLIGHT)
     assert len(done.outcomes) == CHUNKS - 1 and [str(e) for e in done.errors] == ["chunk 7 failed"]
     assert peak == IN_FLIGHT == done.peak_running and not done.stopped
+
+
+class CancellingEngine(PoolEngine):
+    """Chunks 0 and 1 come back as futures their engine cancelled before the scheduler watched them."""
+
+    def submit(self, task: Any, params: dict[str, Any]) -> PoolFuture:
+        if params["chunk"].index in (0, 1):
+            cancelled: Future[ChunkOutcome] = Future()
+            cancelled.cancel()
+            return PoolFuture(cancelled)
+        return super().submit(task, params)
+
+
+async def test_a_chunk_whose_future_was_cancelled_is_counted_and_the_rest_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cancelling = CancellingEngine(work_s=0.01)
+
+    @contextlib.contextmanager
+    def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
+        yield cancelling
+
+    monkeypatch.setattr(scale_out, "open_engine", open_engine)
+    run = spec(tmp_path)
+    run.collection.chunks_in_flight = 2
+    try:
+        result = await asyncio.wait_for(
+            scale_out.collect_remote(run, [chunk(i) for i in range(10)], {URL: 32}, 0), 30
+        )
+    finally:
+        cancelling.pool.shutdown(wait=True)
+    assert sorted(o.manifest.chunk for o in result.outcomes) == [2, 3, 4, 5, 6, 8, 9]
+    assert sorted(result.errors) == [
+        "ChunkCancelled: chunk 0: its task was cancelled",
+        "ChunkCancelled: chunk 1: its task was cancelled",
+        "RuntimeError: chunk 7 failed",
+    ]

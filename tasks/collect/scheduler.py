@@ -30,6 +30,10 @@ class Scheduled:
     peak_running: int = 0
 
 
+class ChunkCancelled(Exception):
+    """A chunk's task was cancelled by its engine (not by this run): the chunk counts as failed."""
+
+
 def _keep(exc: Exception) -> Exception:
     return exc
 
@@ -59,6 +63,13 @@ async def run_chunks(
             done.outcomes.append(await run(chunk))
         except Exception as exc:  # the chunk failed after its retries; the audit reports the gap
             done.errors.append(error(exc))
+        except asyncio.CancelledError:
+            # A future cancelled by its engine reads back as CancelledError: that chunk's failure, unless
+            # this run itself is being cancelled (the deadline or Ctrl-C), which must go on.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            done.errors.append(error(ChunkCancelled(f"chunk {chunk.index}: its task was cancelled")))
         finally:
             running -= 1
             gate.release()
