@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rollflow.tasks.storage.lease import Lease, LeaseLost, follow, owner_fence
+from rollflow.tasks.storage.lease import Lease, LeaseInfo, LeaseLost, OwnerCheck, follow, owner_fence
 from rollflow.tasks.storage.store import Store
 
 pytestmark = pytest.mark.concurrent
@@ -91,3 +91,34 @@ def test_a_lease_that_cannot_be_read_at_all_is_an_error(tmp_path):
             owner_fence(store, lease.owner, lease.margin_s)()
     finally:
         restored.join()
+
+
+class LateCheck(OwnerCheck):
+    """A worker whose lease read comes back `late_s` after it was made (a busy worker's loop)."""
+
+    late_s = 2.6
+
+    def read(self) -> tuple[LeaseInfo | None, float]:
+        got = super().read()
+        time.sleep(self.late_s)
+        return got
+
+
+def test_a_renewed_lease_read_late_is_still_held(tmp_path):
+    """The run renews every third of the TTL; a read judged by the clock of a late wake-up instead of
+    when it was made would count a lease the run holds and renews as lost."""
+    store, lease = _held(tmp_path, ttl_s=3)
+    check = LateCheck(store, lease.owner, lease.margin_s)
+    assert LateCheck.late_s > lease.ttl_s - lease.margin_s - lease.ttl_s / 3  # past a renewal's slack
+
+    async def followed_while_kept() -> None:
+        keeper = asyncio.create_task(lease.keep())
+        watcher = asyncio.create_task(check.follow(0.05))
+        await asyncio.sleep(2 * LateCheck.late_s + 0.5)
+        assert not lease.lost, lease.lost_reason
+        assert not watcher.done(), watcher.exception()
+        for task in (keeper, watcher):
+            task.cancel()
+        await asyncio.gather(keeper, watcher, return_exceptions=True)
+
+    asyncio.run(followed_while_kept())

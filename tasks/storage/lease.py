@@ -293,9 +293,11 @@ class OwnerCheck:
         self.store, self.owner, self.margin_s = store, owner, margin_s
         self.valid_until = 0.0  # epoch seconds: the last lease read, less the margin
 
-    def judge(self, info: LeaseInfo | None) -> LeaseLost | None:
+    def judge(self, info: LeaseInfo | None, read_at: float) -> LeaseLost | None:
+        """`info` as read at `read_at` (epoch seconds): judged as of then, not as of a later wake-up, since
+        the run may have renewed it meanwhile (a busy worker's loop resumes seconds after the read)."""
         until = counted_until(info.expires_at, self.margin_s) if info is not None else 0.0
-        if info is None or info.owner != self.owner or until <= time.time():
+        if info is None or info.owner != self.owner or until <= read_at:
             return LeaseLost(
                 f"The lease on {self.store.root_url} is no longer held by the run this worker writes for "
                 f"({self.owner}); the chunk stopped without committing."
@@ -303,11 +305,11 @@ class OwnerCheck:
         self.valid_until = until
         return None
 
-    def read(self) -> LeaseInfo | None:
-        """The stored lease; read errors are retried for READ_TRIES, then raised."""
+    def read(self) -> tuple[LeaseInfo | None, float]:
+        """The stored lease and when it was read; read errors are retried for READ_TRIES, then raised."""
         for attempt in range(READ_TRIES):
             try:
-                return _parse(self.cas.read()[0])
+                return _parse(self.cas.read()[0]), time.time()
             except Exception:
                 if attempt == READ_TRIES - 1:
                     raise
@@ -316,7 +318,7 @@ class OwnerCheck:
 
     def fence(self) -> None:
         """The ledger's commit fence: raise LeaseLost unless `owner` surely still holds the lease."""
-        lost = self.judge(self.read())
+        lost = self.judge(*self.read())
         if lost is not None:
             raise lost
 
@@ -325,12 +327,12 @@ class OwnerCheck:
         good read's validity is an error, one that fails for a while is not."""
         while True:
             try:
-                info = await asyncio.to_thread(self.read)
+                info, read_at = await asyncio.to_thread(self.read)
             except Exception:
                 if time.time() >= self.valid_until:
                     raise
             else:
-                lost = self.judge(info)
+                lost = self.judge(info, read_at)
                 if lost is not None:
                     raise lost
             await asyncio.sleep(interval_s)
