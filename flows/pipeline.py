@@ -25,7 +25,7 @@ from rollflow.flows.parameters import (
 )
 from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.flows.stops import chunk_error
+from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
 from rollflow.settings import (
     BackendParams,
     CollectionSettings,
@@ -393,7 +393,7 @@ async def rollflow_run(
     settings = RollflowSettings()
     spec = run_spec(given, settings)
     try:
-        return await _open_and_run(spec, started_at)
+        return await cancelled_by_sigterm(_open_and_run(spec, started_at))
     except IdentityMismatch as exc:
         if runtime_deployment.id is None:
             raise

@@ -19,7 +19,7 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from rollflow.flows.engines import dask_runner
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.flows.stops import chunk_error
+from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.backends.http import close_loop_session
@@ -192,6 +192,10 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
 @flow(name="rollflow-reverify", log_prints=False)
 async def rollflow_reverify(spec: ReverifySpec) -> dict[str, Any]:
     """Rescore a published output with another verifier: no backend request, resumable by chunk."""
+    return await cancelled_by_sigterm(_open_and_reverify(spec))
+
+
+async def _open_and_reverify(spec: ReverifySpec) -> dict[str, Any]:
     settings = await resolve_secret_blocks(RollflowSettings())
     handles = open_reverify(spec, settings)
     # before the lease, which writes into the output: a refused output inside the source stays unwritten

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
 
 def signal_stops() -> tuple[type[BaseException], ...]:
     """What a signal raises in the command: Ctrl-C, SIGTERM before a flow run, and Prefect's in one."""
@@ -36,3 +43,34 @@ def chunk_error(exc: Exception) -> Exception:
     if stop is not None:
         raise stop
     return exc
+
+
+async def cancelled_by_sigterm(body: Coroutine[Any, Any, T]) -> T:
+    """Run a flow's body so that SIGTERM cancels it where it awaits, then raise Prefect's TerminationSignal.
+
+    Prefect's handler raises the signal into whatever the main thread runs. Inside an asyncio callback
+    (aiohttp reading a reply) or a task's step, that exception is logged or kept as the task's result,
+    and the run waits on: behind a hung check, for as long as the check's timeout.
+    """
+    from prefect.exceptions import TerminationSignal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(body)
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        received.append(signum)
+        loop.call_soon_threadsafe(task.cancel)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread (a flow run on a worker's thread): no signal reaches it
+        return await task
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if received:
+            raise TerminationSignal(signal=signal.SIGTERM) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

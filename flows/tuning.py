@@ -24,6 +24,7 @@ from rollflow.flows.parameters import (
     run_spec,
 )
 from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.flows.stops import cancelled_by_sigterm
 from rollflow.settings import (
     BackendParams,
     CollectionSettings,
@@ -237,7 +238,7 @@ async def rollflow_diagnose(
         engine: Where chunks run: this process, or a Dask or Ray cluster's workers
         restart: Discard a different run's committed chunks and start over
     """
-    return await _stage(run_spec(locals(), RollflowSettings()), tune_too=False)
+    return await cancelled_by_sigterm(_stage(run_spec(locals(), RollflowSettings()), tune_too=False))
 
 
 @flow(name="rollflow-tune", log_prints=False)
@@ -269,4 +270,4 @@ async def rollflow_tune(
         engine: Where chunks run: this process, or a Dask or Ray cluster's workers
         restart: Discard a different run's committed chunks and start over
     """
-    return await _stage(run_spec(locals(), RollflowSettings()), tune_too=True)
+    return await cancelled_by_sigterm(_stage(run_spec(locals(), RollflowSettings()), tune_too=True))

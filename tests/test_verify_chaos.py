@@ -69,7 +69,17 @@ def score(row, text):
 async def score_async(row, text):
     if row.get("do") == "hang":
         await asyncio.sleep(3600)
+    if row.get("do") == "busy_callback":  # as aiohttp's reading of a long reply: the loop busy in a callback
+        asyncio.get_running_loop().call_soon(spin, row["mark"])
+        await asyncio.sleep(3600)
     return 1.0
+
+
+def spin(mark):
+    Path(mark).write_text(str(os.getpid()))
+    end = time.monotonic() + 4
+    while time.monotonic() < end:
+        pass
 """
 
 IN_A_WORKER = 'sys.argv[0].endswith("worker.py")'  # true only in a verifier process
@@ -355,6 +365,30 @@ def test_sigterm_during_a_hung_check_stops_the_run_promptly(cli_env, long_sim, t
         proc.kill()
         proc.wait()
     case.assert_no_process_left()
+
+
+def test_sigterm_while_the_loop_runs_a_callback_stops_the_run_promptly(cli_env, fast_sim, tmp_path):
+    """A signal raised inside an event-loop callback is swallowed there: the run must stop anyway."""
+    mark = tmp_path / "began"
+    case = Case(tmp_path, CHAOS, [{"do": "busy_callback", "mark": str(mark)}])
+    args = case.args(fast_sim.url, f"{case.module}:score_async", "--verify-processes", "0")
+    args[args.index("--verify-timeout-s") + 1] = "600"
+    proc = spawn(args, {**cli_env, **case.env})
+    try:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), f"the callback never ran: {proc.stderr.read().decode()[-2000:]}"  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)  # lands while the callback spins
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run was still alive 30 s after SIGTERM") from None
+        assert proc.returncode == 143, err.decode()[-3000:]
+        assert "terminated (SIGTERM)" in err.decode()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 EXITS = """
