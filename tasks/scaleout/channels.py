@@ -126,13 +126,13 @@ class RayChannel:
         return ray.get(self.actor.reports.remote(), timeout=EXCHANGE_TIMEOUT_S)
 
     def publish(self, board: dict[str, Any]) -> None:
-        import ray
-
-        ray.get(self.actor.publish.remote(board), timeout=EXCHANGE_TIMEOUT_S)
+        """Not waited for: an actor runs one caller's calls in order, so the next round's `reports` comes
+        after it, and waiting would block the round on a second round trip."""
+        self.actor.publish.remote(board)
 
     def close(self) -> None:
         import ray
 
-        self.publish(CLOSED)
+        ray.get(self.actor.publish.remote(CLOSED), timeout=EXCHANGE_TIMEOUT_S)
         time.sleep(CLOSE_GRACE_S)
         ray.kill(self.actor)
