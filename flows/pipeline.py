@@ -39,7 +39,7 @@ from rollflow.tasks.backends.engine_metrics import sample_endpoints
 from rollflow.tasks.backends.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.clock import StageClock
-from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.plan import RunPlan, with_chunk_rows
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
@@ -135,6 +135,8 @@ async def _collect_verify_publish(
     t_start, clock = time.perf_counter(), handles.clock
     mode = spec.collection.parallelism
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
+    asked, spec = spec, with_chunk_rows(spec, plan.identity.chunk_size)  # the report keeps what was asked
+    handles.spec = spec
     clock.mark("startup")
     left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
     rejected: BackendRejects | None = None
@@ -163,7 +165,7 @@ async def _collect_verify_publish(
         collected.extra["publish_error"] = str(exc)
     clock.mark("publish")
     try:
-        report = await report_step(spec, handles, plan, summary, collected, published)
+        report = await report_step(asked, handles, plan, summary, collected, published)
     except OSError:
         if failed is None:
             raise
@@ -305,6 +307,7 @@ async def report_step(
             "parts_not_deleted": [o.parts_left for o in result.outcomes if o.parts_left][:20],
             "run_id": handles.ledger.run_id,
             "spec": spec.parameters(),
+            "chunk_size": plan.identity.chunk_size,
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(
                 collected.ctx.pool, result.outcomes, spec.runner != "local", collected.seconds

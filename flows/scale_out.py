@@ -29,6 +29,7 @@ from rollflow.flows.engines import Engine, open_engine
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.plan import REMOTE_CHUNK_ROLLOUTS
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.scheduler import Scheduled, run_chunks
 from rollflow.tasks.scaleout.board import Board
@@ -38,7 +39,6 @@ from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SMALL_REMOTE_CHUNK = 5000  # rollouts; below it a remote chunk's dispatch is a large part of its CPU
 # Chunks submitted ahead at least: a worker that joins, or a cluster that adapts, finds them queued.
 MIN_REMOTE_IN_FLIGHT = 64
 
@@ -227,14 +227,17 @@ def _say_small_chunks(spec: RunSpec, chunks: int) -> None:
     said once when many small ones will pay it, since the chunk size is the run's identity and stays."""
     col = spec.collection
     rollouts = col.chunk_size * col.num_repeats
-    if chunks >= 10 and rollouts < SMALL_REMOTE_CHUNK:
+    log.info(
+        "--runner %s: %d chunks of %d rows (%d rollouts) each", spec.runner, chunks, col.chunk_size, rollouts
+    )
+    if chunks >= 10 and rollouts < REMOTE_CHUNK_ROLLOUTS:
         log.warning(
             "--runner %s: %d chunks of %d rollouts; each remote chunk pays about 0.2-0.4 s of CPU for its "
             "dispatch, so chunks of %d rollouts or more (--chunk-size) cost less per rollout",
             spec.runner,
             chunks,
             rollouts,
-            SMALL_REMOTE_CHUNK,
+            REMOTE_CHUNK_ROLLOUTS,
         )
 
 

@@ -57,6 +57,8 @@ async def cancelled_by_sigterm(body: Coroutine[Any, Any, T]) -> T:
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(body)
     received: list[int] = []
+    if _runner_controls_this_run():
+        return await task
 
     def on_sigterm(signum: int, frame: object) -> None:
         received.append(signum)
@@ -74,3 +76,12 @@ async def cancelled_by_sigterm(body: Coroutine[Any, Any, T]) -> T:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _runner_controls_this_run() -> bool:
+    """A Prefect runner (`rollflow serve`, a worker) that started this run over its control channel
+    cancels it by telling Prefect's SIGTERM handler first, which only that handler can acknowledge (the
+    run then ends Cancelled, not Crashed); and a run that outlives its grace period is killed."""
+    from prefect._internal import control_listener
+
+    return getattr(control_listener, "_socket", None) is not None

@@ -36,7 +36,7 @@ from rollflow.settings import (
 from rollflow.settings.models import EngineSettings
 from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.clock import StageClock
-from rollflow.tasks.collect.plan import RunPlan
+from rollflow.tasks.collect.plan import RunPlan, with_chunk_rows
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
 from rollflow.tasks.publish.plot import (
@@ -201,6 +201,7 @@ async def _diagnose_and_tune(
     tune_too: bool,
 ) -> dict[str, Any]:
     plan = await plan_task(handles, None)
+    spec = handles.spec = with_chunk_rows(spec, plan.identity.chunk_size)
     chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too)
     name = "tuning.json" if tune_too else "diagnosis.json"
     await asyncio.to_thread(

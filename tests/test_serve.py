@@ -24,6 +24,13 @@ ROWS = 8
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 # A verifier the served process imports from the test's directory: every reward 0.5, unlike math_fast's.
 HALF = "def score(row, text):\n    return 0.5\n"
+# A check that marks it began, then hangs: the run is busy when the UI cancels it.
+HANGS = (
+    "import pathlib, time\n"
+    "def score(row, text):\n"
+    "    pathlib.Path(row['mark']).write_text('began')\n"
+    "    time.sleep(3600)\n"
+)
 
 
 @dataclass
@@ -44,6 +51,7 @@ def served(cli_env, prefect_server, fast_sim, tmp_path_factory) -> Iterator[Serv
     2 repeats, math_fast."""
     work = tmp_path_factory.mktemp("served")
     (work / "half_reward.py").write_text(HALF)
+    (work / "hangs.py").write_text(HANGS)
     inp = write_rows(work / "rows.jsonl", ROWS)
     env = {
         **cli_env,
@@ -225,3 +233,24 @@ def test_serve_refuses_a_misspelt_setting_in_dotenv_by_name(run_cli, tmp_path) -
     res = run_cli("serve", "--name", "typo", cwd=str(tmp_path), timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "ROLLFLOW_COLLECTION__NUM_REPEAT" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_cancelling_a_run_from_the_ui_ends_it_cancelled_while_a_check_hangs(served: Served) -> None:
+    """The Cancel button: Prefect's runner tells the run, then sends SIGTERM; the run ends Cancelled."""
+    first_scheduled_run(served)
+    mark = served.work / "began"
+    inp = served.work / "hang-rows.jsonl"
+    inp.write_bytes(orjson.dumps({"responses_create_params": {"input": "q"}, "mark": str(mark)}) + b"\n")
+    given = {
+        "input": str(inp),
+        "output": str(served.work / "cancelled-out"),
+        "verify": {"verifier": "hangs:score", "check_timeout_s": 600},
+    }
+    run = start_run(served.api, served.deployment["id"], given)
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mark.exists(), ok(served.api, f"/flow_runs/{run['id']}")["state"]
+    ok(served.api, f"/flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+    run = wait_final(served.api, run["id"], timeout_s=90)
+    assert run["state"]["type"] == "CANCELLED", f"{run['state']['type']}: {run['state']['message']}"

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rollflow.flows.cli.values import json_object, parallelism_value
+from rollflow.flows.cli.values import chunk_size_value, json_object, parallelism_value
 from rollflow.settings import (
     BackendParams,
     CollectionSettings,
@@ -95,6 +95,7 @@ TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
 SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {
     "overrides": str,
     "parallelism": parallelism_value,
+    "chunk_size": chunk_size_value,
     "dask_cluster_kwargs": json_object,
 }
 

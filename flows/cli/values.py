@@ -16,6 +16,15 @@ def parallelism_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number, auto or adaptive, not {text!r}") from None
 
 
+def chunk_size_value(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of input rows or auto, not {text!r}") from None
+
+
 def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)

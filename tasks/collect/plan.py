@@ -18,6 +18,9 @@ from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_inpu
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
 
+LOCAL_CHUNK_ROWS = 1000  # --chunk-size auto on the local runner
+REMOTE_CHUNK_ROLLOUTS = 5000  # --chunk-size auto on Dask and Ray: a chunk task's dispatch is then ~1% of it
+
 
 @dataclass
 class RunPlan:
@@ -64,6 +67,27 @@ def config_hash(config: dict[str, Any], num_repeats: int, chunk_size: int) -> st
     return hashlib.sha256(canonical).hexdigest()
 
 
+def chunk_rows(spec: RunSpec, stored: RunIdentity | None) -> int:
+    """`--chunk-size auto` as rows: a resumed run keeps its chunks (whichever runner started it); a new one
+    gets LOCAL_CHUNK_ROWS locally and about REMOTE_CHUNK_ROLLOUTS on Dask and Ray, where each chunk task
+    pays a fixed dispatch (Prefect's submission, its task engine on the worker)."""
+    size = spec.collection.chunk_size
+    if size != "auto":
+        return size
+    if stored is not None and not spec.restart:
+        return stored.chunk_size
+    if spec.runner == "local":
+        return LOCAL_CHUNK_ROWS
+    return max(1, -(-REMOTE_CHUNK_ROLLOUTS // spec.collection.num_repeats))
+
+
+def with_chunk_rows(spec: RunSpec, rows: int) -> RunSpec:
+    """The spec with its chunk size as the plan resolved it, for what runs after the plan."""
+    if spec.collection.chunk_size == rows:
+        return spec
+    return spec.model_copy(update={"collection": spec.collection.model_copy(update={"chunk_size": rows})})
+
+
 def _check_overrides(spec: RunSpec) -> None:
     """A parameter of --overrides the backend kind cannot send is refused by its flag, before the scan."""
     problem = overrides_problem(spec.collection.overrides, spec.backend.kind.value)
@@ -89,6 +113,7 @@ def plan_run(
     check_paths(spec.input, spec.output, spec.dataset_url(), (input_options, dataset_options), store, card)
     _check_overrides(spec)
     stored = ledger.stored_identity()
+    size = chunk_rows(spec, stored)
     with tempfile.SpooledTemporaryFile(max_size=4 * 1024 * 1024) as bad:
 
         def record(row: BadRow) -> None:
@@ -101,7 +126,7 @@ def plan_run(
 
         scan = scan_input(
             spec.input,
-            chunk_size=spec.collection.chunk_size,
+            chunk_size=size,
             limit=spec.collection.limit,
             skip_bad_rows=spec.collection.skip_bad_rows,
             storage_options=input_options,
@@ -116,9 +141,9 @@ def plan_run(
             rows=scan.rows,
             tasks=scan.tasks,
             num_repeats=spec.collection.num_repeats,
-            chunk_size=spec.collection.chunk_size,
+            chunk_size=size,
             config=config,
-            config_hash=config_hash(config, spec.collection.num_repeats, spec.collection.chunk_size),
+            config_hash=config_hash(config, spec.collection.num_repeats, size),
             chunks=[_chunk_dict(c) for c in scan.chunks],
             parallelism=parallelism,
             created_at=datetime.now(UTC).isoformat(),
