@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollflow.settings import RunSpec
+from rollflow.settings.models import EngineSettings
 from rollflow.tasks.collect.runtime import default_chunks_in_flight
 from rollflow.tasks.scaleout.channels import DaskChannel, DaskLink, RayChannel, RayLink
 
@@ -30,15 +31,16 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass
 class Engine:
-    """An entered Prefect task runner, the flow's side of the share book, and the link workers get.
+    """An entered Prefect task runner, the flow's side of the share book, and the link workers get (both
+    None for an engine opened without a book: chunks that share no limit, as reverify's).
 
     `watch(future, fn)` calls `fn()` (from any thread) once the future has ended, `cancel` cancels
     futures, `slots()` is how many tasks the cluster runs at once now (0 when it does not say).
     """
 
     runner: Any
-    channel: DaskChannel | RayChannel
-    link: DaskLink | RayLink
+    channel: DaskChannel | RayChannel | None
+    link: DaskLink | RayLink | None
     watch: Callable[[Any, Callable[[], None]], None]
     cancel: Callable[[list[Any]], None]
     slots: Callable[[], int]
@@ -56,7 +58,7 @@ def cluster_class(path: str) -> type:
         ) from None
 
 
-def engine_problem(spec: RunSpec) -> str | None:
+def engine_problem(spec: EngineSettings) -> str | None:
     """Why `spec`'s runner cannot start here (checked before a run begins), or None."""
     try:
         if spec.runner == "ray":
@@ -68,7 +70,8 @@ def engine_problem(spec: RunSpec) -> str | None:
     return None
 
 
-def dask_runner(spec: RunSpec, chunks: int) -> Any:
+def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -> Any:
+    """`threads`: per worker of a local cluster (default: from a run's chunks in flight)."""
     from prefect_dask import DaskTaskRunner
 
     if spec.dask_address:
@@ -80,17 +83,19 @@ def dask_runner(spec: RunSpec, chunks: int) -> Any:
             cluster_kwargs=dict(spec.dask_cluster_kwargs),
             adapt_kwargs={k: v for k, v in adapt.items() if v is not None} or None,
         )
-    col = spec.collection
-    in_flight = col.chunks_in_flight or default_chunks_in_flight(
-        col.parallelism if isinstance(col.parallelism, int) else 1, col.chunk_size, col.num_repeats
-    )
-    threads = max(2, -(-min(in_flight, chunks) // spec.dask_workers))
+    if threads is None:
+        assert isinstance(spec, RunSpec)
+        col = spec.collection
+        in_flight = col.chunks_in_flight or default_chunks_in_flight(
+            col.parallelism if isinstance(col.parallelism, int) else 1, col.chunk_size, col.num_repeats
+        )
+        threads = max(2, -(-min(in_flight, chunks) // spec.dask_workers))
     return DaskTaskRunner(
         cluster_kwargs={"n_workers": spec.dask_workers, "threads_per_worker": threads, "processes": True}
     )
 
 
-def ray_runner(spec: RunSpec) -> Any:
+def ray_runner(spec: EngineSettings) -> Any:
     try:
         from prefect_ray import RayTaskRunner
     except ImportError:
@@ -99,26 +104,33 @@ def ray_runner(spec: RunSpec) -> Any:
 
 
 @contextlib.contextmanager
-def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[Engine]:
-    """The engine for `spec.runner`, entered; its share book channel is closed on the way out."""
+def open_engine(
+    spec: EngineSettings, key: str, chunks: int, threads: int | None = None, book: bool = True
+) -> Iterator[Engine]:
+    """The engine for `spec.runner`, entered; its share book channel (unless `book` is False) is closed
+    on the way out. `threads`: see dask_runner."""
     if spec.runner == "ray":
         with ray_runner(spec) as runner:
             name = f"rollflow-shares-{key}"
-            channel = RayChannel.start(name)
+            channel = RayChannel.start(name) if book else None
             try:
-                yield Engine(runner, channel, RayLink(name), _ray_watch, _ray_cancel, _ray_slots)
+                link = RayLink(name) if book else None
+                yield Engine(runner, channel, link, _ray_watch, _ray_cancel, _ray_slots)
             finally:
-                with contextlib.suppress(Exception):
-                    channel.close()
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        channel.close()
         return
-    with dask_runner(spec, chunks) as runner:
-        channel = DaskChannel(runner.client, key)
+    with dask_runner(spec, chunks, threads) as runner:
+        dask_channel = DaskChannel(runner.client, key) if book else None
         try:
             slots = functools.partial(_dask_slots, runner)
-            yield Engine(runner, channel, DaskLink(key), _dask_watch, _dask_cancel(runner), slots)
+            link = DaskLink(key) if book else None
+            yield Engine(runner, dask_channel, link, _dask_watch, _dask_cancel(runner), slots)
         finally:
-            with contextlib.suppress(Exception):
-                channel.close()
+            if dask_channel is not None:
+                with contextlib.suppress(Exception):
+                    dask_channel.close()
 
 
 def _dask_watch(future: Any, fn: Callable[[], None]) -> None:

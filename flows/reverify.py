@@ -7,8 +7,9 @@ No backend is asked; a run stopped anywhere resumes at its first uncommitted chu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
-import threading
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,18 +18,21 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
-from rollflow.flows.engines import dask_runner
+from rollflow.flows.engines import open_engine
+from rollflow.flows.scale_out import EngineThread, RemoteChunks, settled
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.collect.scheduler import run_chunks
 from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
 from rollflow.tasks.reverify.plan import ReverifyPlan, check_apart
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
 from rollflow.tasks.reverify.runtime import ReverifyHandles, open_reverify, reverify_context
+from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import lease_task
@@ -79,44 +83,31 @@ async def rescore_stage(ctx: ReverifyContext, plan: ReverifyPlan, spec: Reverify
     return done
 
 
-def _rescore_on_dask(plan: ReverifyPlan, spec: ReverifySpec, lease: Lease, stop: threading.Event) -> Rescored:
-    """Every pending chunk as a task on the Dask cluster; runs in a thread, which `stop` ends early."""
-    done = Rescored()
-    task = reverify_chunk_remote_task.with_options(retries=spec.chunk_retries)
-    params = {"spec": spec, "source": plan.source, "owner": lease.owner, "margin_s": lease.margin_s}
-    with _dask(spec) as runner:
-        pending = [runner.submit(task, {**params, "chunk": chunk}) for chunk in plan.pending]
-        while pending and not stop.wait(0.05):
-            for future in [f for f in pending if f.wrapped_future.done()]:
-                pending.remove(future)
-                try:
-                    done.outcomes.append(future.result())
-                except Exception as exc:
-                    done.errors.append(redact.redact(f"{type(exc).__name__}: {exc}"))
-        if pending:
-            runner.client.cancel([f.wrapped_future for f in pending])
-    return done
-
-
-def _dask(spec: ReverifySpec) -> Any:
-    """The cluster at --dask-address, a cluster class's, or a local one of --dask-workers processes."""
-    if spec.dask_address or spec.dask_cluster_class:
-        return dask_runner(spec, 0)  # type: ignore[arg-type]
-    from prefect_dask import DaskTaskRunner
-
-    kwargs = {"n_workers": spec.dask_workers, "threads_per_worker": spec.chunks_in_flight, "processes": True}
-    return DaskTaskRunner(cluster_kwargs=kwargs)
-
-
 async def rescore_remote(plan: ReverifyPlan, spec: ReverifySpec, lease: Lease) -> Rescored:
-    stop = threading.Event()
+    """Every pending chunk as a task on Dask or Ray workers, through the engine and the chunk scheduler the
+    collection's remote runners use (no share book: a check asks no backend). When the run stops or is
+    cancelled, the chunk futures still running are cancelled and the runner is left before this ends; a
+    worker also stops its chunk itself once the run's lease is gone."""
     t0 = time.perf_counter()
+    calls = EngineThread()
+    stack = contextlib.ExitStack()
+    task = reverify_chunk_remote_task.with_options(retries=spec.chunk_retries)
+    scope = WorkerScope(owner=lease.owner, margin_s=lease.margin_s)
+    params = {"spec": spec, "source": plan.source, "scope": scope, "resolve": resolve_secret_blocks}
     try:
-        done = await asyncio.to_thread(_rescore_on_dask, plan, spec, lease, stop)
+        opened = open_engine(spec, secrets.token_hex(6), len(plan.pending), spec.chunks_in_flight, book=False)
+        engine = await settled(calls.call(stack.enter_context, opened))
+        remote = RemoteChunks(engine, calls, None, task, params)
+        in_flight = max(spec.chunks_in_flight, 2 * await calls.call(engine.slots))
+        try:
+            done = await run_chunks(plan.pending, remote.run, in_flight)
+        finally:
+            await settled(calls.call(remote.cancel_live))
     finally:
-        stop.set()
-    done.seconds = time.perf_counter() - t0
-    return done
+        await settled(calls.call(stack.close))
+        calls.close()
+    errors = [redact.redact(f"{type(exc).__name__}: {exc}") for exc in done.errors]
+    return Rescored(done.outcomes, errors, time.perf_counter() - t0)
 
 
 def _metrics(
@@ -145,7 +136,7 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     plan = await plan_reverify_task(handles)
     ctx = reverify_context(handles, plan)
     stages["plan"] = time.perf_counter() - t_start
-    if spec.runner == "dask" and plan.pending:
+    if spec.runner != "local" and plan.pending:
         rescored = await rescore_remote(plan, spec, lease)
     else:
         rescored = await rescore_stage(ctx, plan, spec)

@@ -107,26 +107,29 @@ class BoardThread:
 
 @dataclass
 class RemoteChunks:
-    """The engine's side of the scheduler: submit a chunk task, wake when it ends, read its outcome."""
+    """The engine's side of the scheduler: submit a chunk task, wake when it ends, read its outcome (and
+    tell the share book, if the run keeps one)."""
 
     engine: Engine
     calls: EngineThread
-    board: Board
+    board: Board | None
     task: Any
     params: dict[str, Any]
     live: dict[int, Any] = field(default_factory=dict)  # chunk index -> its future, until it ends
 
-    async def run(self, chunk: ChunkSpec) -> ChunkOutcome:
+    async def run(self, chunk: Any) -> Any:
+        """`chunk`: a ChunkSpec (collection) or any chunk with an `index` (reverify's SourceChunk)."""
         future = await self.calls.call(self._submit, chunk)
         await self._ended(future)
         try:
-            outcome: ChunkOutcome = await self.calls.call(future.result)
+            outcome = await self.calls.call(future.result)
         finally:
             self.live.pop(chunk.index, None)
-        self.board.finish(outcome)
+        if self.board is not None:
+            self.board.finish(outcome)
         return outcome
 
-    def _submit(self, chunk: ChunkSpec) -> Any:
+    def _submit(self, chunk: Any) -> Any:
         """On the engine's thread: whatever it submitted is known to `cancel_live` after it."""
         future = self.engine.runner.submit(self.task, {**self.params, "chunk": chunk})
         self.live[chunk.index] = future
@@ -173,12 +176,12 @@ async def collect_remote(
     calls = EngineThread()
     stack = contextlib.ExitStack()
     try:
-        engine = await _settled(
+        engine = await settled(
             calls.call(stack.enter_context, open_engine(spec, secrets.token_hex(6), len(chunks)))
         )
         return await _collect(spec, chunks, limits, retries, scope, deadline_s, engine, calls)
     finally:
-        await _settled(calls.call(stack.close))
+        await settled(calls.call(stack.close))
         calls.close()
 
 
@@ -193,6 +196,7 @@ async def _collect(
     calls: EngineThread,
 ) -> CollectResult:
     notes: list[str] = []
+    assert engine.channel is not None  # opened with its share book
     board = Board(engine.channel, limits, asyncio.get_running_loop())
     params = {
         "spec": spec,
@@ -212,8 +216,8 @@ async def _collect(
     try:
         done = await run_chunks(chunks, remote.run, in_flight, deadline_s)
     finally:
-        await _settled(calls.call(remote.cancel_live))
-        await _settled(rounds.finish())
+        await settled(calls.call(remote.cancel_live))
+        await settled(rounds.finish())
     result = CollectResult.of(done)
     result.book_errors = notes
     result.workers = board.workers(result.outcomes)
@@ -241,7 +245,7 @@ def _say_small_chunks(spec: RunSpec, chunks: int) -> None:
         )
 
 
-async def _settled(work: Any) -> Any:
+async def settled(work: Any) -> Any:
     """Await `work` to its end even when cancelled meanwhile; the cancellation is raised after it."""
     future = asyncio.ensure_future(work)
     cancelled = False

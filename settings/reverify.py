@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from rollflow.settings.models import EngineSettings, VerifySettings
 
@@ -15,9 +15,9 @@ VERIFY_FAILURE_KINDS = ("verifier", "verifier_timeout", "verifier_crash")
 class ReverifySpec(EngineSettings):
     """A published output rescored with another verifier; no request goes to any backend.
 
-    runner local scores the chunks in this process; dask sends each chunk task to a Dask worker process
-    (--dask-address, a cluster class, or a local cluster), which reads the source and commits the chunk
-    itself under the run's lease.
+    runner local scores the chunks in this process; dask and ray send each chunk task to a worker process
+    (Dask: --dask-address, a cluster class, or a local cluster; Ray: --ray-address or a local instance),
+    which reads the source and commits the chunk itself under the run's lease.
     """
 
     source: str = Field(
@@ -40,12 +40,6 @@ class ReverifySpec(EngineSettings):
     )
     restart: bool = Field(False, description="Discard a different reverify's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if some rollouts failed verification")
-
-    @model_validator(mode="after")
-    def _local_or_dask(self) -> ReverifySpec:
-        if self.runner == "ray":
-            raise ValueError("reverify runs on --runner local or dask; ray is not offered for it")
-        return self
 
     def dataset_url(self) -> str:
         return f"{self.output.rstrip('/')}/rollouts.jsonl"

@@ -41,10 +41,13 @@ def add_reverify_parser(sub: Any) -> None:
     p.add_argument("--parallelism", type=int, help="checks in flight at once (default 64)")
     p.add_argument("--chunks-in-flight", type=int, help="chunk tasks at once (default 2)")
     p.add_argument(
-        "--runner", choices=("local", "dask"), help="local (default) or dask: chunks on Dask workers"
+        "--runner",
+        choices=("local", "dask", "ray"),
+        help="local (default), dask or ray: chunks on the cluster's worker processes",
     )
     p.add_argument("--dask-address", help="the Dask scheduler to send chunks to (default: a local cluster)")
     p.add_argument("--dask-workers", type=int, help="processes of the local Dask cluster (default 2)")
+    p.add_argument("--ray-address", help="the Ray cluster to send chunks to (default: a local instance)")
     p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
     p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
     p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
@@ -66,6 +69,7 @@ TOP_FLAGS = (
     "runner",
     "dask_address",
     "dask_workers",
+    "ray_address",
 )
 
 
@@ -121,6 +125,11 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 def cmd_reverify(args: argparse.Namespace) -> int:
     spec = build_reverify_spec(args)
+    if spec.runner != "local":
+        from rollflow.flows.engines import engine_problem
+
+        if problem := engine_problem(spec):
+            raise UsageError(problem)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import choose_api, using
     from rollflow.flows.reverify import ReverifyIncomplete, rollflow_reverify

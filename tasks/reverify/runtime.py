@@ -37,9 +37,10 @@ def reverify_context(handles: ReverifyHandles, plan: ReverifyPlan) -> ReverifyCo
     return context_for(handles, plan.source)
 
 
-def context_for(handles: ReverifyHandles, source: SourcePlan) -> ReverifyContext:
+def context_for(handles: ReverifyHandles, source: SourcePlan, sharers: int = 1) -> ReverifyContext:
+    """`sharers`: the worker processes of this node that share its verifier processes (Dask, Ray)."""
     spec = handles.spec
-    verifier = make_verifier(spec.verify)
+    verifier = make_verifier(spec.verify, sharers=sharers)
     if verifier is None:
         raise VerifierError(
             "reverify needs a verifier: pass --verifier exact_match, math, math_fast, http or "
