@@ -1,7 +1,8 @@
 """`--runner ray` on a two-node Ray cluster inside a network namespace with only loopback (fixtures_netns):
 the local runner's bytes on S3, every rollout once after a worker process is SIGKILLed, the backend never
 above --parallelism (below the worker count, with a node joining mid-run), a hung replica found once for
-every worker, and nothing off 127.0.0.1."""
+every worker, `rollflow reverify --runner ray` equal to the local reverify and exactly once after a worker
+process is SIGKILLed, and nothing off 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from cli_runs import ROWS, run_args
 from fixtures_netns import RayWorld
+from test_reverify import REPEATS, TASKS, collect_args, rows, tree_digest, write_rows
 
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 
@@ -174,3 +177,88 @@ def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
     assert result.rc == 0, result.stderr[-3000:]
     seen = _stats(ray_world, sim)["max_in_flight_seen"]
     assert 4 < seen <= 8, f"{seen} requests at once on the live replica"
+
+
+SLOW_VERIFIER = """
+import asyncio
+
+async def verify(row, text):
+    await asyncio.sleep(0.1)
+    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
+"""
+
+
+@pytest.fixture(scope="module")
+def reverify_source(ray_world: RayWorld, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded collection scored with exact_match, made inside the world (its simulator stopped after),
+    with a slow verifier module beside it; the folder holds rows.jsonl, the module and out/."""
+    base = tmp_path_factory.mktemp("ray-reverify")
+    (base / "slow_verifier_ray.py").write_text(SLOW_VERIFIER)
+    rows_file = write_rows(base / "rows.jsonl")
+    sim = ray_world.simulate_full(["--latency-ms", "1", "--slots", "64"])
+    try:
+        args = collect_args(rows_file, base / "out", sim["url"], "exact_match")
+        ray_world.run([ROLLFLOW, *args], env=ray_world.env(), timeout=180).check()
+    finally:
+        ray_world.kill(id=sim["id"], signal=9)
+    return base
+
+
+def _reverify(source: Path, out: Path, *extra: str) -> list[str]:
+    return [ROLLFLOW, "reverify", str(source), "--output", str(out), *extra]
+
+
+def test_ray_reverify_publishes_the_local_reverifys_rows(ray_world: RayWorld, reverify_source: Path) -> None:
+    """`reverify --runner ray` with another verifier: the same bytes as the local runner's reverify (new
+    rewards, responses unchanged, old rewards under _rf), and the source unchanged."""
+    source, base = reverify_source / "out", reverify_source
+    before = tree_digest(source)
+    args = ("--verifier", "math_fast", "--chunk-size", "25")
+    local = ray_world.run(_reverify(source, base / "local", *args), env=ray_world.env(), timeout=180)
+    assert local.check().rc == 0
+    ray = ray_world.run(
+        _reverify(source, base / "ray", *args, "--runner", "ray", "--ray-address", ray_world.ray_address),
+        env=ray_world.env(),
+        timeout=240,
+    )
+    assert ray.rc == 0, ray.stderr[-3000:]
+    published = (base / "ray" / "rollouts.jsonl").read_bytes()
+    assert published == (base / "local" / "rollouts.jsonl").read_bytes()
+    old, new = rows(source / "rollouts.jsonl"), rows(base / "ray" / "rollouts.jsonl")
+    assert len(new) == TASKS * REPEATS
+    assert [r["response"] for r in new] == [r["response"] for r in old]
+    assert [r["_rf"]["previous_reward"] for r in new] == [r["reward"] for r in old]
+    assert any(a["reward"] != b["reward"] for a, b in zip(old, new, strict=True))  # 7.0 is 7 to math_fast
+    assert tree_digest(source) == before
+    report = json.loads((base / "ray" / "report.json").read_text())
+    assert report["metrics"]["chunks_run"] == len(list((base / "ray" / "chunks").glob("*.json"))) > 1
+    assert ray_world.sockets()["non_loopback"] == []
+
+
+def test_ray_reverify_ends_exactly_once_when_a_worker_process_is_killed(
+    ray_world: RayWorld, reverify_source: Path
+) -> None:
+    """A Ray worker process SIGKILLed in the middle of a chunk: its chunk runs again, every rollout is
+    published once and scored as the slow verifier scores (exact_match's rewards)."""
+    source, out = reverify_source / "out", reverify_source / "killed"
+    ray = ("--runner", "ray", "--ray-address", ray_world.ray_address)
+    args = _reverify(source, out, "--verifier", "slow_verifier_ray:verify", "--chunk-size", "20",
+                     "--parallelism", "1", *ray)  # fmt: skip
+    # The command imports the module from PYTHONPATH; Ray's workers from the command's directory.
+    env = {**ray_world.env(), "PYTHONPATH": str(reverify_source)}
+    run = ray_world.spawn(args, env=env, cwd=str(reverify_source))
+    chunks = out / "chunks"
+    _wait_for(lambda: len(list(chunks.glob("*.json"))) >= 1, "no chunk committed", world=ray_world, run=run)
+    _wait_for(lambda: ray_world.pids("ray::reverify-chunk"), "no chunk running", world=ray_world, run=run)
+    committed = len(list(chunks.glob("*.json")))
+    assert ray_world.kill(pid=ray_world.pids("ray::reverify-chunk")[0], signal=9)
+    result = ray_world.wait(run, timeout=240)
+    assert result.rc == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert committed < len(list(chunks.glob("*.json"))) == report["metrics"]["chunks_run"]
+    expected = [
+        (r["_ng_task_index"], r["_ng_rollout_index"], r["reward"]) for r in rows(source / "rollouts.jsonl")
+    ]
+    published = rows(out / "rollouts.jsonl")
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"], r["reward"]) for r in published] == expected
+    assert report["rows_written"] == TASKS * REPEATS and report["failed"] == 0
