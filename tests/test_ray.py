@@ -180,10 +180,17 @@ def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
 
 
 SLOW_VERIFIER = """
-import asyncio
+import asyncio, os, pathlib
 
+VICTIM = pathlib.Path(__file__).with_name("victim.pid")
+
+# exact_match, slowly; the first check of task 0 (answer 1.0) writes its process id and waits to be killed
+# (60 s at most), so the kill lands in the middle of that chunk.
 async def verify(row, text):
-    await asyncio.sleep(0.1)
+    if row["expected_answer"] == "1.0" and not VICTIM.exists():
+        VICTIM.write_text(str(os.getpid()))
+        await asyncio.sleep(60)
+    await asyncio.sleep(0.05)
     return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
 """
 
@@ -238,8 +245,8 @@ def test_ray_reverify_publishes_the_local_reverifys_rows(ray_world: RayWorld, re
 def test_ray_reverify_ends_exactly_once_when_a_worker_process_is_killed(
     ray_world: RayWorld, reverify_source: Path
 ) -> None:
-    """A Ray worker process SIGKILLed in the middle of a chunk: its chunk runs again, every rollout is
-    published once and scored as the slow verifier scores (exact_match's rewards)."""
+    """The Ray worker process scoring chunk 0 SIGKILLed in the middle of it: the chunk runs again, every
+    rollout is published once and scored as the slow verifier scores (exact_match's rewards)."""
     source, out = reverify_source / "out", reverify_source / "killed"
     ray = ("--runner", "ray", "--ray-address", ray_world.ray_address)
     args = _reverify(source, out, "--verifier", "slow_verifier_ray:verify", "--chunk-size", "20",
@@ -247,15 +254,15 @@ def test_ray_reverify_ends_exactly_once_when_a_worker_process_is_killed(
     # The command imports the module from PYTHONPATH; Ray's workers from the command's directory.
     env = {**ray_world.env(), "PYTHONPATH": str(reverify_source)}
     run = ray_world.spawn(args, env=env, cwd=str(reverify_source))
-    chunks = out / "chunks"
-    _wait_for(lambda: len(list(chunks.glob("*.json"))) >= 1, "no chunk committed", world=ray_world, run=run)
-    _wait_for(lambda: ray_world.pids("ray::reverify-chunk"), "no chunk running", world=ray_world, run=run)
-    committed = len(list(chunks.glob("*.json")))
-    assert ray_world.kill(pid=ray_world.pids("ray::reverify-chunk")[0], signal=9)
+    victim = reverify_source / "victim.pid"
+    _wait_for(victim.exists, "chunk 0 never started", world=ray_world, run=run)
+    pid = int(victim.read_text())
+    assert pid in ray_world.pids("ray::reverify-chunk")  # a Ray worker process, in chunk 0's task
+    assert ray_world.kill(pid=pid, signal=9)
     result = ray_world.wait(run, timeout=240)
     assert result.rc == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert committed < len(list(chunks.glob("*.json"))) == report["metrics"]["chunks_run"]
+    assert report["metrics"]["chunks_run"] == len(list((out / "chunks").glob("*.json"))) > 1
     expected = [
         (r["_ng_task_index"], r["_ng_rollout_index"], r["reward"]) for r in rows(source / "rollouts.jsonl")
     ]
