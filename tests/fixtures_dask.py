@@ -93,3 +93,13 @@ def reset_stats(sim: Service) -> None:
     import urllib.request
 
     urllib.request.urlopen(urllib.request.Request(f"{sim.url}/stats/reset", method="POST"), timeout=10)
+
+
+def set_latency(sim: Service, latency_ms: float) -> None:
+    """Change the simulator's latency for the requests that start from now on."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"latency_ms": latency_ms}).encode()
+    request = urllib.request.Request(f"{sim.url}/admin/config", data=body, method="POST")
+    urllib.request.urlopen(request, timeout=10)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
-from fixtures_dask import PRELOAD, reset_stats, sim_stats
+from fixtures_dask import PRELOAD, reset_stats, set_latency, sim_stats
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
@@ -82,7 +82,12 @@ def test_a_limit_below_the_worker_threads_holds_when_a_worker_joins_mid_run(
             dask_cluster.address, "--parallelism", "3", "--limit", "720"]  # fmt: skip
     proc = spawn(args, {**cli_env, **moto_s3.env})
     wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 1, proc, timeout_s=120)
-    joined = dask_cluster.add_worker()
+    set_latency(slow_sim, 1000)  # the run keeps work left however long the new worker takes to start
+    try:
+        joined = dask_cluster.add_worker()
+        dask_cluster.wait_for_workers(3, timeout_s=120)
+    finally:
+        set_latency(slow_sim, 20)
     try:
         assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
     finally:
@@ -154,7 +159,6 @@ def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
     args = [a if a != "agent" else "responses" for a in run_args(rows_input, str(out), slow_sim)]
     args += ["--runner", "dask", "--dask-workers", "2", "--chunk-size", "100", "--limit", "600",
              "--verifier", "math", *sizing]  # fmt: skip
-    proc = spawn(args, cli_env)
     seen: dict[int, set[int]] = {}
 
     def pools_up() -> bool:
@@ -162,7 +166,12 @@ def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
             seen.setdefault(worker, set()).update(_verifier_processes(worker))
         return len(seen) >= 2 and all(seen.values()) and len(list(out.glob("chunks/*.json"))) >= 3
 
-    wait_until(pools_up, proc, timeout_s=180)
+    set_latency(slow_sim, 200)  # the run lasts until both workers' pools are seen, however loaded the machine
+    try:
+        proc = spawn(args, cli_env)
+        wait_until(pools_up, proc, timeout_s=180)
+    finally:
+        set_latency(slow_sim, 20)
     assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
     assert all(len(pids) == each for pids in seen.values()), f"verifier processes per Dask worker: {seen}"
     rows = [line for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
