@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from rollflow.settings import RollflowSettings
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
@@ -32,6 +34,30 @@ def terminate_like_ctrl_c() -> None:
 
 class UsageError(Exception):
     """A flag or argument the user must change; the message says how."""
+
+
+def print_error(console: Console, exc: BaseException) -> None:
+    """A user error (or an incomplete run) as one paragraph, the process's secrets masked."""
+    from rollflow.settings import redact
+
+    console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
+
+
+def print_stop(console: Console, exc: BaseException, kept: str) -> int:
+    """Ctrl-C or SIGTERM: one line saying `kept` are kept, and its exit status; anything else re-raised."""
+    from rollflow.flows.stops import signal_stop_in
+
+    stop = signal_stop_in(exc)
+    if stop is None:
+        raise exc
+    interrupt = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Terminated)
+    console.print(
+        f"[bold yellow]rollflow:[/] {'interrupted' if interrupt else 'terminated (SIGTERM)'}. {kept} are "
+        "kept; run the same command again to resume.",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return EXIT_INTERRUPTED if interrupt else EXIT_TERMINATED
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

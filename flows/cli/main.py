@@ -168,12 +168,10 @@ def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
         if problem := engine_problem(spec):
             raise UsageError(problem)
     quiet_prefect(args.verbose)
-    from rollflow.flows.cli.prefect_api import choose_api
+    from rollflow.flows.cli.prefect_api import command_api
     from rollflow.flows.cli.start import settle
 
-    prefect = load_settings().prefect
-    # A server being started comes up while the flows load.
-    api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
+    api = command_api(args.started_at)  # a server being started comes up while the flows load
     from rollflow.flows.cli.runner import run_and_print
 
     settle()

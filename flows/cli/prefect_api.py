@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollflow.flows.cli.errors import load_settings
 from rollflow.flows.cli.local_server import LocalServer, answers
 
 Source = Literal["configured", "local server", "local server, started", "ephemeral"]
@@ -53,6 +54,12 @@ class PrefectApi:
 
             SubprocessASGIServer().stop()
         self.stopped_at = time.time()
+
+
+def command_api(started_at: float) -> PrefectApi:
+    """The API of a command's runs, chosen as ROLLFLOW_PREFECT__* say (a bad setting is a UsageError)."""
+    prefect = load_settings().prefect
+    return choose_api(started_at, prefect.local_server, prefect.start_timeout_s)
 
 
 def choose_api(started_at: float, local_server: str = "keep", start_timeout_s: float = 180.0) -> PrefectApi:

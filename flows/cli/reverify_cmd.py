@@ -14,13 +14,12 @@ from rich.table import Table
 from rollflow.flows.cli.errors import (
     EXIT_ERROR,
     EXIT_INCOMPLETE,
-    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_TERMINATED,
-    Terminated,
     UsageError,
     known_errors_quiet,
     load_settings,
+    print_error,
+    print_stop,
     quiet_prefect,
     user_errors,
 )
@@ -131,13 +130,11 @@ def cmd_reverify(args: argparse.Namespace) -> int:
         if problem := engine_problem(spec):
             raise UsageError(problem)
     quiet_prefect(args.verbose)
-    from rollflow.flows.cli.prefect_api import choose_api, using
+    from rollflow.flows.cli.prefect_api import command_api, using
     from rollflow.flows.reverify import ReverifyIncomplete, rollflow_reverify
-    from rollflow.flows.stops import signal_stop_in
     from rollflow.settings import RollflowSettings, redact
 
-    prefect = load_settings().prefect
-    api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
+    api = command_api(args.started_at)
     console = Console(stderr=True)
     known = user_errors()
     status = EXIT_OK
@@ -147,22 +144,12 @@ def cmd_reverify(args: argparse.Namespace) -> int:
             report = asyncio.run(rollflow_reverify(spec))
     except ReverifyIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
-        console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
+        print_error(console, exc)
     except known as exc:
-        console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
+        print_error(console, exc)
         return EXIT_ERROR
     except BaseException as exc:
-        stop = signal_stop_in(exc)
-        if stop is None:
-            raise
-        interrupt = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Terminated)
-        console.print(
-            f"[bold yellow]rollflow:[/] {'interrupted' if interrupt else 'terminated (SIGTERM)'}. Committed "
-            "chunks are kept; run the same command again to resume.",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return EXIT_INTERRUPTED if interrupt else EXIT_TERMINATED
+        return print_stop(console, exc, "Committed chunks")
     finally:
         api.stop_ephemeral()
     console.print(summary_table(report))

@@ -17,18 +17,16 @@ from rich.table import Table
 from rollflow.flows.cli.errors import (
     EXIT_ERROR,
     EXIT_INCOMPLETE,
-    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_TERMINATED,
-    Terminated,
     known_errors_quiet,
+    print_error,
+    print_stop,
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
 from rollflow.flows.cli.progress import ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
-from rollflow.flows.stops import signal_stop_in
 from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
 from rollflow.tasks.publish.endpoints import endpoint_cells
@@ -141,33 +139,14 @@ def run_and_print(
     except RunIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
         note = finish(report, spec, api)
-        _print_error(console, exc)
+        print_error(console, exc)
     except known as exc:
-        _print_error(console, exc)
+        print_error(console, exc)
         return EXIT_ERROR
     except BaseException as exc:
-        return _stopped(console, exc)
+        return print_stop(console, exc, "Committed chunks and saved rollouts")
     _print_report(console, report, note, print_json)
     return status
-
-
-def _print_error(console: Console, exc: BaseException) -> None:
-    console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
-
-
-def _stopped(console: Console, exc: BaseException) -> int:
-    """Ctrl-C or SIGTERM: one line and its exit status (what was committed stays); anything else re-raised."""
-    stop = signal_stop_in(exc)
-    if stop is None:
-        raise exc
-    interrupt = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Terminated)
-    console.print(
-        f"[bold yellow]rollflow:[/] {'interrupted' if interrupt else 'terminated (SIGTERM)'}. Committed "
-        "chunks and saved rollouts are kept; run the same command again to resume.",
-        highlight=False,
-        soft_wrap=True,
-    )
-    return EXIT_INTERRUPTED if interrupt else EXIT_TERMINATED
 
 
 def _print_report(console: Console, report: dict[str, Any], note: str | None, print_json: bool) -> None:

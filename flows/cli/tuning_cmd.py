@@ -15,7 +15,6 @@ from rollflow.flows.cli.errors import (
     EXIT_ERROR,
     EXIT_OK,
     known_errors_quiet,
-    load_settings,
     quiet_prefect,
     user_errors,
 )
@@ -76,10 +75,9 @@ def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
     """The stage's tuning settings come from the spec, so flags, env and .env apply as for `run`."""
     verbose = getattr(args, "verbose", False)
     quiet_prefect(verbose)
-    from rollflow.flows.cli.prefect_api import choose_api, using
+    from rollflow.flows.cli.prefect_api import command_api, using
 
-    prefect = load_settings().prefect
-    api = choose_api(args.started_at, prefect.local_server, prefect.start_timeout_s)
+    api = command_api(args.started_at)
     from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
 
     console = Console(stderr=True)
