@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
 from rollflow.tasks.collect.paths import published_tasks, record_tasks, tasks_url
 from rollflow.tasks.collect.rows import ChunkSpec
@@ -104,16 +105,31 @@ def concatenate_tasks(
     url = tasks_url(dataset_url)
     parent, name = split_url(url)
     target = Store(parent, storage_options)
-    written = 0
     try:
         record_tasks(ledger.store, [*published_tasks(ledger.store), url])
         target.remove_stale_copies(name)
         with target.open_write(name) as out:
-            for spec in chunks:
-                if spec.index in manifests:
-                    block = ledger.store.read_bytes(tasks_path(spec.index))
-                    out.write(block)
-                    written += len(block)
+            committed = [spec.index for spec in chunks if spec.index in manifests]
+            written = concatenate_chunk_files(ledger.store, committed, tasks_path, out)
     except OSError as exc:
         raise publish_failed(url, ledger, None, exc) from exc
+    return written
+
+
+def concatenate_chunk_files(
+    store: Store,
+    indexes: Iterable[int],
+    path: Callable[[int], str],
+    out: IO[bytes],
+    look: Callable[[bytes], None] | None = None,
+) -> int:
+    """Each chunk's own small object (`path(index)`: its per-task lines, its failures), in the order given,
+    appended to `out`; `look` sees each before it is written. Returns the bytes written."""
+    written = 0
+    for index in indexes:
+        block = store.read_bytes(path(index))
+        if look is not None:
+            look(block)
+        out.write(block)
+        written += len(block)
     return written

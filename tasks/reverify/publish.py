@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.publish.concat import concatenate, concatenate_chunk_files, concatenate_tasks
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChunk
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
@@ -21,16 +21,15 @@ def write_failures(
 ) -> Counter[str]:
     """failures.jsonl in the output (empty when none failed); returns the failures by kind."""
     kinds: Counter[str] = Counter()
+
+    def count(block: bytes) -> None:
+        for line in block.splitlines():
+            if line.strip():
+                kinds[str((orjson.loads(line).get("error") or {}).get("kind"))] += 1
+
+    failed = [c.index for c in chunks if (m := manifests.get(c.index)) is not None and m.failed]
     with ledger.store.open_write(FAILURES_NAME) as out:
-        for chunk in chunks:
-            manifest = manifests.get(chunk.index)
-            if manifest is None or not manifest.failed:
-                continue
-            data = ledger.store.read_bytes(ledger.failures_path(chunk.index))
-            for line in data.splitlines():
-                if line.strip():
-                    kinds[str((orjson.loads(line).get("error") or {}).get("kind"))] += 1
-            out.write(data)
+        concatenate_chunk_files(ledger.store, failed, ledger.failures_path, out, count)
     return kinds
 
 
