@@ -4,11 +4,16 @@ Prefect merges a run's parameters with its deployment's one top-level key at a t
 the spec as sections: a run that gives `collection={"limit": 4}` arrives with a CollectionSettings whose
 only set field is `limit`, and every other field comes from the settings the flow process was served
 with (ROLLFLOW_* and .env of `rollflow serve` or of the worker).
+
+Prefect builds each flow's parameter form from its signature and docstring, so every flow keeps its own
+signature; what a parameter means is written once, here, and `described` puts it in the docstrings.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -23,10 +28,42 @@ from rollflow.settings import (
 from rollflow.settings.models import EngineSettings
 from rollflow.tasks.storage.ledger import IdentityMismatch
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 REQUIRED = ("input", "output")
+# What each flow parameter means: the Prefect UI shows it under the field. The flows' docstrings take
+# their Args section from here (`described`), so rollflow-run, -diagnose and -tune word a field alike.
+PARAMETER_HELP = {
+    "input": "Input JSONL of NeMo Gym rows: local path or s3://...",
+    "output": "Output directory (ledger, reports): local path or s3://...",
+    "dataset": "Where to publish the dataset; default rollouts.jsonl in the output directory",
+    "format": "jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)",
+    "backend": "Where rollouts come from and how hard to try for each one",
+    "collection": "How the input is planned into chunks and how many requests run at once",
+    "verify": "How rewards are computed for backends that return none",
+    "tuning": "diagnose-bottleneck and tune-parallelism (parallelism auto or adaptive)",
+    "engine": "Where chunks run: this process, or a Dask or Ray cluster's workers",
+    "restart": "Discard a different run's committed chunks and start over",
+    "allow_incomplete": "Publish even if the audit found gaps",
+    "deadline_s": "Stop cleanly after this many seconds; run again to resume",
+    "started_at": "When the command began (epoch seconds), for the report's wall time",
+}
 # Section defaults with no field set: a run that leaves a section out runs it as served.
 AS_SERVED_BACKEND, AS_SERVED_COLLECTION = BackendParams(), CollectionSettings()
 AS_SERVED_VERIFY, AS_SERVED_TUNING, AS_SERVED_ENGINE = VerifySettings(), TuningSettings(), EngineSettings()
+
+
+def described(**wording: str) -> Callable[[F], F]:
+    """Decorator (under @flow, which reads the docstring): the function's docstring gets an Args section
+    naming each of its parameters in order, worded as in PARAMETER_HELP unless `wording` says otherwise."""
+
+    def add_args(fn: F) -> F:
+        help = {**PARAMETER_HELP, **wording}
+        lines = "\n".join(f"    {name}: {help[name]}" for name in inspect.signature(fn).parameters)
+        fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{lines}"
+        return fn
+
+    return add_args
 
 
 def given_fields(parameters: dict[str, Any]) -> dict[str, Any]:

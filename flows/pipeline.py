@@ -20,6 +20,7 @@ from rollflow.flows.parameters import (
     AS_SERVED_ENGINE,
     AS_SERVED_TUNING,
     AS_SERVED_VERIFY,
+    described,
     refusal,
     run_spec,
 )
@@ -356,6 +357,7 @@ async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, An
 
 
 @flow(name="rollflow-run", log_prints=False)
+@described()  # the docstring's Args, from PARAMETER_HELP
 async def rollflow_run(
     input: str,
     output: str,
@@ -376,21 +378,6 @@ async def rollflow_run(
     Every field a run leaves out keeps its served value (the ROLLFLOW_* settings of the process that
     serves the flow); a section's fields merge one by one, so `collection={"limit": 4}` changes the limit
     alone.
-
-    Args:
-        input: Input JSONL of NeMo Gym rows: local path or s3://...
-        output: Output directory (ledger, reports): local path or s3://...
-        dataset: Where to publish the dataset; default rollouts.jsonl in the output directory
-        format: jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)
-        backend: Where rollouts come from and how hard to try for each one
-        collection: How the input is planned into chunks and how many requests run at once
-        verify: How rewards are computed for backends that return none
-        tuning: diagnose-bottleneck and tune-parallelism (parallelism auto or adaptive)
-        engine: Where chunks run: this process, or a Dask or Ray cluster's workers
-        restart: Discard a different run's committed chunks and start over
-        allow_incomplete: Publish even if the audit found gaps
-        deadline_s: Stop cleanly after this many seconds; run again to resume
-        started_at: When the command began (epoch seconds), for the report's wall time
     """
     given = {k: v for k, v in locals().items() if k != "started_at"}
     settings = RollflowSettings()

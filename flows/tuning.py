@@ -21,6 +21,7 @@ from rollflow.flows.parameters import (
     AS_SERVED_ENGINE,
     AS_SERVED_TUNING,
     AS_SERVED_VERIFY,
+    described,
     run_spec,
 )
 from rollflow.flows.secrets import resolve_secret_blocks
@@ -210,7 +211,20 @@ async def _diagnose_and_tune(
     return {**found, "chosen_parallelism": chosen, "output": spec.output}
 
 
+# The stages publish nothing and choose no parallelism mode, so two of their fields read differently.
+STAGE_WORDING = {
+    "dataset": "Where the run publishes the dataset; default rollouts.jsonl in the output directory",
+    "tuning": "diagnose-bottleneck and tune-parallelism",
+}
+
+
+async def _run_stage(given: dict[str, Any], tune_too: bool) -> dict[str, Any]:
+    """A stage flow's body: its parameters merged with the served settings, run until done or stopped."""
+    return await cancelled_by_sigterm(_stage(run_spec(given, RollflowSettings()), tune_too))
+
+
 @flow(name="rollflow-diagnose", log_prints=False)
+@described(**STAGE_WORDING)
 async def rollflow_diagnose(
     input: str,
     output: str,
@@ -226,23 +240,12 @@ async def rollflow_diagnose(
     """diagnose-bottleneck alone: the verdict, with its figures, in <output>/diagnosis.json.
 
     A field left out keeps its served value, as for rollflow-run.
-
-    Args:
-        input: Input JSONL of NeMo Gym rows: local path or s3://...
-        output: Output directory (ledger, reports): local path or s3://...
-        dataset: Where the run publishes the dataset; default rollouts.jsonl in the output directory
-        format: jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)
-        backend: Where rollouts come from and how hard to try for each one
-        collection: How the input is planned into chunks and how many requests run at once
-        verify: How rewards are computed for backends that return none
-        tuning: diagnose-bottleneck and tune-parallelism
-        engine: Where chunks run: this process, or a Dask or Ray cluster's workers
-        restart: Discard a different run's committed chunks and start over
     """
-    return await cancelled_by_sigterm(_stage(run_spec(locals(), RollflowSettings()), tune_too=False))
+    return await _run_stage(locals(), tune_too=False)
 
 
 @flow(name="rollflow-tune", log_prints=False)
+@described(**STAGE_WORDING)
 async def rollflow_tune(
     input: str,
     output: str,
@@ -258,17 +261,5 @@ async def rollflow_tune(
     """diagnose-bottleneck then tune-parallelism: <output>/tuning.json and throughput.png.
 
     A field left out keeps its served value, as for rollflow-run.
-
-    Args:
-        input: Input JSONL of NeMo Gym rows: local path or s3://...
-        output: Output directory (ledger, reports): local path or s3://...
-        dataset: Where the run publishes the dataset; default rollouts.jsonl in the output directory
-        format: jsonl (one rollouts.jsonl) or parquet (sharded Parquet under <output>/data/)
-        backend: Where rollouts come from and how hard to try for each one
-        collection: How the input is planned into chunks and how many requests run at once
-        verify: How rewards are computed for backends that return none
-        tuning: diagnose-bottleneck and tune-parallelism
-        engine: Where chunks run: this process, or a Dask or Ray cluster's workers
-        restart: Discard a different run's committed chunks and start over
     """
-    return await cancelled_by_sigterm(_stage(run_spec(locals(), RollflowSettings()), tune_too=True))
+    return await _run_stage(locals(), tune_too=True)
