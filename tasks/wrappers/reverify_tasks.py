@@ -22,7 +22,10 @@ from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, rescorable_k
 from rollflow.tasks.scaleout.node import node_sharers
 from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
-from rollflow.tasks.wrappers.prefect_tasks import worth_retrying
+from rollflow.tasks.wrappers.prefect_tasks import CHUNK_TASK
+
+# A reverify chunk runs, and is retried, as a collected one is; only its name differs.
+REVERIFY_CHUNK_TASK = {**CHUNK_TASK, "name": "reverify-chunk"}
 
 
 @task(name="plan-reverify", cache_policy=NONE)
@@ -37,14 +40,7 @@ async def plan_reverify_task(handles: ReverifyHandles) -> ReverifyPlan:
     )
 
 
-@task(
-    name="reverify-chunk",
-    task_run_name="chunk-{chunk.index:05d}",
-    cache_policy=NONE,
-    retries=3,
-    retry_delay_seconds=[1, 5, 15],
-    retry_condition_fn=worth_retrying,
-)
+@task(**REVERIFY_CHUNK_TASK)
 async def reverify_chunk_task(ctx: ReverifyContext, chunk: SourceChunk) -> ReverifyOutcome:
     try:
         return await reverify_chunk(ctx, chunk, attempt=task_run.run_count or 1)
@@ -52,14 +48,7 @@ async def reverify_chunk_task(ctx: ReverifyContext, chunk: SourceChunk) -> Rever
         raise redact.redacted_error(exc) from None
 
 
-@task(
-    name="reverify-chunk",
-    task_run_name="chunk-{chunk.index:05d}",
-    cache_policy=NONE,
-    retries=3,
-    retry_delay_seconds=[1, 5, 15],
-    retry_condition_fn=worth_retrying,
-)
+@task(**REVERIFY_CHUNK_TASK)
 async def reverify_chunk_remote_task(
     spec: ReverifySpec,
     chunk: SourceChunk,
