@@ -43,10 +43,16 @@ def print_error(console: Console, exc: BaseException) -> None:
     console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
 
 
-def print_stop(console: Console, exc: BaseException, kept: str) -> int:
-    """Ctrl-C or SIGTERM: one line saying `kept` are kept, and its exit status; anything else re-raised."""
+def print_failure(
+    console: Console, exc: BaseException, known: tuple[type[BaseException], ...], kept: str
+) -> int:
+    """How a command that ran a flow failed, and its exit status: a `known` user error as one paragraph
+    (EXIT_ERROR), Ctrl-C or SIGTERM as one line saying `kept` are kept (130, 143); anything else re-raised."""
     from rollflow.flows.stops import signal_stop_in
 
+    if isinstance(exc, known):
+        print_error(console, exc)
+        return EXIT_ERROR
     stop = signal_stop_in(exc)
     if stop is None:
         raise exc

@@ -12,14 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 from rollflow.flows.cli.errors import (
-    EXIT_ERROR,
     EXIT_INCOMPLETE,
     EXIT_OK,
     UsageError,
     known_errors_quiet,
     load_settings,
     print_error,
-    print_stop,
+    print_failure,
     quiet_prefect,
     user_errors,
 )
@@ -145,11 +144,8 @@ def cmd_reverify(args: argparse.Namespace) -> int:
     except ReverifyIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE
         print_error(console, exc)
-    except known as exc:
-        print_error(console, exc)
-        return EXIT_ERROR
     except BaseException as exc:
-        return print_stop(console, exc, "Committed chunks")
+        return print_failure(console, exc, known, "Committed chunks")
     finally:
         api.stop_ephemeral()
     console.print(summary_table(report))

@@ -15,12 +15,11 @@ from rich.console import Console
 from rich.table import Table
 
 from rollflow.flows.cli.errors import (
-    EXIT_ERROR,
     EXIT_INCOMPLETE,
     EXIT_OK,
     known_errors_quiet,
     print_error,
-    print_stop,
+    print_failure,
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
@@ -140,11 +139,8 @@ def run_and_print(
         report, status = exc.report, EXIT_INCOMPLETE
         note = finish(report, spec, api)
         print_error(console, exc)
-    except known as exc:
-        print_error(console, exc)
-        return EXIT_ERROR
     except BaseException as exc:
-        return print_stop(console, exc, "Committed chunks and saved rollouts")
+        return print_failure(console, exc, known, "Committed chunks and saved rollouts")
     _print_report(console, report, note, print_json)
     return status
 
