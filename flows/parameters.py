@@ -58,8 +58,8 @@ def described(**wording: str) -> Callable[[F], F]:
     naming each of its parameters in order, worded as in PARAMETER_HELP unless `wording` says otherwise."""
 
     def add_args(fn: F) -> F:
-        help = {**PARAMETER_HELP, **wording}
-        lines = "\n".join(f"    {name}: {help[name]}" for name in inspect.signature(fn).parameters)
+        words = {**PARAMETER_HELP, **wording}
+        lines = "\n".join(f"    {name}: {words[name]}" for name in inspect.signature(fn).parameters)
         fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{lines}"
         return fn
 
