@@ -83,3 +83,20 @@ def test_a_chunk_error_raised_while_a_signal_unwinds_stops_the_run():
         raise AssertionError("a chunk error raised while a SIGTERM unwound was counted as a failed chunk")
     plain = RuntimeError("backend gone")
     assert chunk_error(plain) is plain
+
+
+def test_sigterm_during_tuning_is_one_line_exit_143(cli_env, rows_input, tmp_path: Path):
+    """`rollflow tune` stopped mid-search: the same one line and exit status as `run`, no traceback."""
+    sim = spawn_simulator("--latency-ms", "200", "--slots", "8")  # the search's steps take seconds
+    try:
+        out = tmp_path / "out"
+        proc = spawn(["tune", "--input", str(rows_input), "--output", str(out), "--backend-kind", "agent",
+                      "--backend-url", sim.url], cli_env)  # fmt: skip
+        wait_until(lambda: any(out.glob("parts/**/*")), proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        lines = [line for line in err.decode().splitlines() if line.strip()]
+        assert proc.returncode == 143, err.decode()[-3000:]
+        assert len(lines) == 1 and lines[0].startswith("rollflow: terminated (SIGTERM)"), lines
+    finally:
+        sim.stop()

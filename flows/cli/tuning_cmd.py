@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rollflow.flows.cli.errors import (
-    EXIT_ERROR,
     EXIT_OK,
     known_errors_quiet,
+    print_failure,
     quiet_prefect,
     user_errors,
 )
@@ -87,9 +87,8 @@ def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
         with known_errors_quiet(known, verbose), using(api):
             params = spec.parameters()
             found = asyncio.run(flow_fn(**{k: params[k] for k in flow_fn.parameters.properties}))
-    except known as exc:
-        console.print(f"[bold red]rollflow:[/] {exc}", highlight=False, soft_wrap=True)
-        return EXIT_ERROR
+    except BaseException as exc:
+        return print_failure(console, exc, known, "The probes' saved rollouts")
     print_tuning(console, found, spec.output)
     if getattr(args, "json", False):
         print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
