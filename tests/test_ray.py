@@ -269,3 +269,33 @@ def test_ray_reverify_ends_exactly_once_when_a_worker_process_is_killed(
     published = rows(out / "rollouts.jsonl")
     assert [(r["_ng_task_index"], r["_ng_rollout_index"], r["reward"]) for r in published] == expected
     assert report["rows_written"] == TASKS * REPEATS and report["failed"] == 0
+
+
+def _unclosed_sessions(world: RayWorld) -> int:
+    """aiohttp's "Unclosed client session" warnings in the Ray workers' logs so far."""
+    logs = (p for p in (world.root / "ray").rglob("worker-*") if p.is_file())
+    return sum(p.read_bytes().count(b"Unclosed client session") for p in logs)
+
+
+def test_ray_reverify_with_the_http_verifier_closes_each_chunks_session(
+    ray_world: RayWorld, reverify_source: Path
+) -> None:
+    """`--verifier http` on Ray workers: the rows of the local runner's reverify, and each chunk task's
+    aiohttp session closed on the task's own loop (a session left open warns in the worker's log)."""
+    sim = ray_world.simulate_full(["--latency-ms", "1", "--slots", "64"])
+    source, base = reverify_source / "out", reverify_source
+    args = ("--verifier", "http", "--verifier-url", sim["url"], "--chunk-size", "25")
+    ray = ("--runner", "ray", "--ray-address", ray_world.ray_address)
+    try:
+        ray_world.run(_reverify(source, base / "http-local", *args), env=ray_world.env(), timeout=180).check()
+        before = _unclosed_sessions(ray_world)
+        result = ray_world.run(
+            _reverify(source, base / "http-ray", *args, *ray), env=ray_world.env(), timeout=240
+        )
+    finally:
+        ray_world.kill(id=sim["id"], signal=9)
+    assert result.rc == 0, result.stderr[-3000:]
+    published = (base / "http-ray" / "rollouts.jsonl").read_bytes()
+    assert published == (base / "http-local" / "rollouts.jsonl").read_bytes()
+    assert {r["_rf"]["reverified_with"] for r in rows(base / "http-ray" / "rollouts.jsonl")} == {"http"}
+    assert _unclosed_sessions(ray_world) == before
