@@ -52,6 +52,24 @@ def test_two_datasets_in_one_folder_keep_their_own_task_files(run_cli, fast_sim,
     assert (results / "tasks.jsonl").read_bytes() == USER_FILE
 
 
+def test_an_output_named_by_another_path_is_still_its_own(run_cli, fast_sim, tmp_path: Path):
+    """`out` typed in one folder, then the same folder by its absolute path (as a deployment names it) or
+    as `./out`: the files the output published beside its dataset are still its own, so the run resumes,
+    republishes and restarts."""
+    inp = write_rows(tmp_path / "rows.jsonl", 20)
+    res = run_cli(*args_for(inp, "out", fast_sim.url), cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    for out, extra in (
+        (tmp_path / "out", ()),
+        ("./out", ()),
+        (tmp_path / "out", ("--restart", "--limit", "5")),
+    ):
+        res = run_cli(*args_for(inp, out, fast_sim.url, *extra), cwd=str(tmp_path))
+        assert res.returncode == 0, f"{out} {extra}: {res.stderr[-2000:]}"
+    assert _task_indices(tmp_path / "out" / "rollouts.tasks.jsonl") == list(range(5))
+    assert len((tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()) == 5
+
+
 def _card(path: Path) -> tuple[int, str]:
     """(rollouts, data file) from a dataset card's YAML front matter."""
     meta = yaml.safe_load(path.read_text().split("---\n")[1])

@@ -62,21 +62,33 @@ def _published(store: Store) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
+def absolute_url(url: str, options: dict[str, Any] | None) -> str:
+    """The URL as a location: `out/x` and `./out/x` typed in any folder name one file, recorded once."""
+    protocol, path, _ = _location(url, options)
+    return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def _owned(url: str, urls: list[str], options: dict[str, Any] | None) -> bool:
+    where = _location(url, options)[:2]
+    return any(_location(u, options)[:2] == where for u in urls)
+
+
 def published_files(store: Store, kind: str) -> list[str]:
     """The files of one kind (`tasks`, `cards`) this output published (URLs), from its own record."""
     return list(_published(store).get(kind, []))
 
 
-def record_files(store: Store, kind: str, urls: list[str]) -> None:
-    store.write_bytes(PUBLISHED, orjson.dumps({**_published(store), kind: sorted(set(urls))}))
+def record_files(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
+    located = sorted({absolute_url(u, options) for u in urls})
+    store.write_bytes(PUBLISHED, orjson.dumps({**_published(store), kind: located}))
 
 
 def published_tasks(store: Store) -> list[str]:
     return published_files(store, "tasks")
 
 
-def record_tasks(store: Store, urls: list[str]) -> None:
-    record_files(store, "tasks", urls)
+def record_tasks(store: Store, urls: list[str], options: dict[str, Any] | None = None) -> None:
+    record_files(store, "tasks", urls, options)
 
 
 def check_paths(
@@ -136,7 +148,7 @@ def _check_beside(
             f"dataset {dataset_url}; publishing would overwrite it. Choose another dataset path or rename "
             f"the input. No request was sent."
         )
-    if fs.exists(path) and beside not in published_files(store, kind):
+    if fs.exists(path) and not _owned(beside, published_files(store, kind), options):
         raise InputError(
             f"{beside} exists and was not written by this output ({store.root_url}); the run publishes "
             f"its {lines} there, beside the dataset {dataset_url}, and never replaces a "
@@ -160,9 +172,9 @@ def remove_published(dataset_url: str, options: dict[str, Any], store: Store) ->
     _, path, fs = _location(dataset_url, options)
     beside = tasks_url(dataset_url)
     ours = published_tasks(store)
-    if beside in ours:
+    if _owned(beside, ours, options):
         _remove(beside, options)
-        record_tasks(store, [u for u in ours if u != beside])
+        record_tasks(store, [u for u in ours if not _owned(u, [beside], options)], options)
     cards = published_files(store, "cards")
     for card in cards:
         _remove(card, options)

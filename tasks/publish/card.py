@@ -203,7 +203,7 @@ def write_card(dataset_url: str, options: dict[str, Any], report: dict[str, Any]
     parent, name = split_url(dataset_url)
     card = card_url(dataset_url, output.root_url)
     if not owns_card_folder(card):
-        record_files(output, "cards", [*published_files(output, "cards"), card])
+        record_files(output, "cards", [*published_files(output, "cards"), card], options)
     store = Store(parent, options)
     features = None
     if report.get("format") == "parquet":

@@ -106,7 +106,7 @@ def concatenate_tasks(
     parent, name = split_url(url)
     target = Store(parent, storage_options)
     try:
-        record_tasks(ledger.store, [*published_tasks(ledger.store), url])
+        record_tasks(ledger.store, [*published_tasks(ledger.store), url], storage_options)
         target.remove_stale_copies(name)
         with target.open_write(name) as out:
             committed = [spec.index for spec in chunks if spec.index in manifests]
