@@ -16,10 +16,12 @@ import asyncio
 import os
 import resource
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import orjson
+import psutil
 
 from rollflow.settings import VerifySettings
 from rollflow.settings.reverify import ReverifySpec
@@ -90,7 +92,7 @@ async def run(source: Path, out: Path, verifier: str, chunk_size: int, processes
     )
     store = Store(str(out))
     ledger = Ledger(store)
-    cpu0, kids0 = time.process_time(), _children_cpu()
+    cpu0, kids = time.process_time(), Descendants().start()
     t0 = time.perf_counter()
     plan = plan_reverify(spec, store, ledger, {}, {})
     t_plan = time.perf_counter() - t0
@@ -113,9 +115,10 @@ async def run(source: Path, out: Path, verifier: str, chunk_size: int, processes
     t3 = time.perf_counter()
     publish_jsonl(ledger, plan.source.chunks, manifests, spec.dataset_url(), {})
     t_publish = time.perf_counter() - t3
+    kids.stop()
     close_pools()
     total = time.perf_counter() - t0
-    cpu, kids = time.process_time() - cpu0, _children_cpu() - kids0
+    cpu = time.process_time() - cpu0
     assert summary.complete and summary.failed == 0, summary.problems
     return {
         "rows": summary.rows,
@@ -129,15 +132,52 @@ async def run(source: Path, out: Path, verifier: str, chunk_size: int, processes
         "publish_s": t_publish,
         **sums,
         "cpu_s": cpu,
-        "children_cpu_s": kids,
+        "children_cpu_s": kids.cpu_s(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "children_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "children_peak_rss_mb": kids.peak_rss_mb(),
     }
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+class Descendants:
+    """CPU seconds and peak RSS of this process's descendants (the verifier processes), sampled twice a
+    second while the rescoring runs: they are not this process's waited-for children (RUSAGE_CHILDREN
+    misses them), and they end with the pool."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[tuple[int, float], float] = {}
+        self.rss: dict[tuple[int, float], int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _sample(self) -> None:
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                key, times = (proc.pid, proc.create_time()), proc.cpu_times()
+                self.cpu[key] = times.user + times.system
+                self.rss[key] = max(self.rss.get(key, 0), proc.memory_info().rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            self._sample()
+
+    def start(self) -> Descendants:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """A last sample, then no more: called before the pool ends its processes."""
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def cpu_s(self) -> float:
+        return sum(self.cpu.values())
+
+    def peak_rss_mb(self) -> float:
+        """The verifier processes' peak RSS summed (each at its own peak)."""
+        return sum(self.rss.values()) / 2**20
 
 
 def report(name: str, fig: dict, extrapolate_to: int | None = None) -> None:

@@ -78,6 +78,8 @@ def test_the_cli_takes_auto_or_a_number_and_refuses_words(run_cli, simulator, tm
     inp = write_rows(tmp_path / "in.jsonl", 10)
     res = run_cli("run", "--input", str(inp), "--output", str(tmp_path / "o"), "--chunk-size", "many")
     assert res.returncode == 2 and "expected a number of input rows or auto, not 'many'" in res.stderr
+    res = run_cli("run", "--input", str(inp), "--output", str(tmp_path / "o"), "--chunk-size", "0")
+    assert res.returncode == 2 and "expected a number of input rows or auto, not '0'" in res.stderr
     out = tmp_path / "auto"
     res = run_cli("run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent",
                   "--backend-url", simulator, "--parallelism", "4", "--chunk-size", "auto",

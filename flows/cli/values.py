@@ -17,12 +17,15 @@ def parallelism_value(text: str) -> int | str:
 
 
 def chunk_size_value(text: str) -> int | str:
-    if text == "auto":
-        return text
+    if text.lower() == "auto":
+        return "auto"
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of input rows or auto, not {text!r}") from None
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of input rows or auto, not {text!r}")
+    return value
 
 
 def json_object(text: str) -> dict[str, Any]:
