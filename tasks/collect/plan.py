@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -105,6 +109,7 @@ def plan_run(
     input_options: dict[str, Any],
     parallelism: int | None,
     dataset_options: dict[str, Any] | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> RunPlan:
     """Fail fast (bad paths, output, input, changed run) before a single request is sent."""
     store.check_writable()
@@ -133,6 +138,7 @@ def plan_run(
             on_bad_row=record,
             kind=spec.backend.kind.value,
             overrides=spec.collection.overrides,
+            stopped=stopped,
         )
         config = rollout_config(spec)
         identity = RunIdentity(
@@ -174,3 +180,28 @@ def _chunk_dict(chunk: Any) -> dict[str, Any]:
         "byte_offset": chunk.byte_offset,
         "first_line": chunk.first_line,
     }
+
+
+async def plan_stoppable(
+    spec: RunSpec,
+    store: Store,
+    ledger: Ledger,
+    input_options: dict[str, Any],
+    parallelism: int | None,
+    dataset_options: dict[str, Any] | None = None,
+) -> RunPlan:
+    """plan_run on a thread; a cancelled run stops the scan and waits for the thread, so the plan never
+    writes run.json after the run has let go of the output (its lease) and the process exits promptly."""
+    stop = threading.Event()
+    work = asyncio.ensure_future(
+        asyncio.to_thread(
+            plan_run, spec, store, ledger, input_options, parallelism, dataset_options, stop.is_set
+        )
+    )
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait({work})
+        raise

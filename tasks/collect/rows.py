@@ -134,6 +134,13 @@ class _ChunkCutter:
         self.start = None
 
 
+class ScanStopped(Exception):
+    """The run was stopped (Ctrl-C, SIGTERM) while its input was being scanned."""
+
+
+STOP_EVERY = 4096  # rows between two looks at whether the scan was stopped
+
+
 def scan_input(
     url: str,
     *,
@@ -144,8 +151,11 @@ def scan_input(
     on_bad_row: Callable[[BadRow], None] | None = None,
     kind: str = "agent",
     overrides: dict[str, Any] | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> InputScan:
-    """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset."""
+    """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset.
+
+    `stopped` is asked every STOP_EVERY rows: a scan runs on a thread, which a stopped run cannot cancel."""
     digest = hashlib.sha256()
     cutter = _ChunkCutter(chunk_size)
     tasks = good = bad = offset = 0
@@ -154,6 +164,8 @@ def scan_input(
             line_offset, offset = offset, offset + len(line)
             if limit is not None and tasks >= limit:
                 break
+            if stopped is not None and lineno % STOP_EVERY == 0 and stopped():
+                raise ScanStopped(f"the scan of {url} was stopped at line {lineno}")
             digest.update(line)
             if lineno == 1 and line.startswith(GZIP_MAGIC):
                 raise InputError(

@@ -12,7 +12,7 @@ from prefect.runtime import task_run
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.backends.preflight import check_reachable
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
-from rollflow.tasks.collect.plan import RunPlan, plan_run
+from rollflow.tasks.collect.plan import RunPlan, plan_stoppable
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles
@@ -26,8 +26,7 @@ from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
 
 @task(name="plan", cache_policy=NONE)
 async def plan_task(handles: RunHandles, parallelism: int | None) -> RunPlan:
-    return await asyncio.to_thread(
-        plan_run,
+    return await plan_stoppable(
         handles.spec,
         handles.store,
         handles.ledger,
