@@ -48,7 +48,8 @@ def owns_card_folder(card: str) -> bool:
     return posixpath.basename(card) == CARD
 
 
-def _location(url: str, options: dict[str, Any] | None) -> tuple[str, str, Any]:
+def location(url: str, options: dict[str, Any] | None) -> tuple[str, str, Any]:
+    """(protocol, normalised path, filesystem): two URLs name one object when the first two are equal."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol, posixpath.normpath(fs._strip_protocol(path)), fs
@@ -64,13 +65,13 @@ def _published(store: Store) -> dict[str, Any]:
 
 def absolute_url(url: str, options: dict[str, Any] | None) -> str:
     """The URL as a location: `out/x` and `./out/x` typed in any folder name one file, recorded once."""
-    protocol, path, _ = _location(url, options)
+    protocol, path, _ = location(url, options)
     return path if protocol in ("file", "local") else f"{protocol}://{path}"
 
 
 def _owned(url: str, urls: list[str], options: dict[str, Any] | None) -> bool:
-    where = _location(url, options)[:2]
-    return any(_location(u, options)[:2] == where for u in urls)
+    where = location(url, options)[:2]
+    return any(location(u, options)[:2] == where for u in urls)
 
 
 def published_files(store: Store, kind: str) -> list[str]:
@@ -102,7 +103,7 @@ def check_paths(
     """Refuse (InputError, exit 2) an input inside the output, a dataset path that is not an object, or a
     per-task file or card (`card`) beside the dataset that would replace a file this output did not write."""
     input_options, dataset_options = options
-    where, inp, _ = _location(input_url, input_options)
+    where, inp, _ = location(input_url, input_options)
     out_where, out = store.fs.protocol, posixpath.normpath(store.root)
     out_where = out_where if isinstance(out_where, str) else out_where[0]
     if where == out_where and (inp == out or inp.startswith(out.rstrip("/") + "/")):
@@ -110,7 +111,7 @@ def check_paths(
             f"Input {input_url} is inside the output directory {output_url}, where the run writes and "
             f"--restart deletes. Move the input out of it, or choose another --output. No request was sent."
         )
-    ds_where, dataset, ds_fs = _location(dataset_url, dataset_options)
+    ds_where, dataset, ds_fs = location(dataset_url, dataset_options)
     if ds_where == where and dataset == inp:
         raise InputError(
             f"The dataset path {dataset_url} is the input file; publishing would overwrite it. Choose "
@@ -141,7 +142,7 @@ def _check_beside(
 ) -> None:
     """A file published beside the dataset may replace only a file this output published itself."""
     name, lines = _WHAT[kind]
-    where, path, fs = _location(beside, options)
+    where, path, fs = location(beside, options)
     if (where, path) == inp:
         raise InputError(
             f"The input {input_url} is where the run publishes its {name} {beside} beside the "
@@ -157,19 +158,19 @@ def _check_beside(
 
 
 def _remove(url: str, options: dict[str, Any]) -> None:
-    _, path, fs = _location(url, options)
+    _, path, fs = location(url, options)
     if fs.exists(path):
         fs.rm_file(path)
 
 
 def same_object(a: str, b: str, options: dict[str, Any]) -> bool:
-    return _location(a, options)[:2] == _location(b, options)[:2]
+    return location(a, options)[:2] == location(b, options)[:2]
 
 
 def remove_published(dataset_url: str, options: dict[str, Any], store: Store) -> bool:
     """Delete the dataset a discarded run published (--restart), and its per-task file and card when this
     output wrote them, wherever they live; whether the dataset was there. No other file is touched."""
-    _, path, fs = _location(dataset_url, options)
+    _, path, fs = location(dataset_url, options)
     beside = tasks_url(dataset_url)
     ours = published_tasks(store)
     if _owned(beside, ours, options):

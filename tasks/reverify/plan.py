@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import posixpath
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.collect.paths import location
 from rollflow.tasks.collect.plan import config_hash
 from rollflow.tasks.collect.rows import InputError
 from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
-from rollflow.tasks.storage.store import Store, storage_options_for
+from rollflow.tasks.storage.store import Store
 
 
 @dataclass
@@ -53,12 +52,10 @@ def reverify_config(spec: ReverifySpec, mode: str) -> dict[str, Any]:
 
 
 def _where(url: str, options: dict[str, Any]) -> tuple[str, str]:
-    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    path = fs._strip_protocol(path)
+    protocol, path, fs = location(url, options)
     if isinstance(fs, LocalFileSystem):
         path = os.path.realpath(path)  # a symlink to the source folder is the source folder
-    return protocol, posixpath.normpath(path).rstrip("/")
+    return protocol, path.rstrip("/")
 
 
 def check_apart(source: str, output: str, options: tuple[dict[str, Any], dict[str, Any]]) -> None:
