@@ -231,9 +231,6 @@ def _say_small_chunks(spec: RunSpec, chunks: int) -> None:
     said once when many small ones will pay it, since the chunk size is the run's identity and stays."""
     col = spec.collection
     rollouts = col.chunk_size * col.num_repeats
-    log.info(
-        "--runner %s: %d chunks of %d rows (%d rollouts) each", spec.runner, chunks, col.chunk_size, rollouts
-    )
     if chunks >= 10 and rollouts < REMOTE_CHUNK_ROLLOUTS:
         log.warning(
             "--runner %s: %d chunks of %d rollouts; each remote chunk pays about 0.2-0.4 s of CPU for its "
