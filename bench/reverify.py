@@ -16,12 +16,12 @@ import asyncio
 import os
 import resource
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import orjson
 import psutil
+from cpumeter import CpuMeter
 
 from rollflow.settings import VerifySettings
 from rollflow.settings.reverify import ReverifySpec
@@ -92,30 +92,30 @@ async def run(source: Path, out: Path, verifier: str, chunk_size: int, processes
     )
     store = Store(str(out))
     ledger = Ledger(store)
-    cpu0, kids = time.process_time(), Descendants().start()
-    t0 = time.perf_counter()
-    plan = plan_reverify(spec, store, ledger, {}, {})
-    t_plan = time.perf_counter() - t0
-    verify_fn = make_verifier(spec.verify)
-    assert verify_fn is not None
-    ctx = ReverifyContext(
-        ledger, plan.source.url, plan.source.mode, {}, verify_fn, verifier, spec.parallelism
-    )
-    sums = {"read_s": 0.0, "verify_s": 0.0, "write_s": 0.0}
-    t1 = time.perf_counter()
-    for chunk in plan.pending:
-        outcome = await reverify_chunk(ctx, chunk)
-        for key in sums:
-            sums[key] += outcome.timings.get(key, 0.0)
-    t_rescore = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    manifests = ledger.committed()
-    summary = compare_run(ledger, plan.source.chunks, manifests, 1.0, plan.source.max_k)
-    t_compare = time.perf_counter() - t2
-    t3 = time.perf_counter()
-    publish_jsonl(ledger, plan.source.chunks, manifests, spec.dataset_url(), {})
-    t_publish = time.perf_counter() - t3
-    kids.stop()
+    cpu0 = time.process_time()
+    with CpuMeter(verifier_process) as kids:  # read before the pool ends its processes
+        t0 = time.perf_counter()
+        plan = plan_reverify(spec, store, ledger, {}, {})
+        t_plan = time.perf_counter() - t0
+        verify_fn = make_verifier(spec.verify)
+        assert verify_fn is not None
+        ctx = ReverifyContext(
+            ledger, plan.source.url, plan.source.mode, {}, verify_fn, verifier, spec.parallelism
+        )
+        sums = {"read_s": 0.0, "verify_s": 0.0, "write_s": 0.0}
+        t1 = time.perf_counter()
+        for chunk in plan.pending:
+            outcome = await reverify_chunk(ctx, chunk)
+            for key in sums:
+                sums[key] += outcome.timings.get(key, 0.0)
+        t_rescore = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        manifests = ledger.committed()
+        summary = compare_run(ledger, plan.source.chunks, manifests, 1.0, plan.source.max_k)
+        t_compare = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        publish_jsonl(ledger, plan.source.chunks, manifests, spec.dataset_url(), {})
+        t_publish = time.perf_counter() - t3
     close_pools()
     total = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
@@ -132,52 +132,15 @@ async def run(source: Path, out: Path, verifier: str, chunk_size: int, processes
         "publish_s": t_publish,
         **sums,
         "cpu_s": cpu,
-        "children_cpu_s": kids.cpu_s(),
+        "children_cpu_s": kids.seconds("verifier"),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "children_peak_rss_mb": kids.peak_rss_mb(),
+        "children_peak_rss_mb": kids.peak_rss_mb("verifier"),
     }
 
 
-class Descendants:
-    """CPU seconds and peak RSS of this process's descendants (the verifier processes), sampled twice a
-    second while the rescoring runs: they are not this process's waited-for children (RUSAGE_CHILDREN
-    misses them), and they end with the pool."""
-
-    def __init__(self) -> None:
-        self.cpu: dict[tuple[int, float], float] = {}
-        self.rss: dict[tuple[int, float], int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _sample(self) -> None:
-        for proc in psutil.Process().children(recursive=True):
-            try:
-                key, times = (proc.pid, proc.create_time()), proc.cpu_times()
-                self.cpu[key] = times.user + times.system
-                self.rss[key] = max(self.rss.get(key, 0), proc.memory_info().rss)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.5):
-            self._sample()
-
-    def start(self) -> Descendants:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """A last sample, then no more: called before the pool ends its processes."""
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def cpu_s(self) -> float:
-        return sum(self.cpu.values())
-
-    def peak_rss_mb(self) -> float:
-        """The verifier processes' peak RSS summed (each at its own peak)."""
-        return sum(self.rss.values()) / 2**20
+def verifier_process(proc: psutil.Process) -> str | None:
+    """ "verifier" for this bench's descendants (its verifier pool's processes)."""
+    return "verifier" if any(p.pid == os.getpid() for p in proc.parents()) else None
 
 
 def report(name: str, fig: dict, extrapolate_to: int | None = None) -> None:

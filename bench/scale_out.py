@@ -29,13 +29,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from cpumeter import CpuMeter
 from harness import spawn_prefect_server, spawn_simulator, write_input
 from pyspy import Profiler, summary
 
@@ -75,50 +75,6 @@ class Row:
             f"| {self.name} | {self.rollouts:,} | {self.collect_s:.1f} | {self.rate:,.0f} | "
             f"{self.rate / CAPACITY:.2f} | {ms:.2f} ({split}) | {daemons:.2f} |"
         )
-
-
-class CpuMeter:
-    """CPU seconds of the processes `kind` selects, sampled while a run goes: Ray ends a job's worker
-    processes with the job, so a reading after the run would miss them."""
-
-    def __init__(self, kind: Callable[[psutil.Process], str | None]) -> None:
-        self.kind = kind
-        self.first: dict[tuple[int, float], float] = {}
-        self.last: dict[tuple[int, float], tuple[str, float]] = {}
-        self.running = False  # processes first seen after the start count from 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _sample(self) -> None:
-        for proc in psutil.process_iter():
-            try:
-                kind = self.kind(proc)
-                if kind is None:
-                    continue
-                times = proc.cpu_times()
-                key = (proc.pid, proc.create_time())
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-            self.first.setdefault(key, 0.0 if self.running else times.user + times.system)
-            self.last[key] = (kind, times.user + times.system)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            self._sample()
-
-    def __enter__(self) -> CpuMeter:
-        self._sample()
-        self.running = True
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def seconds(self, kind: str) -> float:
-        return sum(cpu - self.first.get(key, 0.0) for key, (k, cpu) in self.last.items() if k == kind)
 
 
 def engine_kind(proc: psutil.Process) -> str | None:
