@@ -48,6 +48,7 @@ CAPACITY = SLOTS / (LATENCY_MS / 1000)
 BIN = Path(sys.executable).parent
 ROLLFLOW = str(BIN / "rollflow")
 PRELOAD = "rollflow.tasks.wrappers.preload"
+PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
 INSIDE = "ROLLFLOW_BENCH_NETNS"
 
 
@@ -123,6 +124,8 @@ def dask_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Proc
                 "--no-dashboard",
                 "--preload",
                 PRELOAD,
+                "--preload-nanny",
+                PRELOAD_NANNY,
             ],
             env,
             logs / f"worker-{i}.log",

@@ -19,6 +19,8 @@ from rollflow.settings.models import EngineSettings
 from rollflow.tasks.collect.runtime import default_chunks_in_flight
 from rollflow.tasks.scaleout.channels import DaskChannel, DaskLink, RayChannel, RayLink
 
+PRELOAD = "rollflow.tasks.wrappers.preload"
+PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
 RAY_MISSING = (
     "--runner ray needs Ray and prefect-ray, which are not installed: pip install 'rollflow[ray]' "
     "(on the machine that runs the flow and on every Ray node)"
@@ -90,8 +92,14 @@ def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -
             col.parallelism if isinstance(col.parallelism, int) else 1, col.chunk_size, col.num_repeats
         )
         threads = max(2, -(-min(in_flight, chunks) // spec.dask_workers))
+    workers = {"preload": [PRELOAD], "preload_nanny": [PRELOAD_NANNY]}  # as `dask worker` would be started
     return DaskTaskRunner(
-        cluster_kwargs={"n_workers": spec.dask_workers, "threads_per_worker": threads, "processes": True}
+        cluster_kwargs={
+            "n_workers": spec.dask_workers,
+            "threads_per_worker": threads,
+            "processes": True,
+            **workers,
+        }
     )
 
 

@@ -19,6 +19,7 @@ from rollflow.infra.local import Service, free_port
 
 BIN = Path(sys.executable).parent
 PRELOAD = "rollflow.tasks.wrappers.preload"
+PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
 
 
 @dataclass
@@ -30,7 +31,8 @@ class DaskCluster:
 
     def add_worker(self, nthreads: int = 2) -> subprocess.Popen[bytes]:
         cmd = [str(BIN / "dask"), "worker", self.address, "--nthreads", str(nthreads), "--nworkers", "1",
-               "--host", "127.0.0.1", "--no-dashboard", "--preload", PRELOAD]  # fmt: skip
+               "--host", "127.0.0.1", "--no-dashboard", "--preload", PRELOAD,
+               "--preload-nanny", PRELOAD_NANNY]  # fmt: skip
         proc = subprocess.Popen(
             cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )

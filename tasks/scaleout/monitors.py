@@ -1,0 +1,36 @@
+"""Dask's own periodic work in a worker process that runs rollflow's chunks, turned down.
+
+Dask's statistical profiler samples every running task's thread 100 times a second; rollflow's chunk
+tasks only wait there for the collector loop (tasks/scaleout/collector.py), so it records nothing useful
+while it wakes the worker's event loop and takes the GIL from the collector. Its tick monitor wakes the
+loop 50 times a second to time it. Measured on the scale-out bench, the two cost about as much CPU as the
+collector's HTTP work. `ROLLFLOW_DASK_MONITORS=keep` leaves them as Dask configured them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+KEEP_ENV = "ROLLFLOW_DASK_MONITORS"
+TICK_MS = 1000.0  # the loop's responsiveness is still timed, once a second (Dask warns past 3 s)
+DROPPED = ("profile", "profile-cycle")
+
+
+def quiet_monitors(server: Any) -> list[str]:
+    """Drop the profiler's callbacks and slow the tick of a Dask worker or nanny (before or after they
+    start); the names of what changed."""
+    if os.environ.get(KEEP_ENV, "").strip().lower() == "keep":
+        return []
+    callbacks = server.periodic_callbacks
+    changed = []
+    for name in DROPPED:
+        callback = callbacks.pop(name, None)
+        if callback is not None:
+            callback.stop()
+            changed.append(name)
+    tick = callbacks.get("tick")
+    if tick is not None and tick.callback_time < TICK_MS:
+        tick.callback_time = TICK_MS
+        changed.append("tick")
+    return changed
