@@ -218,8 +218,9 @@ def main() -> None:
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else ["local", "dask", "ray", "ceiling"]
     results, ceiling, engine = [], None, []
     try:
-        if "local" in only:
-            results.append(run("local", [*common, "--output", str(work / "local")], env, work / "local")[0])
+        if "local" in only:  # twice, as each engine: the first run also pays the Prefect server's warm-up
+            for name, folder in (("local, first run", "local"), ("local, second run", "local-again")):
+                results.append(run(name, [*common, "--output", str(work / folder)], env, work / folder)[0])
         if "dask" in only or "ceiling" in only:
             address, engine = dask_cluster(env, logs)
             dask = ["--runner", "dask", "--dask-address", address]
@@ -273,9 +274,15 @@ def report(results: list[Row], ceiling: dict | None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in results:
         print(row.line())
-    local = [row for row in results if row.name == "local"]
-    for row in results[1:] if local else []:
-        rate, cpu = row.rate / local[0].rate, row.cpu_per_rollout / local[0].cpu_per_rollout
+    local = [row for row in results if row.name.startswith("local")]
+    if local:  # the stricter comparison: the faster and the cheaper of the local runs
+        best_rate, best_cpu = max(r.rate for r in local), min(r.cpu_per_rollout for r in local)
+        print(
+            f"\nagainst the local runs' best: {best_rate:,.0f} rollouts/s, "
+            f"{1000 * best_cpu:.2f} ms CPU per rollout"
+        )
+    for row in [r for r in results if r not in local] if local else []:
+        rate, cpu = row.rate / best_rate, row.cpu_per_rollout / best_cpu
         print(f"{row.name}: {rate:.2f} of the local runner's rate (goal >= 0.9), "
               f"{cpu:.2f}x its CPU per rollout (goal <= 1.3)")  # fmt: skip
     if ceiling is None:

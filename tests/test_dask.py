@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
-from fixtures_dask import PRELOAD, reset_stats, set_latency, sim_stats
+from fixtures_dask import PRELOAD, PRELOAD_NANNY, reset_stats, set_latency, sim_stats
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
@@ -185,7 +185,7 @@ def test_a_cluster_class_starts_its_own_workers_scaled_by_adapt(
     adapt between 1 and 2 workers: the run publishes the local runner's bytes."""
     out = tmp_path / "out"
     kwargs = {"cores": 2, "processes": 1, "memory": "2GB", "interface": "lo",
-              "worker_extra_args": ["--preload", PRELOAD]}  # fmt: skip
+              "worker_extra_args": ["--preload", PRELOAD, "--preload-nanny", PRELOAD_NANNY]}  # fmt: skip
     args = [*run_args(rows_input, str(out), slow_sim), "--runner", "dask",
             "--dask-cluster-class", "dask_jobqueue.local.LocalCluster",
             "--dask-cluster-kwargs", json.dumps(kwargs),
