@@ -11,8 +11,11 @@ from pathlib import Path
 from rollout_data import write_rows
 
 from rollflow.settings import RollflowSettings, RunSpec
+from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.plan import plan_stoppable
 from rollflow.tasks.collect.runtime import open_run
+from rollflow.tasks.reverify.runtime import open_reverify
+from rollflow.tasks.wrappers.reverify_tasks import plan_reverify_task
 
 ROWS = 300_000
 
@@ -48,6 +51,43 @@ def test_a_cancelled_plan_stops_its_scan_and_writes_nothing(tmp_path: Path) -> N
 
     t = time.perf_counter()
     asyncio.run(cancelled())  # returns once the loop's threads have ended, as a command's exit waits
+    stop_s = time.perf_counter() - t - full_s / 10
+    assert not (tmp_path / "out" / "run.json").exists(), "the plan went on after its run was cancelled"
+    assert stop_s < full_s / 2, f"stopping took {stop_s:.2f} s of a {full_s:.2f} s scan"
+
+
+def write_dataset(path: Path, rows: int) -> Path:
+    with path.open("wb") as fh:
+        for i in range(rows):
+            fh.write(b'{"_ng_task_index":%d,"_ng_rollout_index":0,"response":{"output_text":"4"}}\n' % i)
+    return path
+
+
+def reverify_plan(source: Path, out: Path):
+    spec = ReverifySpec(source=str(source), output=str(out))
+    return plan_reverify_task.fn(open_reverify(spec, RollflowSettings()))
+
+
+def test_a_cancelled_reverify_plan_stops_its_scan_and_writes_nothing(tmp_path: Path) -> None:
+    """The same for `rollflow reverify`: its plan scans the source dataset on a thread."""
+    source = write_dataset(tmp_path / "rollouts.jsonl", ROWS)
+    t0 = time.perf_counter()
+    whole = asyncio.run(reverify_plan(source, tmp_path / "whole"))
+    full_s = time.perf_counter() - t0
+    assert whole.identity.rows == ROWS
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(reverify_plan(source, tmp_path / "out"))
+        await asyncio.sleep(full_s / 10)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return
+        raise AssertionError("the plan finished although it was cancelled")
+
+    t = time.perf_counter()
+    asyncio.run(cancelled())
     stop_s = time.perf_counter() - t - full_s / 10
     assert not (tmp_path / "out" / "run.json").exists(), "the plan went on after its run was cancelled"
     assert stop_s < full_s / 2, f"stopping took {stop_s:.2f} s of a {full_s:.2f} s scan"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -19,6 +16,7 @@ from rollflow.settings import RunSpec
 from rollflow.tasks.backends.formats import overrides_problem
 from rollflow.tasks.collect.paths import card_url, check_paths, remove_published, same_object
 from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input
+from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
 
@@ -190,18 +188,10 @@ async def plan_stoppable(
     parallelism: int | None,
     dataset_options: dict[str, Any] | None = None,
 ) -> RunPlan:
-    """plan_run on a thread; a cancelled run stops the scan and waits for the thread, so the plan never
-    writes run.json after the run has let go of the output (its lease) and the process exits promptly."""
-    stop = threading.Event()
-    work = asyncio.ensure_future(
-        asyncio.to_thread(
-            plan_run, spec, store, ledger, input_options, parallelism, dataset_options, stop.is_set
+    """plan_run on a thread that a cancelled run stops (tasks/collect/stoppable.py): the plan never writes
+    run.json after the run has let go of the output, and the process exits promptly."""
+    return await run_stoppable(
+        lambda stopped: plan_run(
+            spec, store, ledger, input_options, parallelism, dataset_options, stopped=stopped
         )
     )
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait({work})
-        raise

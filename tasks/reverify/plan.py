@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -74,14 +75,16 @@ def plan_reverify(
     ledger: Ledger,
     source_options: dict[str, Any],
     output_options: dict[str, Any],
+    stopped: Callable[[], bool] | None = None,
 ) -> ReverifyPlan:
     """Fail fast (bad source, overlap, a different reverify in the output) before any check runs."""
     check_apart(spec.source, spec.output, (source_options, output_options))
     store.check_writable()
     if spec.failed_only:
-        source = scan_failed(spec.source, source_options)
+        source = scan_failed(spec.source, source_options, stopped)
     else:
-        source = scan_dataset(dataset_file(spec.source, source_options), spec.chunk_size, source_options)
+        url = dataset_file(spec.source, source_options)
+        source = scan_dataset(url, spec.chunk_size, source_options, stopped)
     config = reverify_config(spec, source.mode)
     chunk_size = spec.chunk_size if source.mode == "dataset" else 0
     identity = RunIdentity(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,7 +13,7 @@ import fsspec
 import orjson
 
 from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
-from rollflow.tasks.collect.rows import InputError
+from rollflow.tasks.collect.rows import STOP_EVERY, InputError, ScanStopped
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store, open_input, storage_options_for
@@ -96,14 +96,19 @@ class _Cutter:
         self.start, self.rows, self.tasks = None, 0, 0
 
 
-def scan_dataset(url: str, chunk_size: int, options: dict[str, Any]) -> SourcePlan:
-    """One streaming pass: fingerprint, count, check every line's key order, and cut the chunks."""
+def scan_dataset(
+    url: str, chunk_size: int, options: dict[str, Any], stopped: Callable[[], bool] | None = None
+) -> SourcePlan:
+    """One streaming pass: fingerprint, count, check every line's key order, and cut the chunks.
+    `stopped` is asked every STOP_EVERY lines (a scan runs on a thread, which a stopped run cannot cancel)."""
     digest = hashlib.sha256()
     cutter = _Cutter(chunk_size, [])
     offset = rows = tasks = max_k = run = 0
     last: RolloutKey = (-1, -1)
     with open_input(url, options) as fh:
         for lineno, line in enumerate(fh, start=1):
+            if stopped is not None and lineno % STOP_EVERY == 0 and stopped():
+                raise ScanStopped(f"the scan of {url} was stopped at line {lineno}")
             line_offset, offset = offset, offset + len(line)
             digest.update(line)
             if not line.strip():
@@ -157,8 +162,9 @@ def is_rescorable(record: dict[str, Any]) -> bool:
     return kind in VERIFY_FAILURE_KINDS and isinstance(record.get("output"), dict)
 
 
-def scan_failed(url: str, options: dict[str, Any]) -> SourcePlan:
-    """--failed-only: the source output's chunk plan; every chunk must be committed (else collect first)."""
+def scan_failed(url: str, options: dict[str, Any], stopped: Callable[[], bool] | None = None) -> SourcePlan:
+    """--failed-only: the source output's chunk plan; every chunk must be committed (else collect first).
+    `stopped` is asked before each chunk's failures are read."""
     ledger = Ledger(Store(url, options))
     identity = ledger.stored_identity()
     if identity is None:
@@ -177,6 +183,8 @@ def scan_failed(url: str, options: dict[str, Any]) -> SourcePlan:
     digest = hashlib.sha256(identity.run_id.encode())
     chunks, to_rescore, rows = [], 0, 0
     for spec in identity.chunks:
+        if stopped is not None and stopped():
+            raise ScanStopped(f"the scan of {url} was stopped at chunk {spec['index']}")
         manifest = committed[spec["index"]]
         digest.update(manifest.sha256.encode())
         fails = _failure_records(ledger, spec["index"]) if manifest.failed else []

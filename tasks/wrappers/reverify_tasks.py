@@ -13,6 +13,7 @@ from prefect.runtime import task_run
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome, reverify_chunk
 from rollflow.tasks.reverify.compare import Comparison, compare_run
 from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
@@ -30,13 +31,11 @@ REVERIFY_CHUNK_TASK = {**CHUNK_TASK, "name": "reverify-chunk"}
 
 @task(name="plan-reverify", cache_policy=NONE)
 async def plan_reverify_task(handles: ReverifyHandles) -> ReverifyPlan:
-    return await asyncio.to_thread(
-        plan_reverify,
-        handles.spec,
-        handles.store,
-        handles.ledger,
-        handles.source_options,
-        handles.output_options,
+    h = handles
+    return await run_stoppable(
+        lambda stopped: plan_reverify(
+            h.spec, h.store, h.ledger, h.source_options, h.output_options, stopped=stopped
+        )
     )
 
 
