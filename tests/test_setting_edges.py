@@ -24,6 +24,21 @@ CASES = {
         "ROLLFLOW_COLLECTION__OVERRIDES",
     ),
     "overrides not JSON (.env)": ((), {}, None, "ROLLFLOW_COLLECTION__OVERRIDES in the .env"),
+    # A union (a number or a word) is one problem under the variable's own name, not one per member.
+    "chunk size a word (env)": (
+        (),
+        {"ROLLFLOW_COLLECTION__CHUNK_SIZE": "abc"},
+        None,
+        "ROLLFLOW_COLLECTION__CHUNK_SIZE: Input should be a valid integer, unable to parse string as an "
+        "integer, or input should be 'auto'.",
+    ),
+    "parallelism 0 (env)": (
+        (),
+        {"ROLLFLOW_COLLECTION__PARALLELISM": "0"},
+        None,
+        "ROLLFLOW_COLLECTION__PARALLELISM: Input should be greater than or equal to 1, or input should be "
+        "'auto' or 'adaptive'.",
+    ),
 }
 
 

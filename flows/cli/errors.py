@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
     from rich.console import Console
 
     from rollflow.settings import RollflowSettings
@@ -207,7 +208,27 @@ def load_settings() -> RollflowSettings:
         problems = "; ".join(_unparsable_json_settings()) or str(exc)
         raise UsageError(f"Invalid setting: {problems}. Fix or unset it.") from None
     except ValidationError as exc:
-        problems = "; ".join(
-            f"ROLLFLOW_{'__'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
-        )
+        problems = validation_problems(exc, lambda loc: f"ROLLFLOW_{'__'.join(loc).upper()}")
         raise UsageError(f"Invalid setting in the environment or .env: {problems}. Fix or unset it.") from exc
+
+
+_TYPE_TAGS = {"int", "str", "float", "bool", "dict", "list", "none"}
+
+
+def _is_member_tag(part: object) -> bool:
+    """A union member's tag in an error's location (`constrained-int`, `literal['auto']`), not a field."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _TYPE_TAGS)
+
+
+def validation_problems(exc: ValidationError, name: Callable[[list[str]], str]) -> str:
+    """One problem per field: a value that fits no member of a union (a number or `auto`) is said once,
+    with what each member expected, under the field's own name."""
+    by_field: dict[tuple[str, ...], list[str]] = {}
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"] if not _is_member_tag(part))
+        by_field.setdefault(loc, []).append(error["msg"])
+    return "; ".join(
+        f"{name(list(loc))}: "
+        + ", or ".join(m if i == 0 else m[:1].lower() + m[1:] for i, m in enumerate(msgs))
+        for loc, msgs in by_field.items()
+    )

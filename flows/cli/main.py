@@ -22,6 +22,7 @@ from rollflow.flows.cli.errors import (
     load_settings,
     quiet_prefect,
     terminate_like_ctrl_c,
+    validation_problems,
 )
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
     try:
         return RunSpec.model_validate({**top, **{k: v for k, v in groups.items() if k}})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_problems(exc, ".".join)
         raise UsageError(f"Invalid settings: {problems}.") from exc
 
 

@@ -21,6 +21,7 @@ from rollflow.flows.cli.errors import (
     print_failure,
     quiet_prefect,
     user_errors,
+    validation_problems,
 )
 
 
@@ -91,7 +92,7 @@ def build_reverify_spec(args: argparse.Namespace) -> Any:
     try:
         return ReverifySpec.model_validate(fields)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_problems(exc, ".".join)
         raise UsageError(f"Invalid settings: {problems}.") from exc
 
 
