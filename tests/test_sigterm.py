@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from cli_runs import run_args, spawn, wait_until
@@ -40,6 +42,28 @@ def test_sigterm_before_the_flow_is_one_line(cli_env, rows_input, tmp_path: Path
     _, err = proc.communicate(timeout=60)
     assert proc.returncode in (143, -signal.SIGTERM), err.decode()[-2000:]
     assert "Traceback" not in err.decode()
+
+
+WHILE_PARSING = """
+import os, signal, sys
+from rollflow.flows.cli import main as cli
+build = cli.make_parser
+def make_parser(command):  # the signal lands while the parser's modules load, as it can at any moment
+    os.kill(os.getpid(), signal.SIGTERM)
+    return build(command)
+cli.make_parser = make_parser
+sys.argv = ["rollflow", *sys.argv[1:]]
+sys.exit(cli.main())
+"""
+
+
+def test_sigterm_while_the_parser_loads_is_one_line(cli_env, rows_input, tmp_path: Path):
+    args = ["run", "--input", str(rows_input), "--output", str(tmp_path / "o"), "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-c", WHILE_PARSING, *args], env=cli_env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "rollflow: terminated (SIGTERM) before any work.", proc.stderr[-2000:]
 
 
 def crash_handling_error() -> ValueError:

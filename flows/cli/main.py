@@ -257,7 +257,7 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Called in-process with `argv` (tests), the command starts now; as the console script, at exec."""
-    from rollflow.flows.cli.start import collect_rarely, process_start
+    from rollflow.flows.cli.start import process_start
 
     fresh = argv is None
     started_at = process_start() if fresh else time.time()
@@ -266,33 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
-    quiet_prefect("--verbose" in argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
-    if fresh and command in ("run", "collect"):
-        collect_rarely()  # until cmd_run has imported its flows
-    parser = make_parser(command)
-    args, extra = parser.parse_known_args(argv)
-    args.started_at = started_at
-    try:
-        if args.command in ("run", "collect"):
-            return cmd_run(args, extra, args.command)
-        if args.command in ("diagnose", "tune"):
-            if extra:
-                parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            from rollflow.flows.cli.tuning_cmd import cmd_diagnose, cmd_tune
-
-            return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, build_spec(args, []))
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        if args.command == "reverify":
-            from rollflow.flows.cli.reverify_cmd import cmd_reverify
-
-            return cmd_reverify(args)
-        if args.command == "serve":
-            from rollflow.flows.cli.serve_cmd import cmd_serve
-
-            return cmd_serve(args)
-        return cmd_demo(args)
+    try:  # from the first import on: a stop while the parser loads is one line too
+        return _command(argv, started_at, fresh)
     except UsageError as exc:
         print(f"rollflow: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -302,6 +277,37 @@ def main(argv: list[str] | None = None) -> int:
             f"rollflow: {'terminated (SIGTERM)' if term else 'interrupted'} before any work.", file=sys.stderr
         )
         return EXIT_TERMINATED if term else EXIT_INTERRUPTED
+
+
+def _command(argv: list[str], started_at: float, fresh: bool) -> int:
+    from rollflow.flows.cli.start import collect_rarely
+
+    quiet_prefect("--verbose" in argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if fresh and command in ("run", "collect"):
+        collect_rarely()  # until cmd_run has imported its flows
+    parser = make_parser(command)
+    args, extra = parser.parse_known_args(argv)
+    args.started_at = started_at
+    if args.command in ("run", "collect"):
+        return cmd_run(args, extra, args.command)
+    if args.command in ("diagnose", "tune"):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from rollflow.flows.cli.tuning_cmd import cmd_diagnose, cmd_tune
+
+        return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, build_spec(args, []))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "reverify":
+        from rollflow.flows.cli.reverify_cmd import cmd_reverify
+
+        return cmd_reverify(args)
+    if args.command == "serve":
+        from rollflow.flows.cli.serve_cmd import cmd_serve
+
+        return cmd_serve(args)
+    return cmd_demo(args)
 
 
 if __name__ == "__main__":
