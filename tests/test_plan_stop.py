@@ -8,6 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from rollout_data import write_rows
 
 from rollflow.settings import RollflowSettings, RunSpec
@@ -32,30 +33,6 @@ def plan(inp: Path, out: Path):
     return plan_stoppable(h.spec, h.store, h.ledger, h.input_options, None)
 
 
-def test_a_cancelled_plan_stops_its_scan_and_writes_nothing(tmp_path: Path) -> None:
-    inp = write_rows(tmp_path / "in.jsonl", ROWS)
-    t0 = time.perf_counter()
-    whole = asyncio.run(plan(inp, tmp_path / "whole"))
-    full_s = time.perf_counter() - t0
-    assert whole.identity.rows == ROWS
-
-    async def cancelled() -> None:
-        task = asyncio.ensure_future(plan(inp, tmp_path / "out"))
-        await asyncio.sleep(full_s / 10)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            return
-        raise AssertionError("the plan finished although it was cancelled")
-
-    t = time.perf_counter()
-    asyncio.run(cancelled())  # returns once the loop's threads have ended, as a command's exit waits
-    stop_s = time.perf_counter() - t - full_s / 10
-    assert not (tmp_path / "out" / "run.json").exists(), "the plan went on after its run was cancelled"
-    assert stop_s < full_s / 2, f"stopping took {stop_s:.2f} s of a {full_s:.2f} s scan"
-
-
 def write_dataset(path: Path, rows: int) -> Path:
     with path.open("wb") as fh:
         for i in range(rows):
@@ -68,16 +45,21 @@ def reverify_plan(source: Path, out: Path):
     return plan_reverify_task.fn(open_reverify(spec, RollflowSettings()))
 
 
-def test_a_cancelled_reverify_plan_stops_its_scan_and_writes_nothing(tmp_path: Path) -> None:
-    """The same for `rollflow reverify`: its plan scans the source dataset on a thread."""
-    source = write_dataset(tmp_path / "rollouts.jsonl", ROWS)
+# `rollflow run` scans its input, `rollflow reverify` its source dataset, each on a thread.
+PLANS = {"run": (write_rows, plan), "reverify": (write_dataset, reverify_plan)}
+
+
+@pytest.mark.parametrize("command", PLANS)
+def test_a_cancelled_plan_stops_its_scan_and_writes_nothing(tmp_path: Path, command: str) -> None:
+    write, make_plan = PLANS[command]
+    inp = write(tmp_path / "rollouts.jsonl", ROWS)
     t0 = time.perf_counter()
-    whole = asyncio.run(reverify_plan(source, tmp_path / "whole"))
+    whole = asyncio.run(make_plan(inp, tmp_path / "whole"))
     full_s = time.perf_counter() - t0
     assert whole.identity.rows == ROWS
 
     async def cancelled() -> None:
-        task = asyncio.ensure_future(reverify_plan(source, tmp_path / "out"))
+        task = asyncio.ensure_future(make_plan(inp, tmp_path / "out"))
         await asyncio.sleep(full_s / 10)
         task.cancel()
         try:
@@ -87,7 +69,7 @@ def test_a_cancelled_reverify_plan_stops_its_scan_and_writes_nothing(tmp_path: P
         raise AssertionError("the plan finished although it was cancelled")
 
     t = time.perf_counter()
-    asyncio.run(cancelled())
+    asyncio.run(cancelled())  # returns once the loop's threads have ended, as a command's exit waits
     stop_s = time.perf_counter() - t - full_s / 10
     assert not (tmp_path / "out" / "run.json").exists(), "the plan went on after its run was cancelled"
     assert stop_s < full_s / 2, f"stopping took {stop_s:.2f} s of a {full_s:.2f} s scan"
