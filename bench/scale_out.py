@@ -1,13 +1,15 @@
 """Many worker processes on one backend: the local runner, Dask with 2 workers and Ray with 2 workers.
 
 The backend is the simulator at 32 slots x 50 ms (640 rollouts/s at most); 12,000 rollouts at
---parallelism 32, in this order. Everything runs inside a network namespace of its own with
+--parallelism 32, in this order, each twice. Everything runs inside a network namespace of its own with
 only a loopback interface (the script re-executes itself under `unshare -rn --pid --fork --mount-proc`):
-outside one, Ray's processes talk over the machine's own address. Dask is a `dask scheduler` with two
-`dask worker` processes (2 threads each, `--preload rollflow.tasks.wrappers.preload`), run twice: on the
-fresh cluster, then again on the same workers, as a long-lived cluster serves runs; Ray is a head node
+outside one, Ray's processes talk over the machine's own address. The local runner runs twice (its first
+run also pays the Prefect server's warm-up). Dask is a `dask scheduler` with two `dask worker` processes
+(2 threads each, with rollflow's `--preload` and `--preload-nanny`), run on the fresh cluster, then again
+on the same workers, as a long-lived cluster serves runs; Ray is a head node
 and a second node started with `ray start --address`, one CPU each (one chunk per worker process at a
-time), also run twice (Ray starts a job's worker processes anew for each run).
+time), also run twice (Ray starts a job's worker processes anew for each run). Dask's and Ray's rows are
+compared with the better of the two local runs: its rate, and its CPU per rollout.
 
 Figures per row: the collect stage's rate (report.json `collect_rollouts_per_s`, which includes the
 engine's task start-up) as a share of 640/s, and CPU ms per rollout: the `rollflow run` command (from
