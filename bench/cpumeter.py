@@ -4,6 +4,7 @@ missed by RUSAGE_CHILDREN."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ class CpuMeter:
         self.first: dict[tuple[int, float], float] = {}
         self.last: dict[tuple[int, float], tuple[str, float]] = {}
         self.rss: dict[tuple[int, float], tuple[str, int]] = {}  # each process's peak resident memory
+        self.names: dict[tuple[int, float], str] = {}
         self.running = False  # processes first seen after the start count from 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -35,6 +37,9 @@ class CpuMeter:
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             self.first.setdefault(key, 0.0 if self.running else times.user + times.system)
+            if key not in self.names:
+                with contextlib.suppress(psutil.Error):
+                    self.names[key] = f"{proc.pid} {' '.join(proc.cmdline())[:90]}"
             self.last[key] = (kind, times.user + times.system)
             self.rss[key] = (kind, max(rss, self.rss.get(key, (kind, 0))[1]))
 
@@ -55,6 +60,12 @@ class CpuMeter:
 
     def seconds(self, kind: str) -> float:
         return sum(cpu - self.first.get(key, 0.0) for key, (k, cpu) in self.last.items() if k == kind)
+
+    def by_process(self, kind: str) -> list[tuple[str, float]]:
+        """Each process's CPU seconds, largest first: where an engine's cost sits."""
+        rows = [(self.names.get(key, str(key[0])), cpu - self.first.get(key, 0.0))
+                for key, (k, cpu) in self.last.items() if k == kind]  # fmt: skip
+        return sorted(rows, key=lambda row: -row[1])
 
     def peak_rss_mb(self, kind: str) -> float:
         """The processes' peaks summed, each at its own peak."""

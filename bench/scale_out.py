@@ -46,6 +46,7 @@ from rollflow.infra.local import free_port
 ROLLOUTS = int(os.environ.get("ROLLFLOW_BENCH_ROLLOUTS", "12000"))
 PARALLELISM, SLOTS, LATENCY_MS = 32, 32, 50.0
 PROFILE = os.environ.get("ROLLFLOW_BENCH_PROFILE")  # a folder: py-spy profiles of every run go there
+PROCESSES = os.environ.get("ROLLFLOW_BENCH_PROCESSES") == "1"  # each engine process's CPU, after each run
 CAPACITY = SLOTS / (LATENCY_MS / 1000)
 BIN = Path(sys.executable).parent
 ROLLFLOW = str(BIN / "rollflow")
@@ -81,9 +82,12 @@ class Row:
 
 
 def engine_kind(proc: psutil.Process) -> str | None:
-    """ "worker" for a Dask worker (its nanny and the process it spawns) or a Ray worker process (`ray::`),
-    "daemon" for the engine's other processes (Dask's scheduler; Ray's raylet, GCS, agents), else None."""
+    """ "worker" for a Dask worker (its nanny and the process it spawns) or a Ray worker process (`ray::`
+    but a node's agents), "daemon" for the engine's other processes (Dask's scheduler; Ray's raylet, GCS,
+    agents), else None."""
     cmd = " ".join(proc.cmdline())
+    if cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent")):  # each node's agents
+        return "daemon"
     if "dask worker" in cmd or "multiprocessing.spawn" in cmd or cmd.startswith("ray::"):
         return "worker"
     if "dask scheduler" in cmd or "resource_tracker" in cmd or "/ray/" in cmd or "ray start" in cmd:
@@ -168,6 +172,11 @@ def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row
     if proc.returncode:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     report = json.loads((out / "report.json").read_text())
+    if PROCESSES:
+        print(f"\n{name}: CPU seconds of each engine process")
+        for kind in ("worker", "daemon"):
+            for title, cpu in meter.by_process(kind):
+                print(f"  {kind:6} {cpu:6.2f}  {title}")
     cli = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     row = Row(
         name,

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from share_board import ShareBoard
 
 from rollflow.flows import scale_out
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.scheduler import run_chunks
-from rollflow.tasks.scaleout.channels import ShareBoard
 from rollflow.tasks.storage.ledger import ChunkManifest
 
 CHUNKS = 10_000

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from share_board import ShareBoard
+
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.progress import ProgressEvent
 from rollflow.tasks.scaleout import collector as collector_module
 from rollflow.tasks.scaleout.board import Board
-from rollflow.tasks.scaleout.channels import ShareBoard
 from rollflow.tasks.scaleout.collector import RemoteRun, RunSlot, WorkerCollector
 from rollflow.tasks.scaleout.scope import WorkerScope
 
@@ -121,7 +122,7 @@ def test_a_late_out_never_overrides_a_newer_in(tmp_path: Path) -> None:
     spec = RunSpec(
         input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": f"{A},{B}"}
     )
-    channel = ShareBoard()  # the Ray actor's body, in this process
+    channel = ShareBoard()
     run = RemoteRun(spec, WorkerScope(), None, channel, {A: 8, B: 8})
     x, y = (asyncio.run_coroutine_threadsafe(collector._open(run), collector.loop).result(30) for _ in "xy")
     board = Board(channel, {A: 8, B: 8}, asyncio.new_event_loop())

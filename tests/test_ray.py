@@ -1,8 +1,9 @@
 """`--runner ray` on a two-node Ray cluster inside a network namespace with only loopback (fixtures_netns):
 the local runner's bytes on S3, every rollout once after a worker process is SIGKILLed, the backend never
 above --parallelism (below the worker count, with a node joining mid-run), a hung replica found once for
-every worker, `rollflow reverify --runner ray` equal to the local reverify and exactly once after a worker
-process is SIGKILLed, and nothing off 127.0.0.1."""
+every worker, a replica out of rotation leaving the whole limit on the others and the run's share channel
+removed from the cluster at its end, `rollflow reverify --runner ray` equal to the local reverify and
+exactly once after a worker process is SIGKILLed, and nothing off 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fixtures_netns import RayWorld
 from test_reverify import REPEATS, TASKS, collect_args, rows, tree_digest, write_rows
 
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
+from rollflow.tasks.scaleout.channels import PREFIX, RAY_NAMESPACE
 
 ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
 STATS = (
@@ -29,6 +31,19 @@ S3_SHA = (
     "import hashlib, sys, s3fs; print(hashlib.sha256(s3fs.S3FileSystem().cat_file(sys.argv[1])).hexdigest())"
 )
 S3_COUNT = "import sys, s3fs; print(len(s3fs.S3FileSystem().glob(sys.argv[1] + '/chunks/*.json')))"
+
+
+RUN_KEYS = (
+    "import sys, ray; from ray.experimental import internal_kv as kv; "
+    "ray.init(address=sys.argv[1], log_to_driver=False); "
+    "print(len(kv._internal_kv_list(sys.argv[2], namespace=sys.argv[3])))"
+)
+
+
+def _run_keys_left(world: RayWorld) -> int:
+    """How many keys of any run's share channel the cluster's key-value store still holds."""
+    args = [sys.executable, "-c", RUN_KEYS, world.ray_address, PREFIX, RAY_NAMESPACE.decode()]
+    return int(world.run(args, env=world.env(), timeout=120).check().stdout.split()[-1])
 
 
 def _stats(world: RayWorld, url: str) -> dict:
@@ -177,6 +192,7 @@ def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
     assert result.rc == 0, result.stderr[-3000:]
     seen = _stats(ray_world, sim)["max_in_flight_seen"]
     assert 4 < seen <= 8, f"{seen} requests at once on the live replica"
+    assert _run_keys_left(ray_world) == 0, "the run's share channel was left in Ray's key-value store"
 
 
 SLOW_VERIFIER = """

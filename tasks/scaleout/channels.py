@@ -1,12 +1,14 @@
 """How worker processes reach the run's share book, through the engine's own primitives.
 
-Dask: the scheduler's metadata store, which every worker and the flow's client already talk to. Ray: a
-small named actor the flow starts. Either way the flow process runs the book (tasks/scaleout/book.py);
-the engine only carries reports up and the book's answer down, a few times a second per worker.
+Dask: the scheduler's metadata store, which every worker and the flow's client already talk to. Ray: the
+cluster's key-value store in its GCS, which every Ray process already talks to. Either way the flow
+process runs the book (tasks/scaleout/book.py); the engine only carries reports up and the book's answer
+down, a few times a second per worker.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +17,7 @@ PREFIX = "rollflow-shares"
 EXCHANGE_TIMEOUT_S = 2.0  # an exchange with the share book (either side) that takes longer has failed
 CLOSE_GRACE_S = 0.5  # between telling the workers the run ended and removing its state from the engine
 CLOSED = {"closed": True}  # the book's last answer: the run ended, stop reporting
-RAY_NAMESPACE = "rollflow"
+RAY_NAMESPACE = b"rollflow"
 
 
 @dataclass
@@ -68,71 +70,63 @@ class DaskChannel:
         self.client.run_on_scheduler(forget)
 
 
-class ShareBoard:
-    """The Ray actor's body: the newest report of each worker and the book's newest answer."""
+def _gcs() -> Any:
+    """The Ray cluster's GCS client of this process (a driver or a worker), for its key-value store."""
+    from ray.experimental.internal_kv import internal_kv_get_gcs_client
 
-    def __init__(self) -> None:
-        self._reports: dict[str, dict[str, Any]] = {}
-        self._board: dict[str, Any] | None = None
+    return internal_kv_get_gcs_client()
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        self._reports[worker] = report
-        return self._board
 
-    def reports(self) -> dict[str, dict[str, Any]]:
-        return dict(self._reports)
-
-    def publish(self, board: dict[str, Any]) -> None:
-        self._board = board
+def _ray_key(name: str, *parts: str) -> bytes:
+    return "/".join((PREFIX, name, *parts)).encode()
 
 
 @dataclass
 class RayLink:
-    """A worker's link to the run's named ShareBoard actor."""
+    """A worker's link through the Ray cluster's key-value store (the GCS): no process of its own, so a
+    run on Ray starts no actor, whose process would import Ray anew for every run."""
 
     name: str
-    actor: Any = field(default=None, repr=False, compare=False)
 
     def bind(self) -> RayLink:
         return self
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        import ray
-
-        if self.actor is None:
-            self.actor = ray.get_actor(self.name, namespace=RAY_NAMESPACE)
-        return ray.get(self.actor.exchange.remote(worker, report), timeout=EXCHANGE_TIMEOUT_S)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "actor": None}
+        """The book's answer, then this worker's report, unless the run ended (nothing is left behind)."""
+        gcs = _gcs()
+        raw = gcs.internal_kv_get(_ray_key(self.name, "board"), RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        board = None if raw is None else pickle.loads(raw)
+        if board is not None and not board.get("closed"):
+            key = _ray_key(self.name, "reports", worker)
+            gcs.internal_kv_put(key, pickle.dumps(report), True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        return board
 
 
 @dataclass
 class RayChannel:
-    """The flow's side on Ray: the run's ShareBoard actor, started on the flow's node and ended with it."""
+    """The flow's side on Ray: the run's keys in the GCS key-value store, deleted when the run ends."""
 
-    actor: Any
+    name: str
 
     @classmethod
     def start(cls, name: str) -> RayChannel:
-        import ray
-
-        board = ray.remote(num_cpus=0)(ShareBoard)
-        return cls(board.options(name=name, namespace=RAY_NAMESPACE, max_concurrency=1).remote())
+        return cls(name)
 
     def reports(self) -> dict[str, dict[str, Any]]:
-        import ray
-
-        return ray.get(self.actor.reports.remote(), timeout=EXCHANGE_TIMEOUT_S)
+        gcs, prefix = _gcs(), _ray_key(self.name, "reports", "")
+        keys = gcs.internal_kv_keys(prefix, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        if not keys:
+            return {}
+        values = gcs.internal_kv_multi_get(keys, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        return {key[len(prefix) :].decode(): pickle.loads(raw) for key, raw in values.items()}
 
     def publish(self, board: dict[str, Any]) -> None:
-        """Not waited for: an actor runs one caller's calls in order, so the next round's `reports` comes
-        after it, and waiting would block the round on a second round trip."""
-        self.actor.publish.remote(board)
+        key = _ray_key(self.name, "board")
+        _gcs().internal_kv_put(key, pickle.dumps(board), True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
 
     def close(self) -> None:
-        import ray
-
-        ray.get(self.actor.publish.remote(CLOSED), timeout=EXCHANGE_TIMEOUT_S)
+        """Tell the workers the run ended, then delete the run's keys."""
+        self.publish(CLOSED)
         time.sleep(CLOSE_GRACE_S)
-        ray.kill(self.actor)
+        prefix = _ray_key(self.name, "")
+        _gcs().internal_kv_del(prefix, True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
