@@ -24,6 +24,7 @@ from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 from rollflow.tasks.scaleout.channels import PREFIX, RAY_NAMESPACE
 
 ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
+RAY_CLIENT_PORT = 10001  # `ray start --head` starts Ray's client server there
 STATS = (
     "import json, sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/stats').read().decode())"
 )
@@ -33,17 +34,26 @@ S3_SHA = (
 S3_COUNT = "import sys, s3fs; print(len(s3fs.S3FileSystem().glob(sys.argv[1] + '/chunks/*.json')))"
 
 
-RUN_KEYS = (
-    "import sys, ray; from ray.experimental import internal_kv as kv; "
-    "ray.init(address=sys.argv[1], log_to_driver=False); "
-    "print(len(kv._internal_kv_list(sys.argv[2], namespace=sys.argv[3])))"
-)
+KV = """
+import json, pickle, sys, time, ray
+from ray.experimental import internal_kv as kv
+ray.init(address=sys.argv[1], log_to_driver=False)
+prefix, ns = sys.argv[2], sys.argv[3]
+if sys.argv[4] == "plant":  # a killed flow's board, a report left without a board, a live run's board
+    kv._internal_kv_put(f"{prefix}/0badc0ffee00/board", pickle.dumps({"grants": {}}), namespace=ns)
+    kv._internal_kv_put(f"{prefix}/0badc0ffee01/reports/w", pickle.dumps({}), namespace=ns)
+    fresh = pickle.dumps({"grants": {}, "written_at": time.time()})
+    kv._internal_kv_put(f"{prefix}/0badc0ffee02/board", fresh, namespace=ns)
+print(json.dumps(sorted(key.decode() for key in kv._internal_kv_list(prefix, namespace=ns))))
+"""
+LIVE_BOARD = f"{PREFIX}/0badc0ffee02/board"
 
 
-def _run_keys_left(world: RayWorld) -> int:
-    """How many keys of any run's share channel the cluster's key-value store still holds."""
-    args = [sys.executable, "-c", RUN_KEYS, world.ray_address, PREFIX, RAY_NAMESPACE.decode()]
-    return int(world.run(args, env=world.env(), timeout=120).check().stdout.split()[-1])
+def _share_keys(world: RayWorld, plant: bool = False) -> list[str]:
+    """The share channel keys in the cluster's key-value store (after planting others' leftovers)."""
+    what = "plant" if plant else "list"
+    args = [sys.executable, "-c", KV, world.ray_address, PREFIX, RAY_NAMESPACE.decode(), what]
+    return json.loads(world.run(args, env=world.env(), timeout=120).check().stdout.strip().splitlines()[-1])
 
 
 def _stats(world: RayWorld, url: str) -> dict:
@@ -182,6 +192,7 @@ def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
     gets the run's 8, not 4 (each worker's share used to be spread over both and capped at the live part)."""
     sim = ray_world.simulate(["--latency-ms", "20", "--slots", "32"])
     out = tmp_path / "out"
+    assert LIVE_BOARD in _share_keys(ray_world, plant=True)
     run = _ray_run(ray_world, rows_input, str(out), sim, "--backend-url", f"http://127.0.0.1:9,{sim}",
                    "--limit", "600")  # fmt: skip
     _wait_for(
@@ -192,7 +203,27 @@ def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
     assert result.rc == 0, result.stderr[-3000:]
     seen = _stats(ray_world, sim)["max_in_flight_seen"]
     assert 4 < seen <= 8, f"{seen} requests at once on the live replica"
-    assert _run_keys_left(ray_world) == 0, "the run's share channel was left in Ray's key-value store"
+    # its own channel deleted at its end, what killed flows left deleted at its start, a live run's kept
+    assert _share_keys(ray_world) == [LIVE_BOARD]
+
+
+def test_ray_client_address_runs_within_the_limit(
+    ray_world: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    """--ray-address ray://: the flow is a Ray client, with no GCS client of its own; the share book still
+    reaches the workers (it used to hang with no request sent) and holds the limit."""
+    sim = ray_world.simulate(["--latency-ms", "10", "--slots", "32"])
+    out = tmp_path / "out"
+    args = [ROLLFLOW, *run_args(rows_input, str(out), SimpleNamespace(url=sim)), "--runner", "ray",
+            "--ray-address", f"ray://127.0.0.1:{RAY_CLIENT_PORT}", "--parallelism", "8"]  # fmt: skip
+    result = ray_world.wait(ray_world.spawn(args, env=ray_world.env()), timeout=240)
+    logs = sorted((ray_world.root / "ray").glob("session_latest/logs/ray_client_server*"))
+    server_logs = "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in logs)
+    assert result.rc == 0, result.stderr[-3000:] + "\n" + server_logs
+    report = json.loads((out / "report.json").read_text())
+    assert report["rows_written"] == 2 * ROWS  # --num-repeats 2
+    assert 1 <= _stats(ray_world, sim)["max_in_flight_seen"] <= 8
+    assert set(_share_keys(ray_world)) <= {LIVE_BOARD}, "the run's share channel was left on the cluster"
 
 
 SLOW_VERIFIER = """

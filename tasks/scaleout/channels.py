@@ -8,10 +8,13 @@ down, a few times a second per worker.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PREFIX = "rollflow-shares"
 EXCHANGE_TIMEOUT_S = 2.0  # an exchange with the share book (either side) that takes longer has failed
@@ -70,11 +73,44 @@ class DaskChannel:
         self.client.run_on_scheduler(forget)
 
 
-def _gcs() -> Any:
-    """The Ray cluster's GCS client of this process (a driver or a worker), for its key-value store."""
-    from ray.experimental.internal_kv import internal_kv_get_gcs_client
+STALE_S = 600.0  # a run's board unwritten this long was left by a flow that was killed (hosts' clocks)
 
-    return internal_kv_get_gcs_client()
+
+class RayStore:
+    """The cluster's key-value store as this process reaches it: through its GCS client, each call bounded
+    by EXCHANGE_TIMEOUT_S, or, on a Ray client driver (`ray://`), which has none, through Ray's client."""
+
+    def __init__(self) -> None:
+        from ray.experimental import internal_kv
+
+        self.kv = internal_kv
+        self.gcs = internal_kv.internal_kv_get_gcs_client()
+
+    def get(self, key: bytes) -> bytes | None:
+        if self.gcs is None:
+            return self.kv._internal_kv_get(key, namespace=RAY_NAMESPACE)
+        return self.gcs.internal_kv_get(key, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        if self.gcs is None:
+            self.kv._internal_kv_put(key, value, True, namespace=RAY_NAMESPACE)
+        else:
+            self.gcs.internal_kv_put(key, value, True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+
+    def under(self, prefix: bytes) -> dict[bytes, bytes]:
+        """Every key under `prefix` with its value."""
+        if self.gcs is None:
+            keys = self.kv._internal_kv_list(prefix, namespace=RAY_NAMESPACE)
+            values = {key: self.kv._internal_kv_get(key, namespace=RAY_NAMESPACE) for key in keys}
+            return {key: value for key, value in values.items() if value is not None}
+        keys = self.gcs.internal_kv_keys(prefix, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        return self.gcs.internal_kv_multi_get(keys, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S) if keys else {}
+
+    def delete_under(self, prefix: bytes) -> None:
+        if self.gcs is None:
+            self.kv._internal_kv_del(prefix, del_by_prefix=True, namespace=RAY_NAMESPACE)
+        else:
+            self.gcs.internal_kv_del(prefix, True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
 
 
 def _ray_key(name: str, *parts: str) -> bytes:
@@ -93,40 +129,58 @@ class RayLink:
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
         """The book's answer, then this worker's report, unless the run ended (nothing is left behind)."""
-        gcs = _gcs()
-        raw = gcs.internal_kv_get(_ray_key(self.name, "board"), RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        store = RayStore()
+        raw = store.get(_ray_key(self.name, "board"))
         board = None if raw is None else pickle.loads(raw)
         if board is not None and not board.get("closed"):
-            key = _ray_key(self.name, "reports", worker)
-            gcs.internal_kv_put(key, pickle.dumps(report), True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+            store.put(_ray_key(self.name, "reports", worker), pickle.dumps(report))
         return board
 
 
 @dataclass
 class RayChannel:
-    """The flow's side on Ray: the run's keys in the GCS key-value store, deleted when the run ends."""
+    """The flow's side on Ray: the run's keys in the cluster's key-value store, deleted when the run ends.
+
+    A flow killed outright leaves its keys (under 1 KB a worker); the next run on the cluster deletes those
+    whose board has not been written for STALE_S. Deleting a live run's keys by mistake costs it one round:
+    its book writes the board again and its workers their reports."""
 
     name: str
 
     @classmethod
     def start(cls, name: str) -> RayChannel:
-        return cls(name)
+        channel = cls(name)
+        try:
+            channel.sweep()
+        except Exception as exc:  # what others left is no reason to fail this run
+            log.warning("could not delete share channels left on the Ray cluster: %s", exc)
+        return channel
+
+    def sweep(self) -> None:
+        """Delete what killed flows left: runs whose board is stale, and reports without a board."""
+        store, cut = RayStore(), len(PREFIX) + 1
+        runs: dict[str, float] = {}
+        for key, raw in store.under(_ray_key("")).items():
+            run, _, part = key.decode()[cut:].partition("/")
+            written = pickle.loads(raw).get("written_at", 0.0) if part == "board" else 0.0
+            runs[run] = max(runs.get(run, 0.0), written)
+        for run, written in runs.items():
+            if run != self.name and written < time.time() - STALE_S:
+                store.delete_under(_ray_key(run, ""))
 
     def reports(self) -> dict[str, dict[str, Any]]:
-        gcs, prefix = _gcs(), _ray_key(self.name, "reports", "")
-        keys = gcs.internal_kv_keys(prefix, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
-        if not keys:
-            return {}
-        values = gcs.internal_kv_multi_get(keys, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
-        return {key[len(prefix) :].decode(): pickle.loads(raw) for key, raw in values.items()}
+        prefix = _ray_key(self.name, "reports", "")
+        return {
+            key[len(prefix) :].decode(): pickle.loads(raw) for key, raw in RayStore().under(prefix).items()
+        }
 
     def publish(self, board: dict[str, Any]) -> None:
-        key = _ray_key(self.name, "board")
-        _gcs().internal_kv_put(key, pickle.dumps(board), True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        RayStore().put(_ray_key(self.name, "board"), pickle.dumps({**board, "written_at": time.time()}))
 
     def close(self) -> None:
-        """Tell the workers the run ended, then delete the run's keys."""
-        self.publish(CLOSED)
-        time.sleep(CLOSE_GRACE_S)
-        prefix = _ray_key(self.name, "")
-        _gcs().internal_kv_del(prefix, True, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+        """Tell the workers the run ended, then delete the run's keys (even if telling them failed)."""
+        try:
+            self.publish(CLOSED)
+            time.sleep(CLOSE_GRACE_S)
+        finally:
+            RayStore().delete_under(_ray_key(self.name, ""))
