@@ -25,6 +25,7 @@ from rollflow.tasks.scaleout.channels import PREFIX, RAY_NAMESPACE
 
 ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
 RAY_CLIENT_PORT = 10001  # `ray start --head` starts Ray's client server there
+CLIENT_SERVER_FAILED = "Starting Ray client server failed"
 STATS = (
     "import json, sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/stats').read().decode())"
 )
@@ -216,10 +217,13 @@ def test_ray_client_address_runs_within_the_limit(
     out = tmp_path / "out"
     args = [ROLLFLOW, *run_args(rows_input, str(out), SimpleNamespace(url=sim)), "--runner", "ray",
             "--ray-address", f"ray://127.0.0.1:{RAY_CLIENT_PORT}", "--parallelism", "8"]  # fmt: skip
-    result = ray_world.wait(ray_world.spawn(args, env=ray_world.env()), timeout=240)
-    logs = sorted((ray_world.root / "ray").glob("session_latest/logs/ray_client_server*"))
-    server_logs = "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in logs)
-    assert result.rc == 0, result.stderr[-3000:] + "\n" + server_logs
+    for _ in range(3):
+        result = ray_world.wait(ray_world.spawn(args, env=ray_world.env()), timeout=240)
+        # About one first connection in six, Ray's client proxy never reaches the server it started for
+        # this client (in this namespace; 120 s instead of its 30 s did not help), before rollflow runs.
+        if CLIENT_SERVER_FAILED not in result.stderr:
+            break
+    assert result.rc == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["rows_written"] == 2 * ROWS  # --num-repeats 2
     assert 1 <= _stats(ray_world, sim)["max_in_flight_seen"] <= 8
