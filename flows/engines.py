@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,12 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass
 class Engine:
-    """An entered Prefect task runner, the flow's side of the share book, and the link workers get (both
-    None for an engine opened without a book: chunks that share no limit, as reverify's).
+    """An entered Prefect task runner (it starts or joins the cluster), the flow's side of the share book
+    and the link workers get (both None for an engine opened without a book: chunks that share no limit,
+    as reverify's).
 
+    Chunks go to the cluster as plain calls, not Prefect tasks: `submit(fn, name, *args)` runs
+    `fn(*args)` on a worker (its task named `name`) and gives the engine's future, `result` waits for it,
     `watch(future, fn)` calls `fn()` (from any thread) once the future has ended, `cancel` cancels
     futures, `slots()` is how many tasks the cluster runs at once now (0 when it does not say).
     """
@@ -43,6 +47,8 @@ class Engine:
     runner: Any
     channel: DaskChannel | RayChannel | None
     link: DaskLink | RayLink | None
+    submit: Callable[..., Any]
+    result: Callable[[Any], Any]
     watch: Callable[[Any, Callable[[], None]], None]
     cancel: Callable[[list[Any]], None]
     slots: Callable[[], int]
@@ -123,7 +129,9 @@ def open_engine(
             channel = RayChannel.start(name) if book else None
             try:
                 link = RayLink(name) if book else None
-                yield Engine(runner, channel, link, _ray_watch, _ray_cancel, _ray_slots)
+                yield Engine(
+                    runner, channel, link, _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
+                )
             finally:
                 if channel is not None:
                     with contextlib.suppress(Exception):
@@ -134,27 +142,64 @@ def open_engine(
         try:
             slots = functools.partial(_dask_slots, runner)
             link = DaskLink(key) if book else None
-            yield Engine(runner, dask_channel, link, _dask_watch, _dask_cancel(runner), slots)
+            submit, cancel = _dask_submit(runner), _dask_cancel(runner)
+            yield Engine(runner, dask_channel, link, submit, _dask_result, _dask_watch, cancel, slots)
         finally:
             if dask_channel is not None:
                 with contextlib.suppress(Exception):
                     dask_channel.close()
 
 
+def _dask_submit(runner: Any) -> Callable[..., Any]:
+    def submit(fn: Callable[..., Any], name: str, *args: Any) -> Any:
+        return runner.client.submit(fn, *args, key=f"{name}-{secrets.token_hex(8)}", pure=False)
+
+    return submit
+
+
+def _dask_result(future: Any) -> Any:
+    return future.result()
+
+
 def _dask_watch(future: Any, fn: Callable[[], None]) -> None:
-    future.wrapped_future.add_done_callback(lambda _: fn())
+    future.add_done_callback(lambda _: fn())
 
 
 def _dask_cancel(runner: Any) -> Callable[[list[Any]], None]:
-    return lambda futures: runner.client.cancel([f.wrapped_future for f in futures])
+    return lambda futures: runner.client.cancel(futures)
 
 
 def _dask_slots(runner: Any) -> int:
     return sum(runner.client.nthreads().values())
 
 
+@functools.cache
+def _ray_remote(fn: Callable[..., Any], name: str) -> Any:
+    """One Ray remote function per worker function and name: Ray exports each to the cluster once."""
+    import ray
+
+    return ray.remote(fn).options(name=name)
+
+
+def _ray_submit(fn: Callable[..., Any], name: str, *args: Any) -> Any:
+    return _ray_remote(fn, name).remote(*args)
+
+
+def _ray_result(future: Any) -> Any:
+    """The chunk's own error, not Ray's wrapper of it (whose text carries the worker's whole traceback)."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(future)
+    except RayTaskError as exc:
+        if isinstance(exc.cause, Exception):
+            raise exc.cause from None
+        raise
+
+
 def _ray_watch(future: Any, fn: Callable[[], None]) -> None:
-    future.wrapped_future.future().add_done_callback(lambda _: fn())
+    future.future().add_done_callback(lambda _: fn())
 
 
 def _ray_cancel(futures: list[Any]) -> None:
@@ -162,7 +207,7 @@ def _ray_cancel(futures: list[Any]) -> None:
 
     for future in futures:
         with contextlib.suppress(Exception):
-            ray.cancel(future.wrapped_future)
+            ray.cancel(future)
 
 
 def _ray_slots() -> int:

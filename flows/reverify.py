@@ -20,7 +20,7 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from rollflow.flows.engines import open_engine
 from rollflow.flows.scale_out import EngineThread, RemoteChunks, settled
-from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.flows.secrets import resolve_secret_blocks, worker_secrets
 from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import ReverifySpec
@@ -44,6 +44,7 @@ from rollflow.tasks.wrappers.reverify_tasks import (
     reverify_chunk_remote_task,
     reverify_chunk_task,
 )
+from rollflow.tasks.wrappers.worker_chunks import ReverifyJob, reverify_remote_chunk
 
 
 class ReverifyIncomplete(Exception):
@@ -93,11 +94,11 @@ async def rescore_remote(plan: ReverifyPlan, spec: ReverifySpec, lease: Lease) -
     stack = contextlib.ExitStack()
     task = reverify_chunk_remote_task.with_options(retries=spec.chunk_retries)
     scope = WorkerScope(owner=lease.owner, margin_s=lease.margin_s)
-    params = {"spec": spec, "source": plan.source, "scope": scope, "resolve": resolve_secret_blocks}
+    job = ReverifyJob(spec, plan.source, scope, worker_secrets())
     try:
         opened = open_engine(spec, secrets.token_hex(6), len(plan.pending), spec.chunks_in_flight, book=False)
         engine = await settled(calls.call(stack.enter_context, opened))
-        remote = RemoteChunks(engine, calls, None, task, params)
+        remote = RemoteChunks(engine, calls, None, task, reverify_remote_chunk, job)
         in_flight = max(spec.chunks_in_flight, 2 * await calls.call(engine.slots))
         try:
             done = await run_chunks(plan.pending, remote.run, in_flight)

@@ -26,16 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollflow.flows.engines import Engine, open_engine
-from rollflow.flows.secrets import resolve_secret_blocks
+from rollflow.flows.secrets import worker_secrets
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.plan import REMOTE_CHUNK_ROLLOUTS
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.scheduler import Scheduled, run_chunks
 from rollflow.tasks.scaleout.board import Board
-from rollflow.tasks.scaleout.collector import POLL_S
+from rollflow.tasks.scaleout.collector import POLL_S, RemoteRun
 from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.wrappers.prefect_tasks import collect_chunk_remote_task
+from rollflow.tasks.wrappers.worker_chunks import AttemptFailed, collect_remote_chunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,31 +108,40 @@ class BoardThread:
 
 @dataclass
 class RemoteChunks:
-    """The engine's side of the scheduler: submit a chunk task, wake when it ends, read its outcome (and
-    tell the share book, if the run keeps one)."""
+    """The engine's side of the scheduler. Each chunk's Prefect task run (`task(dispatch, chunk)`) is kept
+    here, in the flow process, with its retries; each attempt sends the chunk to a worker as a plain call,
+    `fn(job, chunk, attempt)`, wakes when it ends and reads its outcome (and tells the share book, if the
+    run keeps one)."""
 
     engine: Engine
     calls: EngineThread
     board: Board | None
     task: Any
-    params: dict[str, Any]
+    fn: Callable[..., Any]
+    job: Any  # what every chunk of the run brings to its worker
     live: dict[int, Any] = field(default_factory=dict)  # chunk index -> its future, until it ends
 
     async def run(self, chunk: Any) -> Any:
         """`chunk`: a ChunkSpec (collection) or any chunk with an `index` (reverify's SourceChunk)."""
-        future = await self.calls.call(self._submit, chunk)
-        await self._ended(future)
-        try:
-            outcome = await self.calls.call(future.result)
-        finally:
-            self.live.pop(chunk.index, None)
+        outcome = await self.task(self.dispatch, chunk)
         if self.board is not None:
             self.board.finish(outcome)
         return outcome
 
-    def _submit(self, chunk: Any) -> Any:
+    async def dispatch(self, chunk: Any, attempt: int) -> Any:
+        future = await self.calls.call(self._submit, chunk, attempt)
+        await self._ended(future)
+        try:
+            outcome = await self.calls.call(self.engine.result, future)
+        finally:
+            self.live.pop(chunk.index, None)
+        if isinstance(outcome, AttemptFailed):
+            raise outcome.error
+        return outcome
+
+    def _submit(self, chunk: Any, attempt: int) -> Any:
         """On the engine's thread: whatever it submitted is known to `cancel_live` after it."""
-        future = self.engine.runner.submit(self.task, {**self.params, "chunk": chunk})
+        future = self.engine.submit(self.fn, self.task.name, self.job, chunk, attempt)
         self.live[chunk.index] = future
         return future
 
@@ -198,15 +208,9 @@ async def _collect(
     notes: list[str] = []
     assert engine.channel is not None  # opened with its share book
     board = Board(engine.channel, limits, asyncio.get_running_loop())
-    params = {
-        "spec": spec,
-        "share": limits,
-        "scope": scope,
-        "resolve": resolve_secret_blocks,
-        "link": engine.link,
-    }
+    job = RemoteRun(spec, scope, worker_secrets(), engine.link, limits)
     task = collect_chunk_remote_task.with_options(retries=retries)
-    remote = RemoteChunks(engine, calls, board, task, params)
+    remote = RemoteChunks(engine, calls, board, task, collect_remote_chunk, job)
     in_flight = spec.collection.chunks_in_flight or max(
         MIN_REMOTE_IN_FLIGHT, 2 * await calls.call(engine.slots)
     )

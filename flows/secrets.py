@@ -6,6 +6,9 @@ environment (ROLLFLOW_BACKEND__API_KEY) wins over the block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from pydantic import SecretStr
 
 from rollflow.settings import RollflowSettings
@@ -50,3 +53,32 @@ async def resolve_secret_blocks(settings: RollflowSettings) -> RollflowSettings:
     return settings.model_copy(
         update={g: getattr(settings, g).model_copy(update=fields) for g, fields in groups.items()}
     )
+
+
+@dataclass(frozen=True)
+class WorkerSecrets:
+    """resolve_secret_blocks for a Dask or Ray worker, which runs no Prefect task run and so has none of
+    the flow's Prefect settings: the flow's API URL and key travel with it, as Prefect's own task runners
+    send them with every task. Prefect is imported there only when a block is named."""
+
+    api_url: str | None = None
+    api_key: SecretStr | None = None
+
+    async def __call__(self, settings: RollflowSettings) -> RollflowSettings:
+        if not any(getattr(getattr(settings, g), f"{f}_block") for g, f in SECRET_FIELDS):
+            return settings
+        from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL, temporary_settings
+
+        updates: dict[Any, Any] = {PREFECT_API_URL: self.api_url} if self.api_url else {}
+        if self.api_key is not None:
+            updates[PREFECT_API_KEY] = self.api_key.get_secret_value()
+        with temporary_settings(updates=updates):
+            return await resolve_secret_blocks(settings)
+
+
+def worker_secrets() -> WorkerSecrets:
+    """The flow's Prefect server, for workers that read Secret blocks."""
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api
+    return WorkerSecrets(str(api.url) if api.url else None, api.key)

@@ -180,10 +180,9 @@ class WorkerCollector:
                 atexit.register(cls._instance.close)
             return cls._instance
 
-    async def collect(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
-        """Run the chunk on the collector's loop; awaited from the chunk task's own loop."""
-        work = self._collect(run, chunk, attempt)
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))
+    def run(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
+        """Run the chunk on the collector's loop; called from the engine's task thread, which waits."""
+        return asyncio.run_coroutine_threadsafe(self._collect(run, chunk, attempt), self.loop).result()
 
     async def _collect(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
         slot = await self._slot(run)

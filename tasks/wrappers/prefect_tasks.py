@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import State
 from prefect.runtime import task_run
 
-from rollflow.settings import RunSpec, redact
+from rollflow.settings import redact
 from rollflow.tasks.backends.preflight import check_reachable
 from rollflow.tasks.collect.chunk import ChunkOutcome, collect_chunk
 from rollflow.tasks.collect.plan import RunPlan, plan_stoppable
@@ -19,8 +21,6 @@ from rollflow.tasks.collect.runtime import RunHandles
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.publish.parquet import write_parquet
-from rollflow.tasks.scaleout.collector import RemoteRun, ShareLink, WorkerCollector
-from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
 
 
@@ -71,23 +71,22 @@ async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutc
         raise redact.redacted_error(exc) from None
 
 
-@task(**CHUNK_TASK)
-async def collect_chunk_remote_task(
-    spec: RunSpec,
-    chunk: ChunkSpec,
-    share: int | dict[str, int],
-    scope: WorkerScope | None = None,
-    resolve: SettingsResolver | None = None,
-    link: ShareLink | None = None,
-) -> ChunkOutcome:
-    """On a worker: the process's collector runs the chunk; `link` reaches the run's share book."""
-    attempt = task_run.run_count or 1
-    bound = link.bind() if link is not None and hasattr(link, "bind") else link
+# Runs a chunk on a Dask or Ray worker for the given attempt and returns its outcome (flows/scale_out.py).
+Dispatch = Callable[[Any, int], Awaitable[Any]]
+
+
+async def dispatched(dispatch: Dispatch, chunk: Any) -> Any:
     try:
-        run = RemoteRun(spec, scope or WorkerScope(), resolve, bound, share)
-        return await WorkerCollector.get().collect(run, chunk, attempt)
+        return await dispatch(chunk, task_run.run_count or 1)
     except Exception as exc:
         raise redact.redacted_error(exc) from None
+
+
+@task(**CHUNK_TASK)
+async def collect_chunk_remote_task(dispatch: Dispatch, chunk: ChunkSpec) -> ChunkOutcome:
+    """A chunk's task run, kept in the flow process (its states, its retries) while a Dask or Ray worker
+    collects it: workers then run no Prefect at all."""
+    return await dispatched(dispatch, chunk)
 
 
 @task(name="verify", cache_policy=NONE)

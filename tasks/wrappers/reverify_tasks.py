@@ -10,20 +10,15 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.runtime import task_run
 
-from rollflow.settings import RollflowSettings, redact
-from rollflow.settings.reverify import ReverifySpec
-from rollflow.tasks.backends.http import close_loop_session
+from rollflow.settings import redact
 from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome, reverify_chunk
 from rollflow.tasks.reverify.compare import Comparison, compare_run
 from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
 from rollflow.tasks.reverify.publish import publish_jsonl, publish_parquet, write_failures
-from rollflow.tasks.reverify.runtime import ReverifyHandles, context_for, open_reverify
-from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, rescorable_keys
-from rollflow.tasks.scaleout.node import node_sharers
-from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
-from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
-from rollflow.tasks.wrappers.prefect_tasks import CHUNK_TASK
+from rollflow.tasks.reverify.runtime import ReverifyHandles
+from rollflow.tasks.reverify.source import SourceChunk, rescorable_keys
+from rollflow.tasks.wrappers.prefect_tasks import CHUNK_TASK, Dispatch, dispatched
 
 # A reverify chunk runs, and is retried, as a collected one is; only its name differs.
 REVERIFY_CHUNK_TASK = {**CHUNK_TASK, "name": "reverify-chunk"}
@@ -48,33 +43,9 @@ async def reverify_chunk_task(ctx: ReverifyContext, chunk: SourceChunk) -> Rever
 
 
 @task(**REVERIFY_CHUNK_TASK)
-async def reverify_chunk_remote_task(
-    spec: ReverifySpec,
-    chunk: SourceChunk,
-    source: SourcePlan,
-    scope: WorkerScope,
-    resolve: SettingsResolver | None = None,
-) -> ReverifyOutcome:
-    """On a Dask or Ray worker: this process's own store, ledger and verifier (its verifier processes sized
-    for the node's worker processes, as the collection's); commits only while the run's lease holder is
-    `scope.owner`, and stops the chunk once that lease is gone."""
-    try:
-        settings = RollflowSettings()
-        if resolve is not None:
-            settings = await resolve(settings)
-        handles = open_reverify(spec, settings)
-        ctx = context_for(handles, source, sharers=await asyncio.to_thread(node_sharers))
-        work = reverify_chunk(ctx, chunk, attempt=task_run.run_count or 1)
-        if scope.owner is None:
-            return await work
-        handles.ledger.fence = owner_fence(handles.store, scope.owner, scope.margin_s)
-        return await run_guarded(work, follow(handles.store, scope.owner, scope.check_s, scope.margin_s))
-    except Exception as exc:
-        raise redact.redacted_error(exc) from None
-    finally:
-        # Dask and Ray run each async task in a loop of its own (asyncio.run): the http verifier's session
-        # is closed on it before it ends.
-        await close_loop_session()
+async def reverify_chunk_remote_task(dispatch: Dispatch, chunk: SourceChunk) -> ReverifyOutcome:
+    """A reverify chunk's task run, kept in the flow process while a Dask or Ray worker rescores it."""
+    return await dispatched(dispatch, chunk)
 
 
 @task(name="compare", cache_policy=NONE)

@@ -1,0 +1,100 @@
+"""Dask workers run no Prefect: each chunk's task run is kept by the flow process, and a worker whose
+environment names no Prefect server still reads the Secret block its settings name, from the flow's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+from fixtures_dask import BIN, DaskCluster
+from key_server import KeyServer
+from rollout_data import write_rows
+
+from rollflow.infra.local import free_port
+
+
+@contextlib.contextmanager
+def worker_host(cli_env: dict[str, str], **settings: str) -> Iterator[DaskCluster]:
+    """A scheduler and one worker whose environment has no Prefect settings at all, plus `settings`."""
+    env = {k: v for k, v in cli_env.items() if not k.startswith("PREFECT_")}
+    env.update({**settings, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"})
+    port = free_port()
+    cmd = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
+    scheduler = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    cluster = DaskCluster(f"tcp://127.0.0.1:{port}", env, scheduler)
+    try:
+        cluster.add_worker()
+        cluster.wait_for_workers(1)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def run_args(inp: Path, out: Path, url: str, cluster: DaskCluster) -> list[str]:
+    return ["run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url", url,
+            "--chunk-size", "20", "--parallelism", "4", "--no-progress", "--runner", "dask",
+            "--dask-address", cluster.address]  # fmt: skip
+
+
+def prefect_on_workers(cluster: DaskCluster) -> dict[str, bool]:
+    from distributed import Client
+
+    def loaded() -> bool:  # runs on each worker (pickled by value)
+        return "prefect" in sys.modules
+
+    with Client(cluster.address, timeout=30) as client:
+        return client.run(loaded)
+
+
+def chunk_task_runs(api_url: str, output: str) -> dict[str, str]:
+    def post(path: str, body: dict) -> list:
+        req = urllib.request.Request(
+            f"{api_url}{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
+
+    runs = post("/flow_runs/filter", {"limit": 200, "sort": "START_TIME_DESC"})
+    mine = [r["id"] for r in runs if r["parameters"].get("output") == output]
+    assert len(mine) == 1, "the run's flow run is on the server"
+    tasks = post("/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
+    return {t["name"]: t["state"]["type"] for t in tasks if t["name"].startswith("chunk-")}
+
+
+def test_workers_import_no_prefect_and_the_flow_keeps_each_chunks_task_run(
+    run_cli, cli_env, fast_sim, tmp_path: Path
+) -> None:
+    inp, out = write_rows(tmp_path / "rows.jsonl", 60), tmp_path / "out"
+    with worker_host(cli_env) as cluster:
+        res = run_cli(*run_args(inp, out, fast_sim.url, cluster))
+        loaded = prefect_on_workers(cluster)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert loaded and not any(loaded.values()), f"Prefect imported on the workers: {loaded}"
+    runs = chunk_task_runs(cli_env["PREFECT_API_URL"], str(out))
+    assert runs == {f"chunk-0000{i}": "COMPLETED" for i in range(3)}, runs
+
+
+def test_a_worker_reads_the_secret_block_its_settings_name_from_the_flows_server(
+    run_cli, cli_env, tmp_path: Path
+) -> None:
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    key, block = f"sk-{secrets.token_hex(8)}", f"rf-key-{secrets.token_hex(4)}"
+    with temporary_settings({PREFECT_API_URL: cli_env["PREFECT_API_URL"]}):
+        asyncio.run(Secret(value=key).asave(block, overwrite=True))
+    inp, out = write_rows(tmp_path / "rows.jsonl", 60), tmp_path / "out"
+    with worker_host(cli_env, ROLLFLOW_BACKEND__API_KEY_BLOCK=block) as cluster, KeyServer(key) as server:
+        res = run_cli(*run_args(inp, out, server.url, cluster))
+        seen = server.keys_seen()
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert seen == {f"Bearer {key}"}, f"requests without the block's key: {seen - {f'Bearer {key}'}}"
+    assert key not in res.stderr and key not in res.stdout
