@@ -47,6 +47,7 @@ ROLLOUTS = int(os.environ.get("ROLLFLOW_BENCH_ROLLOUTS", "12000"))
 PARALLELISM, SLOTS, LATENCY_MS = 32, 32, 50.0
 PROFILE = os.environ.get("ROLLFLOW_BENCH_PROFILE")  # a folder: py-spy profiles of every run go there
 PROCESSES = os.environ.get("ROLLFLOW_BENCH_PROCESSES") == "1"  # each engine process's CPU, after each run
+CHUNK_SIZE = os.environ.get("ROLLFLOW_BENCH_CHUNK_SIZE", "auto")  # --chunk-size of every run
 CAPACITY = SLOTS / (LATENCY_MS / 1000)
 BIN = Path(sys.executable).parent
 ROLLFLOW = str(BIN / "rollflow")
@@ -225,7 +226,7 @@ def main() -> None:
     fast = spawn_simulator("--latency-ms", "0", "--slots", "4096")
     rows = write_input(work / "rows.jsonl", ROLLOUTS)
     common = ["run", "--input", str(rows), "--backend-kind", "agent", "--backend-url", sim.url,
-              "--parallelism", str(PARALLELISM), "--no-progress"]  # fmt: skip
+              "--parallelism", str(PARALLELISM), "--chunk-size", CHUNK_SIZE, "--no-progress"]  # fmt: skip
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else ["local", "dask", "ray", "ceiling"]
     results, ceiling, engine = [], None, []
     try:

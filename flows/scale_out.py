@@ -29,7 +29,7 @@ from rollflow.flows.engines import Engine, open_engine
 from rollflow.flows.secrets import worker_secrets
 from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.plan import REMOTE_CHUNK_ROLLOUTS
+from rollflow.tasks.collect.plan import SMALL_REMOTE_CHUNK_ROLLOUTS
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.scheduler import Scheduled, run_chunks
 from rollflow.tasks.scaleout.board import Board
@@ -231,18 +231,19 @@ async def _collect(
 
 
 def _say_small_chunks(spec: RunSpec, chunks: int) -> None:
-    """Remote chunks pay a fixed dispatch each (Prefect's submission here, its task engine on the worker):
-    said once when many small ones will pay it, since the chunk size is the run's identity and stays."""
+    """Remote chunks pay a fixed dispatch each (the flow's task run for it, the engine's submission, the
+    worker's commit): said once when many small ones will pay it, since the chunk size is the run's
+    identity and stays."""
     col = spec.collection
     rollouts = col.chunk_size * col.num_repeats
-    if chunks >= 10 and rollouts < REMOTE_CHUNK_ROLLOUTS:
+    if chunks >= 10 and rollouts < SMALL_REMOTE_CHUNK_ROLLOUTS:
         log.warning(
-            "--runner %s: %d chunks of %d rollouts; each remote chunk pays about 0.2-0.4 s of CPU for its "
+            "--runner %s: %d chunks of %d rollouts; each remote chunk costs about 15-20 ms of CPU to "
             "dispatch, so chunks of %d rollouts or more (--chunk-size) cost less per rollout",
             spec.runner,
             chunks,
             rollouts,
-            REMOTE_CHUNK_ROLLOUTS,
+            SMALL_REMOTE_CHUNK_ROLLOUTS,
         )
 
 

@@ -20,8 +20,9 @@ from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
 
-LOCAL_CHUNK_ROWS = 1000  # --chunk-size auto on the local runner
-REMOTE_CHUNK_ROLLOUTS = 5000  # --chunk-size auto on Dask and Ray: a chunk task's dispatch is then ~1% of it
+AUTO_CHUNK_ROWS = 1000  # --chunk-size auto on every runner
+# Below this many rollouts a Dask or Ray chunk's dispatch (~15-20 ms of CPU) is a visible part of its cost.
+SMALL_REMOTE_CHUNK_ROLLOUTS = 500
 
 
 @dataclass
@@ -70,17 +71,14 @@ def config_hash(config: dict[str, Any], num_repeats: int, chunk_size: int) -> st
 
 
 def chunk_rows(spec: RunSpec, stored: RunIdentity | None) -> int:
-    """`--chunk-size auto` as rows: a resumed run keeps its chunks (whichever runner started it); a new one
-    gets LOCAL_CHUNK_ROWS locally and about REMOTE_CHUNK_ROLLOUTS on Dask and Ray, where each chunk task
-    pays a fixed dispatch (Prefect's submission, its task engine on the worker)."""
+    """`--chunk-size auto` as rows: a resumed run keeps its chunks (whichever runner started it, and however
+    auto was sized when it did); a new one gets AUTO_CHUNK_ROWS."""
     size = spec.collection.chunk_size
     if size != "auto":
         return size
     if stored is not None and not spec.restart:
         return stored.chunk_size
-    if spec.runner == "local":
-        return LOCAL_CHUNK_ROWS
-    return max(1, -(-REMOTE_CHUNK_ROLLOUTS // spec.collection.num_repeats))
+    return AUTO_CHUNK_ROWS
 
 
 def with_chunk_rows(spec: RunSpec, rows: int) -> RunSpec:
