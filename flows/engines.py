@@ -19,6 +19,7 @@ from rollflow.settings import RunSpec
 from rollflow.settings.models import EngineSettings
 from rollflow.tasks.collect.runtime import default_chunks_in_flight
 from rollflow.tasks.scaleout.channels import DaskChannel, DaskLink, RayChannel, RayLink
+from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
 PRELOAD = "rollflow.tasks.wrappers.preload"
 PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
@@ -158,7 +159,12 @@ def _dask_submit(runner: Any) -> Callable[..., Any]:
 
 
 def _dask_result(future: Any) -> Any:
-    return future.result()
+    from distributed import KilledWorker
+
+    try:
+        return future.result()
+    except KilledWorker as exc:
+        raise WorkerLost(f"the chunk's worker process died on each of Dask's attempts ({exc})") from None
 
 
 def _dask_watch(future: Any, fn: Callable[[], None]) -> None:
@@ -188,10 +194,12 @@ def _ray_submit(fn: Callable[..., Any], name: str, *args: Any) -> Any:
 def _ray_result(future: Any) -> Any:
     """The chunk's own error, not Ray's wrapper of it (whose text carries the worker's whole traceback)."""
     import ray
-    from ray.exceptions import RayTaskError
+    from ray.exceptions import NodeDiedError, OutOfMemoryError, RayTaskError, WorkerCrashedError
 
     try:
         return ray.get(future)
+    except (WorkerCrashedError, OutOfMemoryError, NodeDiedError) as exc:
+        raise WorkerLost(f"the chunk's worker process died on each of Ray's attempts ({exc})") from None
     except RayTaskError as exc:
         if isinstance(exc.cause, Exception):
             raise exc.cause from None

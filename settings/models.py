@@ -151,8 +151,8 @@ class CollectionSettings(Settings):
     )
     chunk_size: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] = Field(
         "auto",
-        description="Input rows per chunk task: a number, or auto (1,000 rows on every runner; a resumed run "
-        "keeps its chunks)",
+        description="Input rows per chunk task: a number, or auto (1,000 rows on every runner, fewer when "
+        "they make more than 5,000 rollouts; a resumed run keeps its chunks)",
     )
     num_repeats: int = Field(1, ge=1, le=10_000, description="Rollouts per input row")
     limit: int | None = Field(None, ge=1, le=MAX_COUNT, description="Use only the first N rows of the input")

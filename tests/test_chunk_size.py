@@ -1,6 +1,6 @@
-"""`--chunk-size auto`: 1,000 rows a chunk on every runner, and a resumed run keeps the chunks it was
-planned with, whichever runner resumes it. A number given keeps its meaning: a different one than the
-run's is refused by name."""
+"""`--chunk-size auto`: 1,000 rows a chunk on every runner (fewer when they make more than 5,000 rollouts),
+and a resumed run keeps the chunks it was planned with, whichever runner resumes it. A number given keeps
+its meaning: a different one than the run's is refused by name."""
 
 from __future__ import annotations
 
@@ -50,6 +50,16 @@ def test_auto_on_a_cluster_plans_a_thousand_rows_too(tmp_path: Path, runner: str
     """A remote chunk's dispatch is now a few hundredths of a second, so clusters need no larger chunks."""
     p = plan(tmp_path, runner=runner, chunk_size="auto", num_repeats=repeats)
     assert p.identity.chunk_size == 1000 and sizes(p) == [1000] * 12
+
+
+@pytest.mark.parametrize(
+    ("runner", "repeats", "rows"), [("dask", 40, 125), ("local", 64, 79), ("ray", 6, 834)]
+)
+def test_auto_with_many_repeats_plans_at_most_five_thousand_rollouts(tmp_path: Path, runner, repeats, rows):
+    """200 prompts x 40 repeats used to be one chunk of 8,000 rollouts: all of it on one worker."""
+    p = plan(tmp_path, rows=2000, runner=runner, chunk_size="auto", num_repeats=repeats)
+    assert p.identity.chunk_size == rows and sizes(p)[0] == rows and sum(sizes(p)) == 2000
+    assert rows * repeats >= 5000 > (rows - 1) * repeats
 
 
 def test_a_resumed_run_keeps_its_chunks_on_another_runner(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
 
-AUTO_CHUNK_ROWS = 1000  # --chunk-size auto on every runner
+AUTO_CHUNK_ROWS = 1000  # --chunk-size auto on every runner, up to AUTO_CHUNK_ROLLOUTS a chunk
+AUTO_CHUNK_ROLLOUTS = 5000  # with many repeats, fewer rows: the run keeps enough chunks to spread and resume
 # Below this many rollouts a Dask or Ray chunk's dispatch (~15-20 ms of CPU) is a visible part of its cost.
 SMALL_REMOTE_CHUNK_ROLLOUTS = 500
 
@@ -72,13 +73,14 @@ def config_hash(config: dict[str, Any], num_repeats: int, chunk_size: int) -> st
 
 def chunk_rows(spec: RunSpec, stored: RunIdentity | None) -> int:
     """`--chunk-size auto` as rows: a resumed run keeps its chunks (whichever runner started it, and however
-    auto was sized when it did); a new one gets AUTO_CHUNK_ROWS."""
+    auto was sized when it did); a new one gets AUTO_CHUNK_ROWS, or fewer when they make more than
+    AUTO_CHUNK_ROLLOUTS."""
     size = spec.collection.chunk_size
     if size != "auto":
         return size
     if stored is not None and not spec.restart:
         return stored.chunk_size
-    return AUTO_CHUNK_ROWS
+    return min(AUTO_CHUNK_ROWS, -(-AUTO_CHUNK_ROLLOUTS // spec.collection.num_repeats))
 
 
 def with_chunk_rows(spec: RunSpec, rows: int) -> RunSpec:

@@ -22,6 +22,7 @@ from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
+from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
 
 @task(name="plan", cache_policy=NONE)
@@ -49,8 +50,9 @@ async def preflight_task(url: str, timeout_s: float) -> None:
 
 def worth_retrying(task: object, task_run: object, state: State) -> bool:
     """A lost lease or a deleted output does not come back on a retry: the chunk ends at once (a retry
-    scheduled meanwhile would outlive the run's cancellation by its delay)."""
-    return not isinstance(state.data, LeaseLost | OutputGone)
+    scheduled meanwhile would outlive the run's cancellation by its delay). Nor is a chunk retried whose
+    worker died on every attempt the engine already made (WorkerLost)."""
+    return not isinstance(state.data, LeaseLost | OutputGone | WorkerLost)
 
 
 CHUNK_TASK = {

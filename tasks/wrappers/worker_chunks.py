@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
 from dataclasses import dataclass
 
 from rollflow.settings import RollflowSettings, redact
@@ -45,10 +46,34 @@ def collect_remote_chunk(run: RemoteRun, chunk: ChunkSpec, attempt: int) -> Chun
         return _failed(exc)
 
 
+class WorkerError(Exception):
+    """An attempt's error whose class the flow may not have (a library only workers install) or that does
+    not pickle: its class name and text, as the worker saw them."""
+
+
+class WorkerLost(Exception):
+    """A chunk's worker process died on every attempt the engine made of it (Dask's allowed failures, Ray's
+    task retries): the chunk is not retried once more, which would only kill more workers."""
+
+
 def _failed(exc: Exception) -> AttemptFailed:
     error = redact.redacted_error(exc)
+    if not _travels(error):
+        error = WorkerError(f"{type(error).__name__}: {error}")
     error.__traceback__ = None  # the worker's frames stay on the worker
-    return AttemptFailed(error if isinstance(error, Exception) else RuntimeError(str(error)))
+    return AttemptFailed(error if isinstance(error, Exception) else WorkerError(str(error)))
+
+
+def _travels(error: BaseException) -> bool:
+    """Whether the flow can rebuild `error`: a builtin's or rollflow's, and it pickles."""
+    module = type(error).__module__
+    if module != "builtins" and not module.startswith("rollflow."):
+        return False
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
