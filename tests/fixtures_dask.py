@@ -3,6 +3,7 @@ process tree on 127.0.0.1, with the environment a worker host would have (Prefec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,10 +30,12 @@ class DaskCluster:
     scheduler: subprocess.Popen[bytes]
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def add_worker(self, nthreads: int = 2) -> subprocess.Popen[bytes]:
+    def add_worker(self, nthreads: int = 2, *preloads: str) -> subprocess.Popen[bytes]:
         cmd = [str(BIN / "dask"), "worker", self.address, "--nthreads", str(nthreads), "--nworkers", "1",
                "--host", "127.0.0.1", "--no-dashboard", "--preload", PRELOAD,
                "--preload-nanny", PRELOAD_NANNY]  # fmt: skip
+        for preload in preloads:
+            cmd += ["--preload", preload]
         proc = subprocess.Popen(
             cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
@@ -65,22 +68,31 @@ class DaskCluster:
                 proc.wait(5)
 
 
-@pytest.fixture(scope="module")
-def dask_cluster(cli_env: dict[str, str], moto_s3: Any) -> Iterator[DaskCluster]:
+@contextlib.contextmanager
+def own_cluster(
+    env: dict[str, str], workers: int = 2, preloads: tuple[str, ...] = ()
+) -> Iterator[DaskCluster]:
+    """A scheduler and `workers` worker processes (with rollflow's preloads and `preloads`) in `env`."""
     port = free_port()
-    env = {**cli_env, **moto_s3.env, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    env = {**env, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
     cmd = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
     scheduler = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     cluster = DaskCluster(f"tcp://127.0.0.1:{port}", env, scheduler)
     try:
-        cluster.add_worker()
-        cluster.add_worker()
-        cluster.wait_for_workers(2)
+        for _ in range(workers):
+            cluster.add_worker(2, *preloads)
+        cluster.wait_for_workers(workers)
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(cli_env: dict[str, str], moto_s3: Any) -> Iterator[DaskCluster]:
+    with own_cluster({**cli_env, **moto_s3.env}) as cluster:
+        yield cluster
 
 
 def sim_stats(sim: Service) -> dict:

@@ -6,37 +6,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
-from fixtures_dask import BIN, DaskCluster
+from fixtures_dask import DaskCluster, own_cluster
 from key_server import KeyServer
 from rollout_data import write_rows
 
-from rollflow.infra.local import free_port
 
-
-@contextlib.contextmanager
-def worker_host(cli_env: dict[str, str], **settings: str) -> Iterator[DaskCluster]:
+def worker_host(cli_env: dict[str, str], **settings: str) -> contextlib.AbstractContextManager[DaskCluster]:
     """A scheduler and one worker whose environment has no Prefect settings at all, plus `settings`."""
     env = {k: v for k, v in cli_env.items() if not k.startswith("PREFECT_")}
-    env.update({**settings, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"})
-    port = free_port()
-    cmd = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
-    scheduler = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    cluster = DaskCluster(f"tcp://127.0.0.1:{port}", env, scheduler)
-    try:
-        cluster.add_worker()
-        cluster.wait_for_workers(1)
-        yield cluster
-    finally:
-        cluster.stop()
+    return own_cluster({**env, **settings}, workers=1)
 
 
 def run_args(inp: Path, out: Path, url: str, cluster: DaskCluster) -> list[str]:
