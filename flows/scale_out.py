@@ -109,9 +109,13 @@ class BoardThread:
 @dataclass
 class RemoteChunks:
     """The engine's side of the scheduler. Each chunk's Prefect task run (`task(dispatch, chunk)`) is kept
-    here, in the flow process, with its retries; each attempt sends the chunk to a worker as a plain call,
+    here, in the flow process, with its retries; each attempt goes to a worker as a plain call,
     `fn(job, chunk, attempt)`, wakes when it ends and reads its outcome (and tells the share book, if the
-    run keeps one)."""
+    run keeps one).
+
+    With a share book, a chunk's first attempt is submitted before its task run begins, and the task run
+    begins once a worker reports the chunk running (or it has ended): a chunk waiting in the cluster's
+    queue is not shown Running in Prefect."""
 
     engine: Engine
     calls: EngineThread
@@ -120,17 +124,35 @@ class RemoteChunks:
     fn: Callable[..., Any]
     job: Any  # what every chunk of the run brings to its worker
     live: dict[int, Any] = field(default_factory=dict)  # chunk index -> its future, until it ends
+    queued: dict[int, tuple[Any, asyncio.Future[None]]] = field(default_factory=dict)  # first attempts
 
     async def run(self, chunk: Any) -> Any:
         """`chunk`: a ChunkSpec (collection) or any chunk with an `index` (reverify's SourceChunk)."""
+        if self.board is not None:
+            await self._queue(chunk, self.board)
         outcome = await self.task(self.dispatch, chunk)
         if self.board is not None:
             self.board.finish(outcome)
         return outcome
 
+    async def _queue(self, chunk: Any, board: Board) -> None:
+        future = await self.calls.call(self._submit, chunk, 1)
+        ended = self._ended(future)
+        self.queued[chunk.index] = (future, ended)
+        started = board.started(chunk.index)
+        try:
+            await asyncio.wait({ended, started}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            board.forget(chunk.index)
+
     async def dispatch(self, chunk: Any, attempt: int) -> Any:
-        future = await self.calls.call(self._submit, chunk, attempt)
-        await self._ended(future)
+        queued = self.queued.pop(chunk.index, None)
+        if queued is not None and attempt == 1:
+            future, ended = queued
+        else:
+            future = await self.calls.call(self._submit, chunk, attempt)
+            ended = self._ended(future)
+        await ended
         try:
             outcome = await self.calls.call(self.engine.result, future)
         finally:

@@ -8,12 +8,15 @@ import contextlib
 import secrets
 import sys
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import orjson
 from fixtures_dask import DaskCluster, own_cluster
 from key_server import KeyServer
 from rollout_data import write_rows
+
+from rollflow.infra.local import spawn_simulator
 
 
 def worker_host(cli_env: dict[str, str], **settings: str) -> contextlib.AbstractContextManager[DaskCluster]:
@@ -22,9 +25,9 @@ def worker_host(cli_env: dict[str, str], **settings: str) -> contextlib.Abstract
     return own_cluster({**env, **settings}, workers=1)
 
 
-def run_args(inp: Path, out: Path, url: str, cluster: DaskCluster) -> list[str]:
+def run_args(inp: Path, out: Path, url: str, cluster: DaskCluster, chunk_size: int = 20) -> list[str]:
     return ["run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url", url,
-            "--chunk-size", "20", "--parallelism", "4", "--no-progress", "--runner", "dask",
+            "--chunk-size", str(chunk_size), "--parallelism", "4", "--no-progress", "--runner", "dask",
             "--dask-address", cluster.address]  # fmt: skip
 
 
@@ -38,7 +41,7 @@ def prefect_on_workers(cluster: DaskCluster) -> dict[str, bool]:
         return client.run(loaded)
 
 
-def chunk_task_runs(api_url: str, output: str) -> dict[str, str]:
+def chunk_task_runs(api_url: str, output: str) -> dict[str, dict]:
     def post(path: str, body: dict) -> list:
         req = urllib.request.Request(
             f"{api_url}{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
@@ -49,7 +52,7 @@ def chunk_task_runs(api_url: str, output: str) -> dict[str, str]:
     mine = [r["id"] for r in runs if r["parameters"].get("output") == output]
     assert len(mine) == 1, "the run's flow run is on the server"
     tasks = post("/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
-    return {t["name"]: t["state"]["type"] for t in tasks if t["name"].startswith("chunk-")}
+    return {t["name"]: t for t in tasks if t["name"].startswith("chunk-")}
 
 
 def test_workers_import_no_prefect_and_the_flow_keeps_each_chunks_task_run(
@@ -62,7 +65,32 @@ def test_workers_import_no_prefect_and_the_flow_keeps_each_chunks_task_run(
     assert res.returncode == 0, res.stderr[-3000:]
     assert loaded and not any(loaded.values()), f"Prefect imported on the workers: {loaded}"
     runs = chunk_task_runs(cli_env["PREFECT_API_URL"], str(out))
-    assert runs == {f"chunk-0000{i}": "COMPLETED" for i in range(3)}, runs
+    states = {name: run["state"]["type"] for name, run in runs.items()}
+    assert states == {f"chunk-0000{i}": "COMPLETED" for i in range(3)}, states
+
+
+def test_a_chunk_waiting_in_the_clusters_queue_is_not_shown_running(run_cli, cli_env, tmp_path: Path) -> None:
+    """12 chunks on one worker with 2 threads: most wait in Dask's queue, seconds apart. Each chunk's task
+    run starts when a worker reports the chunk running, not when the flow submitted it (up to 0.5 s
+    before the chunk's own start time: the worker reads the chunk's rows between the two)."""
+    sim = spawn_simulator("--latency-ms", "200", "--slots", "8")
+    inp, out = write_rows(tmp_path / "rows.jsonl", 120), tmp_path / "out"
+    try:
+        with worker_host(cli_env) as cluster:
+            res = run_cli(*run_args(inp, out, sim.url, cluster, chunk_size=10), timeout=240)
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = chunk_task_runs(cli_env["PREFECT_API_URL"], str(out))
+    assert len(runs) == 12, sorted(runs)
+    early = {}
+    for name, run in runs.items():
+        manifest = orjson.loads((out / "chunks" / f"{name.removeprefix('chunk-')}.json").read_bytes())
+        began = datetime.fromisoformat(manifest["started_at"])
+        ahead = (began - datetime.fromisoformat(run["start_time"])).total_seconds()
+        if ahead > 0.5:
+            early[name] = round(ahead, 2)
+    assert not early, f"task runs shown running this many seconds before their chunk started: {early}"
 
 
 def test_a_worker_reads_the_secret_block_its_settings_name_from_the_flows_server(

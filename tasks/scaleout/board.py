@@ -55,6 +55,9 @@ class Board:
         self.rotation = Rotation()
         self.finished: set[int] = set()
         self.workers_seen = 0
+        self.announced: set[int] = set()  # chunks a report showed running (the rounds' thread)
+        self.running: set[int] = set()  # the same, as the loop has heard of them
+        self.waiting: dict[int, asyncio.Future[None]] = {}
 
     def round(self) -> None:
         reports = self.channel.reports()
@@ -68,12 +71,33 @@ class Board:
         )
         for worker in self.book.workers:
             for index, (done, failed) in (reports[worker].get("chunks") or {}).items():
+                if int(index) not in self.announced:
+                    self.announced.add(int(index))
+                    self.loop.call_soon_threadsafe(self._started, int(index))
                 if int(index) not in self.finished:
                     self._emit(ProgressEvent("attempt", chunk=int(index), done=done))
                     self._emit(ProgressEvent("rollouts", chunk=int(index), failed=failed))
         if len(self.book.workers) != self.workers_seen:
             self.workers_seen = len(self.book.workers)
             self._emit(ProgressEvent("workers", total=self.workers_seen))
+
+    def started(self, index: int) -> asyncio.Future[None]:
+        """Done once a worker has reported chunk `index` running (on the loop)."""
+        future = self.waiting.get(index)
+        if future is None:
+            future = self.waiting[index] = self.loop.create_future()
+            if index in self.running:
+                future.set_result(None)
+        return future
+
+    def forget(self, index: int) -> None:
+        self.waiting.pop(index, None)
+
+    def _started(self, index: int) -> None:
+        self.running.add(index)
+        future = self.waiting.get(index)
+        if future is not None and not future.done():
+            future.set_result(None)
 
     def finish(self, outcome: ChunkOutcome) -> None:
         index = outcome.manifest.chunk
