@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import secrets
 import sys
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
 import orjson
 from fixtures_dask import DaskCluster, own_cluster
 from key_server import KeyServer
+from prefect_api import flow_runs_of, post
 from rollout_data import write_rows
 
 from rollflow.infra.local import spawn_simulator
@@ -42,16 +42,9 @@ def prefect_on_workers(cluster: DaskCluster) -> dict[str, bool]:
 
 
 def chunk_task_runs(api_url: str, output: str) -> dict[str, dict]:
-    def post(path: str, body: dict) -> list:
-        req = urllib.request.Request(
-            f"{api_url}{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-        )
-        return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
-
-    runs = post("/flow_runs/filter", {"limit": 200, "sort": "START_TIME_DESC"})
-    mine = [r["id"] for r in runs if r["parameters"].get("output") == output]
+    mine = [r["id"] for r in flow_runs_of(api_url, output)]
     assert len(mine) == 1, "the run's flow run is on the server"
-    tasks = post("/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
+    tasks = post(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
     return {t["name"]: t for t in tasks if t["name"].startswith("chunk-")}
 
 

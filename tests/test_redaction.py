@@ -6,11 +6,11 @@ from __future__ import annotations
 import io
 import logging
 import os
-import urllib.request
 from pathlib import Path
 
 import orjson
 from key_server import KeyServer
+from prefect_api import flow_runs_of, post
 
 from rollflow.settings import redact
 
@@ -29,19 +29,14 @@ def score(row, text):
 
 
 def _server_logs(prefect_url: str, output: str) -> str:
-    def post(path: str, body: dict) -> list:
-        req = urllib.request.Request(
-            f"{prefect_url}/api{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-        )
-        return orjson.loads(urllib.request.urlopen(req, timeout=30).read())
-
-    runs = post("/flow_runs/filter", {"limit": 200, "sort": "START_TIME_DESC"})
-    mine = [r["id"] for r in runs if r["parameters"].get("output") == output]
+    api = f"{prefect_url}/api"
+    runs = flow_runs_of(api, output)
+    mine = [r["id"] for r in runs]
     assert mine, "the run's flow run is on the server"
-    logs = post("/logs/filter", {"logs": {"flow_run_id": {"any_": mine}}, "limit": 200})
+    logs = post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": mine}}, "limit": 200})
     assert logs, "the run logged to the server"
-    states = [r["state"]["message"] or "" for r in runs if r["id"] in mine]
-    tasks = post("/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
+    states = [r["state"]["message"] or "" for r in runs]
+    tasks = post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": mine}}, "limit": 200})
     states += [t["state"]["message"] or "" for t in tasks if t.get("state")]
     return "\n".join([log["message"] for log in logs] + states)
 
