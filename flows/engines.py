@@ -23,6 +23,7 @@ from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
 PRELOAD = "rollflow.tasks.wrappers.preload"
 PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
+LOCAL_WORKERS_START_S = 120.0
 RAY_MISSING = (
     "--runner ray needs Ray and prefect-ray, which are not installed: pip install 'rollflow[ray]' "
     "(on the machine that runs the flow and on every Ray node)"
@@ -139,6 +140,10 @@ def open_engine(
                         channel.close()
         return
     with dask_runner(spec, chunks, threads) as runner:
+        if not spec.dask_address and not spec.dask_cluster_class:
+            # A local cluster's workers all count themselves when sizing their verifier pools: a chunk on
+            # the first one up would see itself alone on the node and take every core.
+            runner.client.wait_for_workers(spec.dask_workers, timeout=LOCAL_WORKERS_START_S)
         dask_channel = DaskChannel(runner.client, key) if book else None
         try:
             slots = functools.partial(_dask_slots, runner)
