@@ -58,10 +58,10 @@ class WorkerLost(Exception):
 
 def _failed(exc: Exception) -> AttemptFailed:
     error = redact.redacted_error(exc)
-    if not _travels(error):
+    if not isinstance(error, Exception) or not _travels(error):
         error = WorkerError(f"{type(error).__name__}: {error}")
     error.__traceback__ = None  # the worker's frames stay on the worker
-    return AttemptFailed(error if isinstance(error, Exception) else WorkerError(str(error)))
+    return AttemptFailed(error)
 
 
 def _travels(error: BaseException) -> bool:
