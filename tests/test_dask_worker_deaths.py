@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from fixtures_dask import own_cluster
 from rollout_data import write_rows
 
 TESTS = str(Path(__file__).parent)
+pytestmark = pytest.mark.concurrent
 
 
 def test_a_chunk_that_kills_its_worker_is_not_retried_past_the_engines_attempts(

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 import orjson
+import pytest
 from fixtures_dask import DaskCluster, own_cluster
 from key_server import KeyServer
 from prefect_api import flow_runs_of, post
@@ -48,6 +49,7 @@ def chunk_task_runs(api_url: str, output: str) -> dict[str, dict]:
     return {t["name"]: t for t in tasks if t["name"].startswith("chunk-")}
 
 
+@pytest.mark.concurrent
 def test_workers_import_no_prefect_and_the_flow_keeps_each_chunks_task_run(
     run_cli, cli_env, fast_sim, tmp_path: Path
 ) -> None:
@@ -86,6 +88,7 @@ def test_a_chunk_waiting_in_the_clusters_queue_is_not_shown_running(run_cli, cli
     assert not early, f"task runs shown running this many seconds before their chunk started: {early}"
 
 
+@pytest.mark.concurrent
 def test_a_worker_reads_the_secret_block_its_settings_name_from_the_flows_server(
     run_cli, cli_env, tmp_path: Path
 ) -> None:
