@@ -4,12 +4,17 @@ the replicas in rotation, publishes the answer and turns the reports into progre
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.scaleout.book import ShareBook
+
+# The book's answer is published when it changes (workers read it at every exchange anyway), and at least
+# this often: a Ray cluster's next run deletes boards left unwritten far longer (channels.STALE_S).
+REPUBLISH_S = 30.0
 
 
 class Channel(Protocol):
@@ -58,6 +63,8 @@ class Board:
         self.announced: set[int] = set()  # chunks a report showed running (the rounds' thread)
         self.running: set[int] = set()  # the same, as the loop has heard of them
         self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.published: dict[str, Any] | None = None
+        self.published_at = 0.0
 
     def round(self) -> None:
         reports = self.channel.reports()
@@ -66,9 +73,10 @@ class Board:
             self.rotation.merge(worker, report.get("rotation") or {})
         self.book.set_limit(self.rotation.live_limit(self.limits))
         grants = self.book.allocate()
-        self.channel.publish(
-            {"grants": grants, "rotation": {url: list(e) for url, e in self.rotation.events.items()}}
-        )
+        answer = {"grants": grants, "rotation": {url: list(e) for url, e in self.rotation.events.items()}}
+        if answer != self.published or time.monotonic() - self.published_at > REPUBLISH_S:
+            self.channel.publish(answer)
+            self.published, self.published_at = answer, time.monotonic()
         for worker in self.book.workers:
             for index, (done, failed) in (reports[worker].get("chunks") or {}).items():
                 if int(index) not in self.announced:

@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "rollflow-shares"
 EXCHANGE_TIMEOUT_S = 2.0  # an exchange with the share book (either side) that takes longer has failed
-CLOSE_GRACE_S = 0.5  # between telling the workers the run ended and removing its state from the engine
 CLOSED = {"closed": True}  # the book's last answer: the run ended, stop reporting
 RAY_NAMESPACE = b"rollflow"
 
@@ -29,6 +28,7 @@ class DaskLink:
 
     key: str
     client: Any = field(default=None, repr=False, compare=False)
+    seen: bool = field(default=False, compare=False)  # a board of the run was read through this link
 
     def bind(self) -> DaskLink:
         from distributed import get_client
@@ -36,14 +36,36 @@ class DaskLink:
         return DaskLink(self.key, get_client())
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """The book's answer, then this worker's report, unless the run ended (nothing is left behind)."""
+        """This worker's report, then the book's answer; see `ended`."""
+        self.client.set_metadata([PREFIX, self.key, "reports", worker], report)
         board = self.client.get_metadata([PREFIX, self.key, "board"], None)
-        if board is not None and not board.get("closed"):
-            self.client.set_metadata([PREFIX, self.key, "reports", worker], report)
+        if ended(board, self.seen):
+            self.client.run_on_scheduler(_forget_report, key=self.key, worker=worker)
+            return CLOSED
+        self.seen = self.seen or board is not None
         return board
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"key": self.key, "client": None}
+        return {"key": self.key, "client": None, "seen": False}
+
+
+def ended(board: dict[str, Any] | None, seen: bool) -> bool:
+    """Whether the run has ended, by its board as a worker read it right after writing its report: closed,
+    or gone after the worker had seen it. The worker then deletes the report it just wrote, so a report
+    written after the flow removed the run's state is not left behind, and the flow need not wait for
+    its workers to stop."""
+    return bool(board.get("closed")) if board is not None else seen
+
+
+def _forget_report(dask_scheduler: Any, key: str, worker: str) -> None:
+    """On the scheduler (pickled by value: no rollflow there): one worker's report of an ended run."""
+    runs = dask_scheduler.task_metadata.get(PREFIX, {})
+    reports = runs.get(key, {}).get("reports", {})
+    reports.pop(worker, None)
+    if not reports and set(runs.get(key, {})) <= {"reports"}:
+        runs.pop(key, None)
+    if not runs:
+        dask_scheduler.task_metadata.pop(PREFIX, None)
 
 
 @dataclass
@@ -60,9 +82,9 @@ class DaskChannel:
         self.client.set_metadata([PREFIX, self.key, "board"], board)
 
     def close(self) -> None:
-        """Tell the workers the run ended, then delete the run's key from the scheduler."""
+        """Tell the workers the run ended, then delete the run's key from the scheduler (a worker that
+        reports after that deletes its report itself: see `ended`)."""
         self.publish(CLOSED)
-        time.sleep(CLOSE_GRACE_S)
 
         def forget(dask_scheduler: Any, key: str = self.key) -> None:  # pickled by value: no rollflow there
             runs = dask_scheduler.task_metadata.get(PREFIX, {})
@@ -106,6 +128,12 @@ class RayStore:
         keys = self.gcs.internal_kv_keys(prefix, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
         return self.gcs.internal_kv_multi_get(keys, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S) if keys else {}
 
+    def delete(self, key: bytes) -> None:
+        if self.gcs is None:
+            self.kv._internal_kv_del(key, namespace=RAY_NAMESPACE)
+        else:
+            self.gcs.internal_kv_del(key, False, RAY_NAMESPACE, timeout=EXCHANGE_TIMEOUT_S)
+
     def delete_under(self, prefix: bytes) -> None:
         if self.gcs is None:
             self.kv._internal_kv_del(prefix, del_by_prefix=True, namespace=RAY_NAMESPACE)
@@ -123,17 +151,21 @@ class RayLink:
     run on Ray starts no actor, whose process would import Ray anew for every run."""
 
     name: str
+    seen: bool = field(default=False, compare=False)  # a board of the run was read through this link
 
     def bind(self) -> RayLink:
         return self
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """The book's answer, then this worker's report, unless the run ended (nothing is left behind)."""
-        store = RayStore()
+        """This worker's report, then the book's answer; see `ended`."""
+        store, mine = RayStore(), _ray_key(self.name, "reports", worker)
+        store.put(mine, pickle.dumps(report))
         raw = store.get(_ray_key(self.name, "board"))
         board = None if raw is None else pickle.loads(raw)
-        if board is not None and not board.get("closed"):
-            store.put(_ray_key(self.name, "reports", worker), pickle.dumps(report))
+        if ended(board, self.seen):
+            store.delete(mine)
+            return CLOSED
+        self.seen = self.seen or board is not None
         return board
 
 
@@ -142,8 +174,9 @@ class RayChannel:
     """The flow's side on Ray: the run's keys in the cluster's key-value store, deleted when the run ends.
 
     A flow killed outright leaves its keys (under 1 KB a worker); the next run on the cluster deletes those
-    whose board has not been written for STALE_S. Deleting a live run's keys by mistake costs it one round:
-    its book writes the board again and its workers their reports."""
+    whose board has not been written for STALE_S. A live run's book writes its board at least every
+    board.REPUBLISH_S, so only hosts whose clocks differ by most of STALE_S could delete a live run's keys
+    (its workers would take the run for ended)."""
 
     name: str
 
@@ -178,9 +211,9 @@ class RayChannel:
         RayStore().put(_ray_key(self.name, "board"), pickle.dumps({**board, "written_at": time.time()}))
 
     def close(self) -> None:
-        """Tell the workers the run ended, then delete the run's keys (even if telling them failed)."""
+        """Tell the workers the run ended, then delete the run's keys (even if telling them failed; a
+        worker that reports after that deletes its report itself: see `ended`)."""
         try:
             self.publish(CLOSED)
-            time.sleep(CLOSE_GRACE_S)
         finally:
             RayStore().delete_under(_ray_key(self.name, ""))
