@@ -194,3 +194,32 @@ def test_a_paused_worker_drops_its_share_before_it_reports_again(tmp_path: Path,
         time.sleep(0.01)
     assert after and after[0]["applied"] == 0, after[:1]
     assert slot.ctx.limit.limit == 0
+
+
+class VanishingBoard:
+    """A book that grants 8, then whose board is gone (deleted under the run, or the run ended)."""
+
+    def __init__(self) -> None:
+        self.exchanges = 0
+
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+        self.exchanges += 1
+        return {"grants": {worker: [1, 8]}} if self.exchanges == 1 else {"gone": True}
+
+
+def test_a_board_gone_under_a_running_chunk_keeps_its_share_until_the_chunk_ends(tmp_path: Path) -> None:
+    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
+    collector, link = WorkerCollector.get(), VanishingBoard()
+    run = RemoteRun(spec, WorkerScope(), None, link, 8)
+    slot = asyncio.run_coroutine_threadsafe(collector._slot(run), collector.loop).result(timeout=30)
+    collector.loop.call_soon_threadsafe(slot.start, 0, 100)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and link.exchanges < 5:
+        time.sleep(0.02)
+    assert link.exchanges >= 5 and slot.ctx.limit.limit == 8, "a running chunk lost its share"
+    assert collector.slots.get(collector_module.run_key(run)) is slot
+    collector.loop.call_soon_threadsafe(slot.end, 0)
+    while time.monotonic() < deadline and collector_module.run_key(run) in collector.slots:
+        time.sleep(0.02)
+    assert collector_module.run_key(run) not in collector.slots, "the ended run's slot stayed open"
+    assert slot.ctx.limit.limit == 0

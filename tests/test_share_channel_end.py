@@ -5,15 +5,19 @@ only when it changes."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from share_board import ShareBoard
 
+from rollflow.infra.local import free_port
 from rollflow.tasks.scaleout.board import Board
-from rollflow.tasks.scaleout.channels import CLOSED, PREFIX, DaskChannel, DaskLink
+from rollflow.tasks.scaleout.channels import GONE, PREFIX, DaskChannel, DaskLink
 
 
 @pytest.fixture
@@ -37,16 +41,67 @@ def test_the_run_ends_without_waiting_and_a_late_report_is_deleted_by_its_worker
     took = time.monotonic() - began
     assert client.get_metadata([PREFIX], None) is None
     # The worker's exchange was under way: its report lands after the run's state was removed.
-    assert link.exchange("w", {"n": 2, "demand": 3}) == CLOSED
+    assert link.exchange("w", {"n": 2, "demand": 3}) == GONE
     assert client.get_metadata([PREFIX], None) is None, "the late report was left on the scheduler"
     assert took < 0.4, f"closing waited {took:.2f} s for the workers (it used to sleep 0.5 s)"
 
 
-def test_a_report_before_the_first_board_is_kept(client: Any) -> None:
-    """A run whose book has not published yet is starting, not ended: the report stays for the book."""
-    link = DaskLink("run2", client)
-    assert link.exchange("w", {"n": 1, "demand": 10}) is None
-    assert DaskChannel(client, "run2").reports() == {"w": {"n": 1, "demand": 10}}
+class ClosedMidExchange(DaskLink):
+    """A link whose first read of the board is followed by the flow closing the run, before the write."""
+
+    def _read(self) -> dict[str, Any] | None:
+        board = super()._read()
+        if board is not None and not board.get("closed"):
+            DaskChannel(self.client, self.key).close()
+        return board
+
+
+def test_a_worker_that_has_not_seen_the_board_leaves_nothing(client: Any) -> None:
+    """Before a worker has read a board of the run it writes nothing (a run that ended first, or whose
+    book has not published yet); a write that straddles the end is deleted at its next exchange."""
+    late = DaskLink("run2", client)
+    DaskChannel(client, "run2").publish({"grants": {}})
+    DaskChannel(client, "run2").close()
+    for n in range(3):
+        assert late.exchange("w", {"n": n}) is None
+    assert client.get_metadata([PREFIX], None) is None
+    straddling = ClosedMidExchange("run3", client)
+    DaskChannel(client, "run3").publish({"grants": {}})
+    assert straddling.exchange("w", {"n": 1}) == {"grants": {}}  # read live; its write came after
+    assert straddling.exchange("w", {"n": 2}) == GONE
+    assert client.get_metadata([PREFIX], None) is None
+
+
+HIDDEN_SCHEDULER = """
+import sys
+sys.modules["rollflow"] = None  # a scheduler host without rollflow installed
+from distributed.cli.dask_scheduler import main
+sys.argv = ["dask-scheduler", "--host", "127.0.0.1", "--port", sys.argv[1], "--no-dashboard"]
+main()
+"""
+
+
+def test_the_scheduler_needs_no_rollflow_to_forget_a_run(tmp_path: Path) -> None:
+    from distributed import Client
+
+    port = free_port()
+    log = (tmp_path / "scheduler.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-c", HIDDEN_SCHEDULER, str(port)], stdout=log, stderr=log)
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=30) as client:
+            assert client.run_on_scheduler(
+                lambda: "rollflow" in sys.modules and sys.modules["rollflow"] is None
+            )
+            channel, link = DaskChannel(client, "run4"), DaskLink("run4", client)
+            channel.publish({"grants": {}})
+            assert link.exchange("w", {"n": 1}) == {"grants": {}}
+            channel.close()
+            assert link.exchange("w", {"n": 2}) == GONE
+            assert client.get_metadata([PREFIX], None) is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
 
 
 class CountingBoard(ShareBoard):
@@ -71,3 +126,15 @@ def test_the_book_publishes_its_answer_only_when_it_changes() -> None:
     board.round()
     assert len(channel.published) == 2
     assert channel.published[-1]["grants"]["w"][1] == 16
+
+
+@pytest.mark.concurrent
+def test_a_round_goes_on_when_a_workers_report_is_gone() -> None:
+    """A worker deletes its own report when it finds the run ended; the book still knows it until LOST_S."""
+    channel = CountingBoard()
+    board = Board(channel, {"http://a": 32}, asyncio.new_event_loop())
+    channel.exchange("w", {"n": 1, "demand": 10, "chunks": {"0": [1, 0]}})
+    board.round()
+    channel._reports.clear()
+    board.round()
+    assert "w" in board.book.workers

@@ -13,8 +13,9 @@ from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.scaleout.book import ShareBook
 
 # The book's answer is published when it changes (workers read it at every exchange anyway), and at least
-# this often: a Ray cluster's next run deletes boards left unwritten far longer (channels.STALE_S).
-REPUBLISH_S = 30.0
+# this often: a board deleted under a live run is back within it (workers that find it gone keep their
+# running chunks' shares meanwhile), and a Ray cluster's next run deletes boards left unwritten far longer.
+REPUBLISH_S = 1.0
 
 
 class Channel(Protocol):
@@ -78,7 +79,7 @@ class Board:
             self.channel.publish(answer)
             self.published, self.published_at = answer, time.monotonic()
         for worker in self.book.workers:
-            for index, (done, failed) in (reports[worker].get("chunks") or {}).items():
+            for index, (done, failed) in (reports.get(worker, {}).get("chunks") or {}).items():
                 if int(index) not in self.announced:
                     self.announced.add(int(index))
                     self.loop.call_soon_threadsafe(self._started, int(index))

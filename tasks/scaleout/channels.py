@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,16 +20,57 @@ log = logging.getLogger(__name__)
 PREFIX = "rollflow-shares"
 EXCHANGE_TIMEOUT_S = 2.0  # an exchange with the share book (either side) that takes longer has failed
 CLOSED = {"closed": True}  # the book's last answer: the run ended, stop reporting
+GONE = {"gone": True}  # the run's board was read before and is gone: ended, unless it comes back
 RAY_NAMESPACE = b"rollflow"
 
 
+class LinkState:
+    """A worker link's side of the end of a run, the same on every engine.
+
+    Until a worker has read a board of the run it writes nothing (a run that ended before, or whose book
+    has not published yet, gets no report). From then on it writes its report first and reads the board
+    after: a board that is closed or gone means the run's state may already have been removed, so the
+    worker deletes the report it just wrote. The flow then removes the run's state without waiting for
+    its workers, and nothing is left behind."""
+
+    seen: bool
+
+    def _exchange(self, report: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.seen:
+            board = self._read()
+            if board is None:
+                return None
+            self.seen = True
+            if board.get("closed"):
+                return CLOSED
+            self._write(report)
+            return board
+        self._write(report)
+        board = self._read()
+        if board is None or board.get("closed"):
+            self._forget()
+            return GONE if board is None else CLOSED
+        return board
+
+    def _read(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _write(self, report: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Delete the report this worker wrote."""
+        raise NotImplementedError
+
+
 @dataclass
-class DaskLink:
+class DaskLink(LinkState):
     """A worker's link through the scheduler; `bind` in the task's thread, where the worker's client is."""
 
     key: str
     client: Any = field(default=None, repr=False, compare=False)
     seen: bool = field(default=False, compare=False)  # a board of the run was read through this link
+    worker: str = field(default="", compare=False)
 
     def bind(self) -> DaskLink:
         from distributed import get_client
@@ -36,36 +78,41 @@ class DaskLink:
         return DaskLink(self.key, get_client())
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """This worker's report, then the book's answer; see `ended`."""
-        self.client.set_metadata([PREFIX, self.key, "reports", worker], report)
-        board = self.client.get_metadata([PREFIX, self.key, "board"], None)
-        if ended(board, self.seen):
-            self.client.run_on_scheduler(_forget_report, key=self.key, worker=worker)
-            return CLOSED
-        self.seen = self.seen or board is not None
-        return board
+        """This worker's report and the book's answer (see LinkState)."""
+        self.worker = worker
+        return self._exchange(report)
+
+    def _read(self) -> dict[str, Any] | None:
+        return self.client.get_metadata([PREFIX, self.key, "board"], None)
+
+    def _write(self, report: dict[str, Any]) -> None:
+        self.client.set_metadata([PREFIX, self.key, "reports", self.worker], report)
+
+    def _forget(self) -> None:
+        self.client.run_on_scheduler(scheduler_forget(self.key, self.worker))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"key": self.key, "client": None, "seen": False}
+        return {"key": self.key, "client": None, "seen": False, "worker": ""}
 
 
-def ended(board: dict[str, Any] | None, seen: bool) -> bool:
-    """Whether the run has ended, by its board as a worker read it right after writing its report: closed,
-    or gone after the worker had seen it. The worker then deletes the report it just wrote, so a report
-    written after the flow removed the run's state is not left behind, and the flow need not wait for
-    its workers to stop."""
-    return bool(board.get("closed")) if board is not None else seen
+def scheduler_forget(key: str, worker: str | None = None) -> Callable[[Any], None]:
+    """What runs on the scheduler to remove a run's state (or one worker's report of it, leaving a board
+    the flow still has to remove). Nested, so it is pickled by value: the scheduler may have no rollflow."""
+    prefix = PREFIX
 
+    def forget(dask_scheduler: Any) -> None:
+        runs = dask_scheduler.task_metadata.get(prefix, {})
+        if worker is None:
+            runs.pop(key, None)
+        elif key in runs:
+            run = runs[key]
+            run.get("reports", {}).pop(worker, None)
+            if not run.get("reports") and set(run) <= {"reports"}:
+                runs.pop(key, None)
+        if not runs:
+            dask_scheduler.task_metadata.pop(prefix, None)
 
-def _forget_report(dask_scheduler: Any, key: str, worker: str) -> None:
-    """On the scheduler (pickled by value: no rollflow there): one worker's report of an ended run."""
-    runs = dask_scheduler.task_metadata.get(PREFIX, {})
-    reports = runs.get(key, {}).get("reports", {})
-    reports.pop(worker, None)
-    if not reports and set(runs.get(key, {})) <= {"reports"}:
-        runs.pop(key, None)
-    if not runs:
-        dask_scheduler.task_metadata.pop(PREFIX, None)
+    return forget
 
 
 @dataclass
@@ -82,17 +129,12 @@ class DaskChannel:
         self.client.set_metadata([PREFIX, self.key, "board"], board)
 
     def close(self) -> None:
-        """Tell the workers the run ended, then delete the run's key from the scheduler (a worker that
-        reports after that deletes its report itself: see `ended`)."""
-        self.publish(CLOSED)
-
-        def forget(dask_scheduler: Any, key: str = self.key) -> None:  # pickled by value: no rollflow there
-            runs = dask_scheduler.task_metadata.get(PREFIX, {})
-            runs.pop(key, None)
-            if not runs:
-                dask_scheduler.task_metadata.pop(PREFIX, None)
-
-        self.client.run_on_scheduler(forget)
+        """Tell the workers the run ended, then delete the run's key from the scheduler (even if telling
+        them failed); a worker that reports after that deletes its report itself (LinkState)."""
+        try:
+            self.publish(CLOSED)
+        finally:
+            self.client.run_on_scheduler(scheduler_forget(self.key))
 
 
 STALE_S = 600.0  # a run's board unwritten this long was left by a flow that was killed (hosts' clocks)
@@ -146,27 +188,31 @@ def _ray_key(name: str, *parts: str) -> bytes:
 
 
 @dataclass
-class RayLink:
+class RayLink(LinkState):
     """A worker's link through the Ray cluster's key-value store (the GCS): no process of its own, so a
     run on Ray starts no actor, whose process would import Ray anew for every run."""
 
     name: str
     seen: bool = field(default=False, compare=False)  # a board of the run was read through this link
+    worker: str = field(default="", compare=False)
 
     def bind(self) -> RayLink:
         return self
 
     def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """This worker's report, then the book's answer; see `ended`."""
-        store, mine = RayStore(), _ray_key(self.name, "reports", worker)
-        store.put(mine, pickle.dumps(report))
-        raw = store.get(_ray_key(self.name, "board"))
-        board = None if raw is None else pickle.loads(raw)
-        if ended(board, self.seen):
-            store.delete(mine)
-            return CLOSED
-        self.seen = self.seen or board is not None
-        return board
+        """This worker's report and the book's answer (see LinkState)."""
+        self.worker = worker
+        return self._exchange(report)
+
+    def _read(self) -> dict[str, Any] | None:
+        raw = RayStore().get(_ray_key(self.name, "board"))
+        return None if raw is None else pickle.loads(raw)
+
+    def _write(self, report: dict[str, Any]) -> None:
+        RayStore().put(_ray_key(self.name, "reports", self.worker), pickle.dumps(report))
+
+    def _forget(self) -> None:
+        RayStore().delete(_ray_key(self.name, "reports", self.worker))
 
 
 @dataclass
@@ -174,9 +220,9 @@ class RayChannel:
     """The flow's side on Ray: the run's keys in the cluster's key-value store, deleted when the run ends.
 
     A flow killed outright leaves its keys (under 1 KB a worker); the next run on the cluster deletes those
-    whose board has not been written for STALE_S. A live run's book writes its board at least every
-    board.REPUBLISH_S, so only hosts whose clocks differ by most of STALE_S could delete a live run's keys
-    (its workers would take the run for ended)."""
+    whose board has not been written for STALE_S (a live run's book writes it at least every
+    board.REPUBLISH_S). Deleting a live run's keys by mistake (hosts whose clocks differ by most of
+    STALE_S) costs it that long: its workers keep their shares and chunks meanwhile."""
 
     name: str
 
@@ -211,8 +257,8 @@ class RayChannel:
         RayStore().put(_ray_key(self.name, "board"), pickle.dumps({**board, "written_at": time.time()}))
 
     def close(self) -> None:
-        """Tell the workers the run ended, then delete the run's keys (even if telling them failed; a
-        worker that reports after that deletes its report itself: see `ended`)."""
+        """Tell the workers the run ended, then delete the run's keys (even if telling them failed); a
+        worker that reports after that deletes its report itself (LinkState)."""
         try:
             self.publish(CLOSED)
         finally:

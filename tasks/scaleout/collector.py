@@ -250,11 +250,13 @@ class WorkerCollector:
             try:
                 reply = await self._exchange(slot)
                 slot.last_ok = slot.sent_at
-                if reply and reply.get("closed"):
+                # A board gone under running chunks may be back within the book's next publish: the
+                # chunks keep their share meanwhile; with none running the run has ended here.
+                if reply and (reply.get("closed") or (reply.get("gone") and not slot.planned)):
                     slot.ctx.pool.set_share(0, slot.run_limits)
                     self._close_slot(key, slot)
                     return
-                if reply:
+                if reply and not reply.get("gone"):
                     slot.apply(self.worker, reply)
             except Exception as exc:
                 if not warned:
