@@ -223,3 +223,21 @@ def test_a_board_gone_under_a_running_chunk_keeps_its_share_until_the_chunk_ends
         time.sleep(0.02)
     assert collector_module.run_key(run) not in collector.slots, "the ended run's slot stayed open"
     assert slot.ctx.limit.limit == 0
+
+
+def test_a_board_gone_for_good_drops_a_running_chunks_share_after_the_lease(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A chunk left running after its run ended (an engine that does not stop a running task) keeps no
+    share the book no longer accounts for: only a board confirms it."""
+    monkeypatch.setattr(collector_module, "SHARE_LEASE_S", 0.5)
+    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
+    collector, link = WorkerCollector.get(), VanishingBoard()
+    run = RemoteRun(spec, WorkerScope(), None, link, 8)
+    slot = asyncio.run_coroutine_threadsafe(collector._slot(run), collector.loop).result(timeout=30)
+    collector.loop.call_soon_threadsafe(slot.start, 0, 100)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (link.exchanges < 2 or slot.ctx.limit.limit):
+        time.sleep(0.02)
+    assert link.exchanges >= 2 and slot.ctx.limit.limit == 0, "the orphaned chunk kept its share"
+    collector.loop.call_soon_threadsafe(slot.end, 0)

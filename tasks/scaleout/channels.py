@@ -27,11 +27,12 @@ RAY_NAMESPACE = b"rollflow"
 class LinkState:
     """A worker link's side of the end of a run, the same on every engine.
 
-    Until a worker has read a board of the run it writes nothing (a run that ended before, or whose book
-    has not published yet, gets no report). From then on it writes its report first and reads the board
-    after: a board that is closed or gone means the run's state may already have been removed, so the
-    worker deletes the report it just wrote. The flow then removes the run's state without waiting for
-    its workers, and nothing is left behind."""
+    A worker writes nothing until it has read a live board of the run (a run that ended first, or whose
+    book has not published yet, gets no report). Then it writes its report and reads the board after it:
+    a board that is closed or gone means the run's state may already have been removed, so the worker
+    deletes the report it just wrote and writes nothing more until it reads a live board again. The flow
+    then removes the run's state without waiting for its workers; a worker that dies between its write
+    and its read (or whose delete fails) is what can leave a report behind."""
 
     seen: bool
 
@@ -40,14 +41,13 @@ class LinkState:
             board = self._read()
             if board is None:
                 return None
-            self.seen = True
             if board.get("closed"):
                 return CLOSED
-            self._write(report)
-            return board
+            self.seen = True
         self._write(report)
         board = self._read()
         if board is None or board.get("closed"):
+            self.seen = False
             self._forget()
             return GONE if board is None else CLOSED
         return board
@@ -222,7 +222,8 @@ class RayChannel:
     A flow killed outright leaves its keys (under 1 KB a worker); the next run on the cluster deletes those
     whose board has not been written for STALE_S (a live run's book writes it at least every
     board.REPUBLISH_S). Deleting a live run's keys by mistake (hosts whose clocks differ by most of
-    STALE_S) costs it that long: its workers keep their shares and chunks meanwhile."""
+    STALE_S) costs it about REPUBLISH_S: workers with chunks running keep their share until the board is
+    back; idle ones close their slot and open it again, at share 0, with their next chunk."""
 
     name: str
 

@@ -248,16 +248,8 @@ class WorkerCollector:
             if time.monotonic() - slot.last_ok > SHARE_LEASE_S and slot.ctx.pool.share:
                 slot.ctx.pool.set_share(0, slot.run_limits)
             try:
-                reply = await self._exchange(slot)
-                slot.last_ok = slot.sent_at
-                # A board gone under running chunks may be back within the book's next publish: the
-                # chunks keep their share meanwhile; with none running the run has ended here.
-                if reply and (reply.get("closed") or (reply.get("gone") and not slot.planned)):
-                    slot.ctx.pool.set_share(0, slot.run_limits)
-                    self._close_slot(key, slot)
+                if self._answer(key, slot, await self._exchange(slot)):
                     return
-                if reply and not reply.get("gone"):
-                    slot.apply(self.worker, reply)
             except Exception as exc:
                 if not warned:
                     log.warning("cannot reach the run's share book: %s: %s", type(exc).__name__, exc)
@@ -268,6 +260,20 @@ class WorkerCollector:
                 self._close_slot(key, slot)
                 return
             await asyncio.sleep(POLL_S)
+
+    def _answer(self, key: str, slot: RunSlot, reply: dict[str, Any] | None) -> bool:
+        """Apply the book's answer; True when it ended the run here (its slot is closed).
+
+        Only a board confirms the share. A board gone under running chunks may be back within the book's
+        next publish (the chunks keep their share until SHARE_LEASE_S); with none running the run ended."""
+        if reply and (reply.get("closed") or (reply.get("gone") and not slot.planned)):
+            slot.ctx.pool.set_share(0, slot.run_limits)
+            self._close_slot(key, slot)
+            return True
+        if reply and not reply.get("gone"):
+            slot.last_ok = slot.sent_at
+            slot.apply(self.worker, reply)
+        return False
 
     def _close_slot(self, key: str, slot: RunSlot) -> None:
         if self.slots.get(key) is slot:
