@@ -4,12 +4,14 @@ The backend is the simulator at 32 slots x 50 ms (640 rollouts/s at most); 12,00
 --parallelism 32, in this order, each twice. Everything runs inside a network namespace of its own with
 only a loopback interface (the script re-executes itself under `unshare -rn --pid --fork --mount-proc`):
 outside one, Ray's processes talk over the machine's own address. The local runner runs twice (its first
-run also pays the Prefect server's warm-up). Dask is a `dask scheduler` with two `dask worker` processes
+run also pays the Prefect server's warm-up), before Dask and again before Ray: this machine's speed
+drifts over minutes, so each engine is compared with the local runs just before it. Dask is a
+`dask scheduler` with two `dask worker` processes
 (2 threads each, with rollflow's `--preload` and `--preload-nanny`), run on the fresh cluster, then again
 on the same workers, as a long-lived cluster serves runs; Ray is a head node
 and a second node started with `ray start --address`, one CPU each (one chunk per worker process at a
 time), also run twice (Ray starts a job's worker processes anew for each run). Dask's and Ray's rows are
-compared with the better of the two local runs: its rate, and its CPU per rollout.
+compared with the better of the two local runs just before them: its rate, and its CPU per rollout.
 
 Figures per row: the collect stage's rate (report.json `collect_rollouts_per_s`, which includes the
 engine's task start-up) as a share of 640/s, and CPU ms per rollout: the `rollflow run` command (from
@@ -231,8 +233,7 @@ def main() -> None:
     results, ceiling, engine = [], None, []
     try:
         if "local" in only:  # twice, as each engine: the first run also pays the Prefect server's warm-up
-            for name, folder in (("local, first run", "local"), ("local, second run", "local-again")):
-                results.append(run(name, [*common, "--output", str(work / folder)], env, work / folder)[0])
+            results += local_runs(common, env, work, "before Dask" if "dask" in only else "")
         if "dask" in only or "ceiling" in only:
             address, engine = dask_cluster(env, logs)
             dask = ["--runner", "dask", "--dask-address", address]
@@ -250,6 +251,8 @@ def main() -> None:
             ceiling = run("ceiling", args, env, work / "ceiling")[1]
         stop(engine)
         if "ray" in only:
+            if "local" in only and "dask" in only:  # the machine's speed drifts: local again, beside Ray
+                results += local_runs(common, env, work, "before Ray")
             ray_address, engine, ray_env = ray_cluster(env, logs)
             ray = ["--runner", "ray", "--ray-address", ray_address]
             for name, folder in (("fresh cluster", "ray"), ("second run", "ray-again")):
@@ -261,6 +264,15 @@ def main() -> None:
             service.stop()
     report(results, ceiling)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def local_runs(common: list[str], env: dict[str, str], work: Path, when: str) -> list[Row]:
+    rows = []
+    for run_name in ("first run", "second run"):
+        name = f"local, {run_name}" + (f", {when}" if when else "")
+        folder = work / name.replace(", ", "-").replace(" ", "-")
+        rows.append(run(name, [*common, "--output", str(folder)], env, folder)[0])
+    return rows
 
 
 def stop(roots: list[psutil.Process]) -> None:
@@ -286,17 +298,20 @@ def report(results: list[Row], ceiling: dict | None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in results:
         print(row.line())
-    local = [row for row in results if row.name.startswith("local")]
-    if local:  # the stricter comparison: the faster and the cheaper of the local runs
-        best_rate, best_cpu = max(r.rate for r in local), min(r.cpu_per_rollout for r in local)
-        print(
-            f"\nagainst the local runs' best: {best_rate:,.0f} rollouts/s, "
-            f"{1000 * best_cpu:.2f} ms CPU per rollout"
-        )
-    for row in [r for r in results if r not in local] if local else []:
-        rate, cpu = row.rate / best_rate, row.cpu_per_rollout / best_cpu
-        print(f"{row.name}: {rate:.2f} of the local runner's rate (goal >= 0.9), "
-              f"{cpu:.2f}x its CPU per rollout (goal <= 1.3)")  # fmt: skip
+    baseline: list[Row] = []  # each engine is compared with the local runs measured just before it
+    after_local = False
+    for row in results:
+        is_local = row.name.startswith("local")
+        if is_local:
+            baseline = [*baseline, row] if after_local else [row]
+        elif baseline:
+            best_rate = max(r.rate for r in baseline)
+            best_cpu = min(r.cpu_per_rollout for r in baseline)
+            rate, cpu = row.rate / best_rate, row.cpu_per_rollout / best_cpu
+            print(f"{row.name}: {rate:.2f} of the local runner's rate (goal >= 0.9), {cpu:.2f}x its CPU "
+                  f"per rollout (goal <= 1.3); the local runs just before: {best_rate:,.0f}/s, "
+                  f"{1000 * best_cpu:.2f} ms")  # fmt: skip
+        after_local = is_local
     if ceiling is None:
         return
     print("\nzero-latency client ceiling, per Dask worker process (rollouts per CPU-second of that process):")
