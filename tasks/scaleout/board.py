@@ -19,7 +19,7 @@ REPUBLISH_S = 1.0
 
 
 class Channel(Protocol):
-    """The flow's end of an engine channel (Dask scheduler metadata, a Ray actor)."""
+    """The flow's end of an engine channel (Dask scheduler metadata, the Ray cluster's key-value store)."""
 
     def reports(self) -> dict[str, dict[str, Any]]: ...
 

@@ -69,7 +69,7 @@ class DaskLink(LinkState):
 
     key: str
     client: Any = field(default=None, repr=False, compare=False)
-    seen: bool = field(default=False, compare=False)  # a board of the run was read through this link
+    seen: bool = field(default=False, compare=False)  # a live board was read, and no end since (LinkState)
     worker: str = field(default="", compare=False)
 
     def bind(self) -> DaskLink:
@@ -193,7 +193,7 @@ class RayLink(LinkState):
     run on Ray starts no actor, whose process would import Ray anew for every run."""
 
     name: str
-    seen: bool = field(default=False, compare=False)  # a board of the run was read through this link
+    seen: bool = field(default=False, compare=False)  # a live board was read, and no end since (LinkState)
     worker: str = field(default="", compare=False)
 
     def bind(self) -> RayLink:
