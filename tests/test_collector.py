@@ -207,12 +207,18 @@ class VanishingBoard:
         return {"grants": {worker: [1, 8]}} if self.exchanges == 1 else {"gone": True}
 
 
-def test_a_board_gone_under_a_running_chunk_keeps_its_share_until_the_chunk_ends(tmp_path: Path) -> None:
+def chunk_on_a_vanishing_board(tmp_path: Path) -> tuple[WorkerCollector, VanishingBoard, RemoteRun, RunSlot]:
+    """A run's slot on this process's collector, with one chunk running, whose book then vanishes."""
     spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
     collector, link = WorkerCollector.get(), VanishingBoard()
     run = RemoteRun(spec, WorkerScope(), None, link, 8)
     slot = asyncio.run_coroutine_threadsafe(collector._slot(run), collector.loop).result(timeout=30)
     collector.loop.call_soon_threadsafe(slot.start, 0, 100)
+    return collector, link, run, slot
+
+
+def test_a_board_gone_under_a_running_chunk_keeps_its_share_until_the_chunk_ends(tmp_path: Path) -> None:
+    collector, link, run, slot = chunk_on_a_vanishing_board(tmp_path)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and link.exchanges < 5:
         time.sleep(0.02)
@@ -231,11 +237,7 @@ def test_a_board_gone_for_good_drops_a_running_chunks_share_after_the_lease(
     """A chunk left running after its run ended (an engine that does not stop a running task) keeps no
     share the book no longer accounts for: only a board confirms it."""
     monkeypatch.setattr(collector_module, "SHARE_LEASE_S", 0.5)
-    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
-    collector, link = WorkerCollector.get(), VanishingBoard()
-    run = RemoteRun(spec, WorkerScope(), None, link, 8)
-    slot = asyncio.run_coroutine_threadsafe(collector._slot(run), collector.loop).result(timeout=30)
-    collector.loop.call_soon_threadsafe(slot.start, 0, 100)
+    collector, link, _, slot = chunk_on_a_vanishing_board(tmp_path)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (link.exchanges < 2 or slot.ctx.limit.limit):
         time.sleep(0.02)
