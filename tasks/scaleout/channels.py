@@ -35,8 +35,11 @@ class LinkState:
     and its read (or whose delete fails) is what can leave a report behind."""
 
     seen: bool
+    worker: str
 
-    def _exchange(self, report: dict[str, Any]) -> dict[str, Any] | None:
+    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+        """This worker's report and the book's answer."""
+        self.worker = worker
         if not self.seen:
             board = self._read()
             if board is None:
@@ -76,11 +79,6 @@ class DaskLink(LinkState):
         from distributed import get_client
 
         return DaskLink(self.key, get_client())
-
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """This worker's report and the book's answer (see LinkState)."""
-        self.worker = worker
-        return self._exchange(report)
 
     def _read(self) -> dict[str, Any] | None:
         return self.client.get_metadata([PREFIX, self.key, "board"], None)
@@ -198,11 +196,6 @@ class RayLink(LinkState):
 
     def bind(self) -> RayLink:
         return self
-
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """This worker's report and the book's answer (see LinkState)."""
-        self.worker = worker
-        return self._exchange(report)
 
     def _read(self) -> dict[str, Any] | None:
         raw = RayStore().get(_ray_key(self.name, "board"))
