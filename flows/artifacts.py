@@ -32,23 +32,25 @@ async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator
         return 100.0 * count.finished / count.total if count.total else 0.0
 
     async def refresh() -> None:
-        shown = -1.0
-        while True:
+        """The only writer once the bar exists, one update at a time: an update cancelled mid-request
+        could still reach the server after the final one and set the bar back."""
+        shown = 0.0
+        while not ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), interval_s)
             if percent() != shown:
                 shown = percent()
                 await aupdate_progress_artifact(artifact, shown)
-            await asyncio.sleep(interval_s)
 
+    ended = asyncio.Event()
     unsubscribe = hub.subscribe(count.add)
     task = asyncio.create_task(refresh())
     try:
         yield
     finally:
         unsubscribe()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await aupdate_progress_artifact(artifact, percent())
+        ended.set()
+        await task
 
 
 async def dataset_link(url: str) -> None:

@@ -29,6 +29,7 @@ CONCURRENT = {
     "test_paths",
     "test_pipeline_e2e",
     "test_probe_accounting",
+    "test_progress_artifact",
     "test_publish_files",
     "test_replicas_cli",
     "test_report_figures",

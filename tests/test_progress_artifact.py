@@ -1,0 +1,124 @@
+"""The run's progress bar ends at what was counted, even when an update is slow to reach the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from rollflow.flows.artifacts import rollout_progress
+from rollflow.tasks.collect.progress import ProgressEvent, hub
+
+HOLD_S = 1.5
+
+
+@dataclass
+class SlowGateway:
+    """A reverse proxy to the Prefect API that holds the first artifact update for HOLD_S, as a busy
+    gateway may. The request reaches the server even if its client gave up, after any sent later."""
+
+    upstream: str
+    session: aiohttp.ClientSession | None = None
+    runner: web.AppRunner | None = None
+    held: bool = False
+    forwarding: int = 0
+    artifact_ids: list[str] = field(default_factory=list)
+    updates: list[float] = field(default_factory=list)  # in the order the server received them
+
+    async def start(self) -> str:
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self.runner = web.AppRunner(app, handler_cancellation=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}/api"
+
+    async def stop(self) -> None:
+        assert self.runner is not None and self.session is not None
+        await self.runner.cleanup()
+        await self.session.close()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._forward_websocket(request)
+        body = await request.read()
+        update = request.method == "PATCH" and "/artifacts/" in request.path
+        self.forwarding += 1
+        try:
+            if update and not self.held:
+                self.held = True
+                await asyncio.sleep(HOLD_S)
+            if update:
+                self.updates.append(float(json.loads(body)["data"]))
+            headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+            url = self.upstream + request.path_qs.removeprefix("/api")
+            async with self.session.request(request.method, url, data=body, headers=headers) as reply:
+                data = await reply.read()
+                if request.method == "POST" and request.path.rstrip("/").endswith("/artifacts"):
+                    self.artifact_ids.append(json.loads(data)["id"])
+                return web.Response(body=data, status=reply.status, content_type=reply.content_type)
+        finally:
+            self.forwarding -= 1
+
+    async def _forward_websocket(self, request: web.Request) -> web.WebSocketResponse:
+        """The client's event stream, passed through both ways."""
+        assert self.session is not None
+        url = self.upstream.replace("http", "ws", 1) + request.path_qs.removeprefix("/api")
+        async with self.session.ws_connect(url) as upstream:
+            client = web.WebSocketResponse()
+            await client.prepare(request)
+
+            async def pump(source: Any, sink: Any) -> None:
+                async for message in source:
+                    if message.type == aiohttp.WSMsgType.TEXT:
+                        await sink.send_str(message.data)
+                    elif message.type == aiohttp.WSMsgType.BINARY:
+                        await sink.send_bytes(message.data)
+                await sink.close()
+
+            await asyncio.gather(pump(client, upstream), pump(upstream, client), return_exceptions=True)
+            return client
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")
+def test_the_bar_ends_at_the_final_count_when_an_earlier_update_is_held(prefect_server) -> None:
+    """An update still travelling when the run ends must not land after the final one (it read 0% once
+    in a served run whose chunks ended within the first refresh)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def scenario() -> None:
+        gateway = SlowGateway(prefect_server.env["PREFECT_API_URL"].rstrip("/"))
+        url = await gateway.start()
+        try:
+            with temporary_settings({PREFECT_API_URL: url}):
+                async with rollout_progress(total=4, interval_s=0.05):
+                    await asyncio.sleep(0.2)
+                    hub.emit(ProgressEvent("rollouts", done=4, chunk=0))
+                    await asyncio.sleep(0.2)
+                await asyncio.to_thread(EventsWorker.drain_all, 10)  # its events use the gateway too
+            for _ in range(100):
+                if not gateway.forwarding:
+                    break
+                await asyncio.sleep(0.05)
+            assert not gateway.forwarding and gateway.held, (gateway.forwarding, gateway.held)
+            (artifact_id,) = gateway.artifact_ids
+            async with aiohttp.ClientSession() as session:
+                api = prefect_server.env["PREFECT_API_URL"].rstrip("/")
+                async with session.get(f"{api}/artifacts/{artifact_id}") as reply:
+                    shown = (await reply.json())["data"]
+            assert gateway.updates and gateway.updates[-1] == 100.0, gateway.updates
+            assert shown == 100.0, (shown, gateway.updates)
+        finally:
+            await gateway.stop()
+
+    asyncio.run(scenario())
