@@ -13,8 +13,9 @@ class ShareBoard:
         self._reports: dict[str, dict[str, Any]] = {}
         self._board: dict[str, Any] | None = None
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        self._reports[worker] = report
+    def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        if report is not None:
+            self._reports[worker] = report
         return self._board
 
     def reports(self) -> dict[str, dict[str, Any]]:

@@ -87,7 +87,7 @@ class StuckLink:
         self.lock = threading.Lock()
         self.waiting = self.most_waiting = 0
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+    def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
         with self.lock:
             self.waiting += 1
             self.most_waiting = max(self.most_waiting, self.waiting)
@@ -158,8 +158,9 @@ class RecordingLink:
     def __init__(self) -> None:
         self.reports: list[dict[str, Any]] = []
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        self.reports.append(report)
+    def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        if report is not None:
+            self.reports.append(report)
         return {"grants": {}}
 
 
@@ -202,7 +203,7 @@ class VanishingBoard:
     def __init__(self) -> None:
         self.exchanges = 0
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
+    def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
         self.exchanges += 1
         return {"grants": {worker: [1, 8]}} if self.exchanges == 1 else {"gone": True}
 

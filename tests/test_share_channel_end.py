@@ -1,6 +1,6 @@
 """A run's end on the share channel: the flow removes the run's state without waiting for its workers, a
-report a worker writes after that is deleted by the worker itself, and the book's answer is published
-only when it changes."""
+report a worker writes after that is deleted by the worker itself, an exchange with nothing to report
+only reads, and the book's answer is published only when it changes."""
 
 from __future__ import annotations
 
@@ -44,6 +44,23 @@ def test_the_run_ends_without_waiting_and_a_late_report_is_deleted_by_its_worker
     assert link.exchange("w", {"n": 2, "demand": 3}) == GONE
     assert client.get_metadata([PREFIX], None) is None, "the late report was left on the scheduler"
     assert took < 0.4, f"closing waited {took:.2f} s for the workers (it used to sleep 0.5 s)"
+
+
+def test_an_exchange_without_a_report_only_reads(client: Any) -> None:
+    """Nothing new to say: the board is read, the report written last stays as it was, and the end of the
+    run is found as with a report (and leaves nothing)."""
+    channel, link = DaskChannel(client, "run4"), DaskLink("run4", client)
+    assert link.exchange("w", None) is None  # no board yet: nothing read, nothing written
+    channel.publish({"grants": {"w": (1, 8)}})
+    assert link.exchange("w", None) == {"grants": {"w": (1, 8)}}
+    assert channel.reports() == {}, "a read wrote a report"
+    assert link.exchange("w", {"n": 1, "demand": 10}) == {"grants": {"w": (1, 8)}}
+    channel.publish({"grants": {"w": (2, 4)}})
+    assert link.exchange("w", None) == {"grants": {"w": (2, 4)}}
+    assert channel.reports() == {"w": {"n": 1, "demand": 10}}
+    channel.close()
+    assert link.exchange("w", None) == GONE
+    assert client.get_metadata([PREFIX], None) is None
 
 
 class ClosedMidExchange(DaskLink):

@@ -32,13 +32,14 @@ class LinkState:
     a board that is closed or gone means the run's state may already have been removed, so the worker
     deletes the report it just wrote and writes nothing more until it reads a live board again. The flow
     then removes the run's state without waiting for its workers; a worker that dies between its write
-    and its read (or whose delete fails) is what can leave a report behind."""
+    and its read (or whose delete fails) is what can leave a report behind. An exchange without a report
+    (nothing new to say) only reads."""
 
     seen: bool
     worker: str
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None:
-        """This worker's report and the book's answer."""
+    def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """This worker's report (None: only read) and the book's answer."""
         self.worker = worker
         if not self.seen:
             board = self._read()
@@ -47,7 +48,10 @@ class LinkState:
             if board.get("closed"):
                 return CLOSED
             self.seen = True
-        self._write(report)
+            if report is None:
+                return board
+        if report is not None:
+            self._write(report)
         board = self._read()
         if board is None or board.get("closed"):
             self.seen = False

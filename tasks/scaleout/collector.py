@@ -38,15 +38,17 @@ from rollflow.tasks.verify.pool import close_pools
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  # how often a worker reports to the share book and applies its share
+POLL_S = 0.1  # how often a worker reads the share book's answer and applies its share
+REPORT_S = 1.0  # a worker's report is written at least this often (the book counts silence from it)
 IDLE_S = 30.0  # a run with no chunk in this process for this long is closed here (if the book never said so)
 EXCHANGE_THREADS = 2  # exchanges run on threads of their own: one stuck never holds a commit's thread
 
 
 class ShareLink(Protocol):
-    """The worker's side of the share book: send this worker's report, get the book's newest answer."""
+    """The worker's side of the share book: send this worker's report (None: nothing new to say), get the
+    book's newest answer."""
 
-    def exchange(self, worker: str, report: dict[str, Any]) -> dict[str, Any] | None: ...
+    def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class RunSlot:
     sync: asyncio.Task[None] | None = None
     exchanging: asyncio.Future[dict[str, Any] | None] | None = None  # the exchange under way, if any
     sent_at: float = 0.0  # when it was sent: an answer confirms the share as of then, not as of its arrival
+    written: tuple[Any, ...] | None = None  # what the book allocates by, as of the last report sent
+    written_at: float = 0.0
 
     def start(self, chunk: int, planned: int) -> None:
         self.planned[chunk] = planned
@@ -120,17 +124,52 @@ class RunSlot:
 
     def report(self, worker: str) -> dict[str, Any]:
         self.reports += 1
-        pool, limit = self.ctx.pool, self.ctx.limit
+        demand, applied, rotation = self._demand(), self._applied(), self._rotation()
         return {
             "n": self.reports,
-            "demand": sum(max(0, n - sum(self.counted.chunks.get(i, ()))) for i, n in self.planned.items()),
-            "in_use": limit.in_use,
+            "demand": demand,
+            "in_use": self.ctx.limit.in_use,
             "applied_seq": self.applied_seq,
-            "applied": pool.share if pool.share is not None else limit.limit,
-            "rotation": {url: list(event) for url, event in pool.rotation().items()},
+            "applied": applied,
+            "rotation": rotation,
             "chunks": {str(i): list(counts) for i, counts in self.counted.chunks.items()},
             "snapshot": self.snapshot(worker),
         }
+
+    def next_report(self, worker: str, now: float) -> dict[str, Any] | None:
+        """The report to send with this exchange, or None when none is due."""
+        state = self.due(now)
+        if state is None:
+            return None
+        self.written, self.written_at = state, now
+        return self.report(worker)
+
+    def due(self, now: float) -> tuple[Any, ...] | None:
+        """What the book allocates by, when it changed since the last report or that is REPORT_S old (a
+        report is then due); else None. Demand counts only below the run's limit and in-flight requests
+        only above the applied share: above and below those, the book allocates the same."""
+        applied, total = self._applied(), sum(self.run_limits.values())
+        state = (
+            tuple(self.planned),
+            self.applied_seq,
+            applied,
+            max(self.ctx.limit.in_use, applied),
+            min(self._demand(), total),
+            self._rotation(),
+        )
+        if state != self.written or now - self.written_at >= REPORT_S:
+            return state
+        return None
+
+    def _demand(self) -> int:
+        return sum(max(0, n - sum(self.counted.chunks.get(i, ()))) for i, n in self.planned.items())
+
+    def _applied(self) -> int:
+        pool, limit = self.ctx.pool, self.ctx.limit
+        return pool.share if pool.share is not None else limit.limit
+
+    def _rotation(self) -> dict[str, list[Any]]:
+        return {url: list(event) for url, event in self.ctx.pool.rotation().items()}
 
     def snapshot(self, worker: str) -> dict[str, Any]:
         """This process's figures for the run so far (the report's per-worker rows)."""
@@ -239,8 +278,8 @@ class WorkerCollector:
         return RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link, ctx.run)
 
     async def _keep_share(self, key: str, slot: RunSlot) -> None:
-        """Report and apply the share until the book says the run ended, or the run has had no chunk here
-        for IDLE_S (or is past its deadline)."""
+        """Read and apply the share every POLL_S, with a report when one is due, until the book says the
+        run ended, or the run has had no chunk here for IDLE_S (or is past its deadline)."""
         warned = False
         while True:
             # A share not confirmed for SHARE_LEASE_S is dropped before this worker reports again (after a
@@ -273,6 +312,8 @@ class WorkerCollector:
         if reply and not reply.get("gone"):
             slot.last_ok = slot.sent_at
             slot.apply(self.worker, reply)
+        else:
+            slot.written = None  # no live board took the last report: the next exchange sends one
         return False
 
     def _close_slot(self, key: str, slot: RunSlot) -> None:
@@ -281,16 +322,21 @@ class WorkerCollector:
             self.carried[key] = slot.carried()
 
     async def _exchange(self, slot: RunSlot) -> dict[str, Any] | None:
-        """One exchange on the exchange threads; one still under way (a scheduler that does not answer)
-        is awaited again rather than joined by another, so stuck exchanges never pile up."""
+        """One exchange on the exchange threads, with a report only when one is due (`RunSlot.due`); one
+        still under way (a scheduler that does not answer) is awaited again rather than joined by another,
+        so stuck exchanges never pile up."""
         assert slot.link is not None
         if slot.exchanging is None or slot.exchanging.done():
-            report = slot.report(self.worker)
             slot.sent_at = time.monotonic()
+            report = slot.next_report(self.worker, slot.sent_at)
             slot.exchanging = self.loop.run_in_executor(
                 self.exchanges, slot.link.exchange, self.worker, report
             )
-        return await asyncio.wait_for(asyncio.shield(slot.exchanging), EXCHANGE_TIMEOUT_S)
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot.exchanging), EXCHANGE_TIMEOUT_S)
+        except Exception:
+            slot.written = None  # the report may not have arrived: the next exchange sends one
+            raise
 
     async def _subscribe(self) -> None:
         hub.subscribe(self._count)
