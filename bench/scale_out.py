@@ -276,15 +276,21 @@ def local_runs(common: list[str], env: dict[str, str], work: Path, when: str) ->
 
 
 def stop(roots: list[psutil.Process]) -> None:
-    """Kill the engine's process trees, and in a pid namespace of its own, every process they left."""
+    """Kill the engine's process trees, and in a pid namespace of its own, every process they left; then
+    reap them. Reaped later (the next Popen reaps children it finds dead), their whole CPU time would
+    join RUSAGE_CHILDREN inside the run measured then: a local run read 0.60 ms instead of 0.35 so."""
+    killed = []
     for proc in roots:
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in [proc, *proc.children(recursive=True)]:
                 child.kill()
+                killed.append(child)
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             if engine_kind(proc) is not None:
                 proc.kill()
+                killed.append(proc)
+    psutil.wait_procs(killed, timeout=30)
     roots.clear()
 
 
