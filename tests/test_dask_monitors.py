@@ -121,8 +121,9 @@ USERS_OWN = {
 
 @pytest.mark.parametrize("cluster", [USERS_OWN], indirect=True)
 def test_a_tick_set_by_hand_a_scheduler_and_an_unknown_value(cluster: Cluster) -> None:
-    """A tick and a memory monitor the user configured are kept; a scheduler given the preload is left alone; a value other
-    than keep or quiet is named, as given, in a warning, and the monitors are turned down."""
+    """A tick and a memory monitor the user configured are kept; a scheduler given the preload is left
+    alone; a value other than keep or quiet is named, as given, in a warning, and the monitors are turned
+    down."""
     worker = cluster.worker()
     assert not set(DROPPED) & set(worker["names"]), worker
     assert worker["tick_ms"] == 100 and cluster.nanny_tick() == 100
