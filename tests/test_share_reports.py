@@ -1,6 +1,6 @@
 """A worker reads the share book's answer every POLL_S but writes its report only when what the book
 allocates by has changed, or REPORT_S after the last one: an unchanged report every 0.1 s cost each Dask
-worker about a quarter of its CPU in bench/scale_out.py."""
+worker about a fifth of its CPU in bench/scale_out.py."""
 
 from __future__ import annotations
 
