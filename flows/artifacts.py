@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from prefect.artifacts import (
 
 from rollflow.tasks.collect.progress import RolloutCount, hub
 from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
+
+log = logging.getLogger(__name__)
+FINAL_UPDATE_WAIT_S = 10.0  # the run's end waits this long at most for the bar's last update
 
 
 @contextlib.asynccontextmanager
@@ -33,14 +37,24 @@ async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator
 
     async def refresh() -> None:
         """The only writer once the bar exists, one update at a time: an update cancelled mid-request
-        could still reach the server after the final one and set the bar back."""
-        shown = 0.0
-        while not ended.is_set():
+        could still reach the server after the final one and set the bar back. The last pass starts
+        after the run ended, so it shows the final count; a failed update is logged, not raised."""
+        shown, warned = 0.0, False
+        while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ended.wait(), interval_s)
-            if percent() != shown:
-                shown = percent()
-                await aupdate_progress_artifact(artifact, shown)
+            final = ended.is_set()
+            value = percent()
+            if value != shown:
+                try:
+                    await aupdate_progress_artifact(artifact, value)
+                    shown = value
+                except Exception as exc:
+                    if not warned:
+                        log.warning("the progress artifact was not updated: %s: %s", type(exc).__name__, exc)
+                        warned = True
+            if final:
+                return
 
     ended = asyncio.Event()
     unsubscribe = hub.subscribe(count.add)
@@ -50,7 +64,11 @@ async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator
     finally:
         unsubscribe()
         ended.set()
-        await task
+        try:
+            # Bounded: a Prefect API that hangs must not hold the run's end (nor replace its error).
+            await asyncio.wait_for(task, FINAL_UPDATE_WAIT_S)
+        except Exception as exc:
+            log.warning("the progress artifact's last update did not end: %s: %s", type(exc).__name__, exc)
 
 
 async def dataset_link(url: str) -> None:

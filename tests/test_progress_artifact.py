@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,11 @@ class SlowGateway:
     gateway may. The request reaches the server even if its client gave up, after any sent later."""
 
     upstream: str
+    refuse_updates: bool = False  # answer every update 503, as a gateway whose upstream is down
     session: aiohttp.ClientSession | None = None
     runner: web.AppRunner | None = None
     held: bool = False
+    holding: bool = False
     forwarding: int = 0
     artifact_ids: list[str] = field(default_factory=list)
     updates: list[float] = field(default_factory=list)  # in the order the server received them
@@ -54,9 +57,12 @@ class SlowGateway:
         update = request.method == "PATCH" and "/artifacts/" in request.path
         self.forwarding += 1
         try:
+            if update and self.refuse_updates:
+                return web.Response(status=503, text="upstream unavailable")
             if update and not self.held:
-                self.held = True
+                self.held = self.holding = True
                 await asyncio.sleep(HOLD_S)
+                self.holding = False
             if update:
                 self.updates.append(float(json.loads(body)["data"]))
             headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
@@ -89,36 +95,91 @@ class SlowGateway:
             return client
 
 
+Body = Callable[[SlowGateway], Awaitable[None]]
+
+
+async def _progress_through(api: str, body: Body, refuse_updates: bool = False) -> tuple[SlowGateway, float]:
+    """`body` run inside `rollout_progress(total=4)` with the Prefect API behind the gateway; the gateway
+    and the bar's value on the server once everything it forwards has arrived."""
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    gateway = SlowGateway(api, refuse_updates=refuse_updates)
+    url = await gateway.start()
+    try:
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 0}):
+            try:
+                async with rollout_progress(total=4, interval_s=0.05):
+                    await body(gateway)
+            finally:
+                await asyncio.to_thread(EventsWorker.drain_all, 10)  # its events use the gateway too
+        for _ in range(100):
+            if not gateway.forwarding:
+                break
+            await asyncio.sleep(0.05)
+        assert not gateway.forwarding, gateway.forwarding
+        (artifact_id,) = gateway.artifact_ids
+        async with aiohttp.ClientSession() as session, session.get(f"{api}/artifacts/{artifact_id}") as reply:
+            return gateway, (await reply.json())["data"]
+    finally:
+        await gateway.stop()
+
+
+def _api(prefect_server: Any) -> str:
+    return prefect_server.env["PREFECT_API_URL"].rstrip("/")
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the gateway saw no update")
+
+
 @pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")
 def test_the_bar_ends_at_the_final_count_when_an_earlier_update_is_held(prefect_server) -> None:
     """An update still travelling when the run ends must not land after the final one (it read 0% once
     in a served run whose chunks ended within the first refresh)."""
-    from prefect.events.worker import EventsWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    async def scenario() -> None:
-        gateway = SlowGateway(prefect_server.env["PREFECT_API_URL"].rstrip("/"))
-        url = await gateway.start()
-        try:
-            with temporary_settings({PREFECT_API_URL: url}):
-                async with rollout_progress(total=4, interval_s=0.05):
-                    await asyncio.sleep(0.2)
-                    hub.emit(ProgressEvent("rollouts", done=4, chunk=0))
-                    await asyncio.sleep(0.2)
-                await asyncio.to_thread(EventsWorker.drain_all, 10)  # its events use the gateway too
-            for _ in range(100):
-                if not gateway.forwarding:
-                    break
-                await asyncio.sleep(0.05)
-            assert not gateway.forwarding and gateway.held, (gateway.forwarding, gateway.held)
-            (artifact_id,) = gateway.artifact_ids
-            async with aiohttp.ClientSession() as session:
-                api = prefect_server.env["PREFECT_API_URL"].rstrip("/")
-                async with session.get(f"{api}/artifacts/{artifact_id}") as reply:
-                    shown = (await reply.json())["data"]
-            assert gateway.updates and gateway.updates[-1] == 100.0, gateway.updates
-            assert shown == 100.0, (shown, gateway.updates)
-        finally:
-            await gateway.stop()
+    async def body(gateway: SlowGateway) -> None:
+        await asyncio.sleep(0.2)
+        hub.emit(ProgressEvent("rollouts", done=4, chunk=0))
+        await asyncio.sleep(0.2)
 
-    asyncio.run(scenario())
+    gateway, shown = asyncio.run(_progress_through(_api(prefect_server), body))
+    assert gateway.held and gateway.updates and gateway.updates[-1] == 100.0, gateway.updates
+    assert shown == 100.0, (shown, gateway.updates)
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")
+def test_the_count_reached_while_an_update_travels_is_shown_at_the_end(prefect_server) -> None:
+    """Half done, that update held; the run finishes and ends meanwhile: the bar still ends at 100%."""
+
+    async def body(gateway: SlowGateway) -> None:
+        hub.emit(ProgressEvent("rollouts", done=2, chunk=0))
+        await _until(lambda: gateway.holding)
+        hub.emit(ProgressEvent("rollouts", done=2, chunk=1))
+
+    gateway, shown = asyncio.run(_progress_through(_api(prefect_server), body))
+    assert gateway.updates == [50.0, 100.0], gateway.updates
+    assert shown == 100.0, (shown, gateway.updates)
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")
+def test_a_refused_update_neither_fails_the_run_nor_hides_its_error(prefect_server) -> None:
+    """Every update answered 503: a run that succeeded still succeeds, one that failed raises its own
+    error, not the artifact's."""
+
+    async def finishes(gateway: SlowGateway) -> None:
+        hub.emit(ProgressEvent("rollouts", done=4, chunk=0))
+        await asyncio.sleep(0.2)
+
+    async def fails(gateway: SlowGateway) -> None:
+        await finishes(gateway)
+        raise ValueError("the run's own error")
+
+    _, shown = asyncio.run(_progress_through(_api(prefect_server), finishes, refuse_updates=True))
+    assert shown == 0.0, "the gateway refused every update"
+    with pytest.raises(ValueError, match="the run's own error"):
+        asyncio.run(_progress_through(_api(prefect_server), fails, refuse_updates=True))
