@@ -14,26 +14,40 @@ from rollflow.tasks.collect.progress import ProgressEvent
 from rollflow.tasks.scaleout.collector import REPORT_S, RemoteRun, RunSlot, WorkerCollector
 from rollflow.tasks.scaleout.scope import WorkerScope
 
-A = "http://127.0.0.1:9"
+A, B = "http://127.0.0.1:9", "http://127.0.0.1:10"
 
 
 class CountingLink:
-    """A share book that answers at once, counting its exchanges and keeping the reports it got."""
+    """A share book that answers at once, counting its exchanges and keeping the reports it got; `fail`
+    exchanges raise first (an unreachable scheduler), and once `ended` it answers that the run ended."""
 
     def __init__(self) -> None:
         self.exchanges = 0
         self.reports: list[tuple[int, dict[str, Any]]] = []  # (the exchange it came with, the report)
+        self.fail = 0
+        self.ended = False
 
     def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
         self.exchanges += 1
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("the scheduler cannot be reached")
         if report is not None:
             self.reports.append((self.exchanges, report))
-        return {"grants": {}}
+        return {"closed": True} if self.ended else {"grants": {}}
 
 
-def _run(tmp_path: Path, link: CountingLink | None, limit: int) -> RemoteRun:
-    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": A})
+def _run(tmp_path: Path, link: CountingLink | None, limit: int | dict[str, int]) -> RemoteRun:
+    urls = ",".join(limit) if isinstance(limit, dict) else A
+    spec = RunSpec(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), backend={"url": urls})
     return RemoteRun(spec, WorkerScope(), None, link, limit)
+
+
+def _open(tmp_path: Path, limit: int | dict[str, int]) -> RunSlot:
+    """A run's slot with no share book behind it: its reports are asked for by hand."""
+    collector = WorkerCollector.get()
+    future = asyncio.run_coroutine_threadsafe(collector._open(_run(tmp_path, None, limit)), collector.loop)
+    return future.result(timeout=30)
 
 
 def _rollouts(slot: RunSlot, chunk: int, done: int) -> None:
@@ -90,5 +104,57 @@ def test_an_unchanged_worker_reads_every_poll_and_reports_once_a_second(tmp_path
     named = [n for n, r in link.reports if "5" in r["chunks"]]
     # the exchange under way when the chunk started may have been built before it: the next one names it
     assert named and named[0] <= before + 2, (before, named[:1])
-    collector.loop.call_soon_threadsafe(slot.end, 0)
-    collector.loop.call_soon_threadsafe(slot.end, 5)
+    link.ended = True  # the slot closes instead of polling on for the rest of the session
+
+
+def test_requests_draining_after_a_cut_are_reported_as_they_drain(tmp_path: Path) -> None:
+    """The book counts a cut share as held until the worker reports its requests drained below it: each
+    step of the drain is reported, none below the new share."""
+    slot, me = _open(tmp_path, 8), WorkerCollector.get().worker
+    loop, limit = WorkerCollector.get().loop, slot.ctx.limit
+    slot.start(0, 100)
+    slot.apply(me, {"grants": {me: [1, 8]}})
+    for _ in range(8):
+        asyncio.run_coroutine_threadsafe(limit.acquire(), loop).result(timeout=5)
+    assert slot.next_report(me, 0.0) is not None
+    slot.apply(me, {"grants": {me: [2, 3]}})  # cut to 3 with 8 in flight
+    seen = [slot.next_report(me, 0.01)]
+    for step in range(7):
+        loop.call_soon_threadsafe(limit.release)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=5)
+        seen.append(slot.next_report(me, 0.02 + step / 100))
+    in_use = [r["in_use"] if r else None for r in seen]
+    assert in_use == [8, 7, 6, 5, 4, 3, None, None], in_use
+    loop.call_soon_threadsafe(limit.release)
+
+
+def test_a_replica_this_worker_takes_out_is_reported_at_once(tmp_path: Path) -> None:
+    slot, me = _open(tmp_path, {A: 4, B: 4}), WorkerCollector.get().worker
+    slot.start(0, 100)
+    slot.apply(me, {"grants": {me: [1, 8]}})  # its share stays 8 whichever replicas are in
+    assert slot.next_report(me, 0.0) is not None
+    pool = slot.ctx.pool
+    pool.failed(pool.endpoint(B), "connect", refused=True)
+    report = slot.next_report(me, 0.1)
+    assert report is not None and report["rotation"][B][0] == "out", report and report["rotation"]
+
+
+def test_a_report_that_may_not_have_arrived_is_sent_again(tmp_path: Path) -> None:
+    """An exchange that failed may have lost its report: the next one carries a report, though nothing
+    changed and REPORT_S has not passed."""
+    collector, link = WorkerCollector.get(), CountingLink()
+    slot = asyncio.run_coroutine_threadsafe(collector._slot(_run(tmp_path, link, 8)), collector.loop).result(
+        timeout=30
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not link.reports:
+        time.sleep(0.01)
+    link.fail = 1
+    failed_at = link.exchanges + 1
+    while time.monotonic() < deadline and link.exchanges < failed_at + 2:
+        time.sleep(0.01)
+    try:
+        assert [n for n, _ in link.reports][:2] == [1, failed_at + 1], (failed_at, link.reports[:3])
+    finally:
+        link.ended = True
+    assert slot.written is not None

@@ -77,7 +77,7 @@ class ShareBook:
         self.lost_s = lost_s
         self.workers: dict[str, WorkerState] = {}
         self.gone: dict[str, WorkerState] = {}
-        self.peak_in_flight = 0  # the most the workers reported in flight at once
+        self.peak_in_flight = 0  # the most the workers reported in flight at once (as sampled by reports)
         self.peak_held = 0  # the most the book allowed at once (never above the limit)
         self._seq = 0
 

@@ -127,7 +127,7 @@ class RunSlot:
         demand, applied, rotation = self._demand(), self._applied(), self._rotation()
         return {
             "n": self.reports,
-            "demand": demand,
+            "demand": min(demand, sum(self.run_limits.values())),  # as `due` counts it
             "in_use": self.ctx.limit.in_use,
             "applied_seq": self.applied_seq,
             "applied": applied,
@@ -141,13 +141,15 @@ class RunSlot:
         state = self.due(now)
         if state is None:
             return None
+        report = self.report(worker)
         self.written, self.written_at = state, now
-        return self.report(worker)
+        return report
 
     def due(self, now: float) -> tuple[Any, ...] | None:
         """What the book allocates by, when it changed since the last report or that is REPORT_S old (a
-        report is then due); else None. Demand counts only below the run's limit and in-flight requests
-        only above the applied share: above and below those, the book allocates the same."""
+        report is then due); else None. Demand counts up to the run's limit (reports carry it so capped)
+        and in-flight requests only above the applied share: beyond those, the book allocates the same.
+        The book's `peak_in_flight` is then sampled by these reports, at least once a second."""
         applied, total = self._applied(), sum(self.run_limits.values())
         state = (
             tuple(self.planned),
