@@ -20,13 +20,13 @@ from rollflow.tasks.collect.progress import RolloutCount, hub
 from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
 
 log = logging.getLogger(__name__)
-FINAL_UPDATE_WAIT_S = 10.0  # the run's end waits this long at most for the bar's last update
+FINAL_UPDATE_WAIT_S = 10.0  # the run's end waits this long at most for the bar's last updates (with retries)
 
 
 @contextlib.asynccontextmanager
 async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator[None]:
     """Percent of the `total` planned rollouts finished, counted as they finish (on workers too, from
-    their reports), updated at most once per interval."""
+    their reports), updated at most once per interval and once more as the run ends."""
     count = RolloutCount(total=total)
     artifact = await acreate_progress_artifact(
         progress=0.0, key="rollflow-progress", description="planned rollouts finished"
@@ -38,7 +38,9 @@ async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator
     async def refresh() -> None:
         """The only writer once the bar exists, one update at a time: an update cancelled mid-request
         could still reach the server after the final one and set the bar back. The last pass starts
-        after the run ended, so it shows the final count; a failed update is logged, not raised."""
+        after the run ended, so it shows the final count; a failed update is logged, not raised (one
+        that failed on this side, e.g. a read timeout, may still reach the server later: artifacts
+        carry no version to refuse it)."""
         shown, warned = 0.0, False
         while True:
             with contextlib.suppress(TimeoutError):
@@ -64,11 +66,20 @@ async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator
     finally:
         unsubscribe()
         ended.set()
-        try:
-            # Bounded: a Prefect API that hangs must not hold the run's end (nor replace its error).
-            await asyncio.wait_for(task, FINAL_UPDATE_WAIT_S)
-        except Exception as exc:
-            log.warning("the progress artifact's last update did not end: %s: %s", type(exc).__name__, exc)
+        await _last_update(task)
+
+
+async def _last_update(task: asyncio.Task[None]) -> None:
+    """Wait for the bar's last update, at most FINAL_UPDATE_WAIT_S: a Prefect API that hangs must not hold
+    the run's end. `asyncio.wait` neither raises the task's outcome in place of the run's own nor
+    swallows a cancellation of the run that arrives meanwhile (as `wait_for` can)."""
+    try:
+        done, _ = await asyncio.wait({task}, timeout=FINAL_UPDATE_WAIT_S)
+    finally:
+        if not task.done():
+            task.cancel()  # hung, or the run is being cancelled: the last update is dropped
+    if not done:
+        log.warning("the progress artifact's last update did not end within %.0f s", FINAL_UPDATE_WAIT_S)
 
 
 async def dataset_link(url: str) -> None:

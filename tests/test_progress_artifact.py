@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from rollflow.flows import artifacts as artifacts_module
 from rollflow.flows.artifacts import rollout_progress
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 
@@ -25,10 +26,12 @@ class SlowGateway:
 
     upstream: str
     refuse_updates: bool = False  # answer every update 503, as a gateway whose upstream is down
+    hold_s: float = HOLD_S
     session: aiohttp.ClientSession | None = None
     runner: web.AppRunner | None = None
     held: bool = False
     holding: bool = False
+    held_at_end: bool = False
     forwarding: int = 0
     artifact_ids: list[str] = field(default_factory=list)
     updates: list[float] = field(default_factory=list)  # in the order the server received them
@@ -61,7 +64,7 @@ class SlowGateway:
                 return web.Response(status=503, text="upstream unavailable")
             if update and not self.held:
                 self.held = self.holding = True
-                await asyncio.sleep(HOLD_S)
+                await asyncio.sleep(self.hold_s)
                 self.holding = False
             if update:
                 self.updates.append(float(json.loads(body)["data"]))
@@ -98,19 +101,23 @@ class SlowGateway:
 Body = Callable[[SlowGateway], Awaitable[None]]
 
 
-async def _progress_through(api: str, body: Body, refuse_updates: bool = False) -> tuple[SlowGateway, float]:
+async def _progress_through(
+    api: str, body: Body, refuse_updates: bool = False, hold_s: float = HOLD_S
+) -> tuple[SlowGateway, float]:
     """`body` run inside `rollout_progress(total=4)` with the Prefect API behind the gateway; the gateway
-    and the bar's value on the server once everything it forwards has arrived."""
+    (`held_at_end`: an update was still held when the run's end returned) and the bar's value on the
+    server once everything it forwards has arrived."""
     from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    gateway = SlowGateway(api, refuse_updates=refuse_updates)
+    gateway = SlowGateway(api, refuse_updates=refuse_updates, hold_s=hold_s)
     url = await gateway.start()
     try:
         with temporary_settings({PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 0}):
             try:
                 async with rollout_progress(total=4, interval_s=0.05):
                     await body(gateway)
+                gateway.held_at_end = gateway.holding
             finally:
                 await asyncio.to_thread(EventsWorker.drain_all, 10)  # its events use the gateway too
         for _ in range(100):
@@ -183,3 +190,18 @@ def test_a_refused_update_neither_fails_the_run_nor_hides_its_error(prefect_serv
     assert shown == 0.0, "the gateway refused every update"
     with pytest.raises(ValueError, match="the run's own error"):
         asyncio.run(_progress_through(_api(prefect_server), fails, refuse_updates=True))
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")
+def test_a_hung_update_holds_the_runs_end_no_longer_than_the_final_wait(prefect_server, monkeypatch) -> None:
+    """The update under way held 3 s, the final wait 0.2 s: the run's end returns while it is still held,
+    and raises nothing; the update still lands."""
+    monkeypatch.setattr(artifacts_module, "FINAL_UPDATE_WAIT_S", 0.2)
+
+    async def body(gateway: SlowGateway) -> None:
+        hub.emit(ProgressEvent("rollouts", done=4, chunk=0))
+        await _until(lambda: gateway.holding)
+
+    gateway, shown = asyncio.run(_progress_through(_api(prefect_server), body, hold_s=3.0))
+    assert gateway.held_at_end, "the run's end waited for the held update"
+    assert shown == 100.0, (shown, gateway.updates)
