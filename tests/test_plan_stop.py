@@ -13,8 +13,10 @@ from rollout_data import write_rows
 
 from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.settings.reverify import ReverifySpec
-from rollflow.tasks.collect.plan import plan_stoppable
+from rollflow.tasks.collect.plan import plan_run, plan_stoppable
+from rollflow.tasks.collect.rows import STOP_EVERY, ScanStopped
 from rollflow.tasks.collect.runtime import open_run
+from rollflow.tasks.reverify.plan import plan_reverify
 from rollflow.tasks.reverify.runtime import open_reverify
 from rollflow.tasks.wrappers.reverify_tasks import plan_reverify_task
 
@@ -53,10 +55,12 @@ PLANS = {"run": (write_rows, plan), "reverify": (write_dataset, reverify_plan)}
 def test_a_cancelled_plan_stops_its_scan_and_writes_nothing(tmp_path: Path, command: str) -> None:
     write, make_plan = PLANS[command]
     inp = write(tmp_path / "rollouts.jsonl", ROWS)
-    t0 = time.perf_counter()
-    whole = asyncio.run(make_plan(inp, tmp_path / "whole"))
-    full_s = time.perf_counter() - t0
-    assert whole.identity.rows == ROWS
+    full_s = float("inf")
+    for attempt in range(2):  # the faster of two: the first also pays imports and a cold file
+        t0 = time.perf_counter()
+        whole = asyncio.run(make_plan(inp, tmp_path / f"whole{attempt}"))
+        full_s = min(full_s, time.perf_counter() - t0)
+        assert whole.identity.rows == ROWS
 
     async def cancelled() -> None:
         task = asyncio.ensure_future(make_plan(inp, tmp_path / "out"))
@@ -73,3 +77,39 @@ def test_a_cancelled_plan_stops_its_scan_and_writes_nothing(tmp_path: Path, comm
     stop_s = time.perf_counter() - t - full_s / 10
     assert not (tmp_path / "out" / "run.json").exists(), "the plan went on after its run was cancelled"
     assert stop_s < full_s / 2, f"stopping took {stop_s:.2f} s of a {full_s:.2f} s scan"
+
+
+class StoppedAfter:
+    """A run's `stopped` that says no `looks` times, then yes: the run stopped right after the scan's
+    last look at it."""
+
+    def __init__(self, looks: int) -> None:
+        self.looks = looks
+
+    def __call__(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+
+def run_plan_stopped(inp: Path, out: Path, stopped: StoppedAfter) -> None:
+    h = handles_for(inp, out)
+    plan_run(h.spec, h.store, h.ledger, h.input_options, None, stopped=stopped)
+
+
+def reverify_plan_stopped(source: Path, out: Path, stopped: StoppedAfter) -> None:
+    h = open_reverify(ReverifySpec(source=str(source), output=str(out)), RollflowSettings())
+    plan_reverify(h.spec, h.store, h.ledger, h.source_options, h.output_options, stopped=stopped)
+
+
+STOPPED_PLANS = {"run": (write_rows, run_plan_stopped), "reverify": (write_dataset, reverify_plan_stopped)}
+
+
+@pytest.mark.parametrize("command", STOPPED_PLANS)
+def test_a_run_stopped_after_the_scans_last_look_writes_no_run_json(tmp_path: Path, command: str) -> None:
+    """The scan looks every STOP_EVERY rows; a stop after its last look (up to STOP_EVERY rows before its
+    end) is seen before run.json is written (the plan used to write it: CI once read run.json there)."""
+    write, plan_with = STOPPED_PLANS[command]
+    inp = write(tmp_path / "rollouts.jsonl", 3 * STOP_EVERY + 10)  # the scan looks 3 times
+    with pytest.raises(ScanStopped, match=r"before writing run\.json"):
+        plan_with(inp, tmp_path / "out", StoppedAfter(3))
+    assert not (tmp_path / "out" / "run.json").exists()

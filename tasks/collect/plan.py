@@ -15,7 +15,7 @@ import orjson
 from rollflow.settings import RunSpec
 from rollflow.tasks.backends.formats import overrides_problem
 from rollflow.tasks.collect.paths import card_url, check_paths, remove_published, same_object
-from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input
+from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input, stop_before_writing
 from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
@@ -154,6 +154,7 @@ def plan_run(
             rollflow_version=_rollflow_version(),
             dataset_url=spec.dataset_url(),
         )
+        stop_before_writing(stopped, spec.input)
         identity = ledger.open_run(identity, restart=spec.restart)
         if stored is not None and identity.run_id != stored.run_id:
             _remove_discarded_dataset(stored.dataset_url or spec.dataset_url(), spec, dataset_options, store)

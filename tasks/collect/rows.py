@@ -141,6 +141,13 @@ class ScanStopped(Exception):
 STOP_EVERY = 4096  # rows between two looks at whether the scan was stopped
 
 
+def stop_before_writing(stopped: Callable[[], bool] | None, url: str) -> None:
+    """One last look before a plan writes run.json: a run stopped after the scan's last look (up to
+    STOP_EVERY rows before its end) must not write it after letting go of its output."""
+    if stopped is not None and stopped():
+        raise ScanStopped(f"the plan of {url} was stopped after its scan, before writing run.json")
+
+
 def scan_input(
     url: str,
     *,

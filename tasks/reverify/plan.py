@@ -15,7 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.paths import location
 from rollflow.tasks.collect.plan import config_hash
-from rollflow.tasks.collect.rows import InputError
+from rollflow.tasks.collect.rows import InputError, stop_before_writing
 from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
@@ -101,5 +101,6 @@ def plan_reverify(
         rollflow_version=rollflow_version(),
         dataset_url=spec.dataset_url(),
     )
+    stop_before_writing(stopped, spec.source)
     identity = ledger.open_run(identity, restart=spec.restart)
     return ReverifyPlan(source, identity, ledger.committed())
