@@ -50,7 +50,7 @@ def test_an_exchange_without_a_report_only_reads(client: Any) -> None:
     """Nothing new to say: the board is read, the report written last stays as it was, and the end of the
     run is found as with a report (and leaves nothing)."""
     channel, link = DaskChannel(client, "run4"), DaskLink("run4", client)
-    assert link.exchange("w", None) is None  # no board yet: nothing read, nothing written
+    assert link.exchange("w", None) is None  # no board yet: no answer, nothing written
     channel.publish({"grants": {"w": (1, 8)}})
     assert link.exchange("w", None) == {"grants": {"w": (1, 8)}}
     assert channel.reports() == {}, "a read wrote a report"

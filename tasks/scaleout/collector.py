@@ -124,14 +124,13 @@ class RunSlot:
 
     def report(self, worker: str) -> dict[str, Any]:
         self.reports += 1
-        demand, applied, rotation = self._demand(), self._applied(), self._rotation()
         return {
             "n": self.reports,
-            "demand": min(demand, sum(self.run_limits.values())),  # as `due` counts it
+            "demand": self._demand(),
             "in_use": self.ctx.limit.in_use,
             "applied_seq": self.applied_seq,
-            "applied": applied,
-            "rotation": rotation,
+            "applied": self._applied(),
+            "rotation": self._rotation(),
             "chunks": {str(i): list(counts) for i, counts in self.counted.chunks.items()},
             "snapshot": self.snapshot(worker),
         }
@@ -147,24 +146,30 @@ class RunSlot:
 
     def due(self, now: float) -> tuple[Any, ...] | None:
         """What the book allocates by, when it changed since the last report or that is REPORT_S old (a
-        report is then due); else None. Demand counts up to the run's limit (reports carry it so capped)
-        and in-flight requests only above the applied share: beyond those, the book allocates the same.
+        report is then due); else None. Demand counts up to the run's limit (`_demand`) and in-flight
+        requests only above the applied share: beyond those, the book allocates the same.
         The book's `peak_in_flight` is then sampled by these reports, at least once a second."""
-        applied, total = self._applied(), sum(self.run_limits.values())
+        applied = self._applied()
         state = (
             tuple(self.planned),
             self.applied_seq,
             applied,
             max(self.ctx.limit.in_use, applied),
-            min(self._demand(), total),
+            self._demand(),
             self._rotation(),
         )
         if state != self.written or now - self.written_at >= REPORT_S:
             return state
         return None
 
-    def _demand(self) -> int:
+    def _left(self) -> int:
+        """Rollouts the running chunks still have to finish here."""
         return sum(max(0, n - sum(self.counted.chunks.get(i, ()))) for i, n in self.planned.items())
+
+    def _demand(self) -> int:
+        """What is left, up to the run's limit: beyond it the book allocates the same, so reports carry
+        it capped and a change above it is no reason to report."""
+        return min(self._left(), sum(self.run_limits.values()))
 
     def _applied(self) -> int:
         pool, limit = self.ctx.pool, self.ctx.limit

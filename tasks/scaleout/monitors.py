@@ -5,9 +5,9 @@ tasks only wait there for the collector loop (tasks/scaleout/collector.py), so i
 while it wakes the worker's event loop and takes the GIL from the collector. Its tick monitor wakes the
 loop 50 times a second to time it, and its memory monitor reads the process's memory 10 times a second
 (in the worker, to spill and pause; in the nanny, to restart a worker past 95% of its memory limit). An
-idle worker and its nanny cost 1.27 CPU-s per 20 s with all three, 0.29 with the profiler dropped and
-the tick slowed, about 0.13 less again with the memory monitor at once a second (README, "Many
-machines"). A tick once a second coarsens what Dask reports of its loop: the event-loop interval reads
+idle worker and its nanny cost 0.86 CPU-s per 20 s with all three as Dask sets them, 0.30 with the
+profiler dropped and the tick slowed, 0.10 to 0.12 with the memory monitor at once a second too (README,
+"Many machines"). A tick once a second coarsens what Dask reports of its loop: the event-loop interval reads
 about 1 s, and a stall is logged once two ticks are 3 s apart. A memory monitor once a second pauses or
 restarts a worker whose memory runs away up to a second later (or the OS ends it first; either way its
 chunk is retried); rollflow keeps no data in Dask's memory, so there is nothing to spill.
