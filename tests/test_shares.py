@@ -3,12 +3,16 @@ limit, whatever order reports, answers and requests come in."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from share_board import ShareBoard
 
-from rollflow.tasks.scaleout.book import ShareBook, water_fill
+from rollflow.tasks.scaleout.board import Board
+from rollflow.tasks.scaleout.book import NEXT_CHUNK_S, ShareBook, water_fill
 
 
 def test_water_fill_splits_evenly_and_never_past_a_demand():
@@ -61,6 +65,60 @@ def test_a_silent_worker_is_gone_and_its_share_freed():
     assert book.allocate(now=7) == {"b": (4, 10)}  # seq 3 revoked a's share
 
 
+def _running(n: int, demand: int, applied_seq: int, applied: int, chunks: dict | None = None) -> dict:
+    """A report of a worker with `applied` in flight (its share) and `chunks` running (none: idle)."""
+    return {"n": n, "demand": demand, "in_use": min(demand, applied), "applied_seq": applied_seq,
+            "applied": applied, "chunks": {"0": [0, 0]} if chunks is None else chunks}  # fmt: skip
+
+
+def _halves(book: ShareBook) -> tuple[int, int]:
+    """Two workers with a chunk each, settled at half the limit each: the seqs they applied."""
+    book.update("a", _running(1, 1000, 0, 0), now=0)
+    book.update("b", _running(1, 1000, 0, 0), now=0)
+    grants = book.allocate(now=0, queued=4)
+    assert grants["a"][1] == grants["b"][1] == 16
+    return grants["a"][0], grants["b"][0]
+
+
+def test_a_worker_between_chunks_keeps_its_share_while_chunks_are_queued():
+    """On Ray a worker process runs one chunk at a time: its chunk ends, the engine starts a queued one
+    there within milliseconds. Its share stays through the chunk's tail and the gap; taken away, it came
+    back only two rounds later, at every chunk's end."""
+    book = ShareBook(32)
+    seq_a, seq_b = _halves(book)
+    book.update("a", _running(2, 3, seq_a, 16), now=0.1)  # the chunk's tail: 3 rollouts left
+    book.update("b", _running(2, 1000, seq_b, 16), now=0.1)
+    assert book.allocate(now=0.1, queued=4) == {"a": (seq_a, 16), "b": (seq_b, 16)}
+    book.update("a", _running(3, 0, seq_a, 16, chunks={}), now=0.2)  # ended; the next not yet started
+    assert book.allocate(now=0.2, queued=4) == {"a": (seq_a, 16), "b": (seq_b, 16)}
+    book.update("a", _running(4, 1000, seq_a, 16), now=0.25)  # the next one runs at once at 16
+    assert book.allocate(now=0.3, queued=3) == {"a": (seq_a, 16), "b": (seq_b, 16)}
+
+
+def test_with_nothing_queued_a_finished_workers_share_goes_where_the_work_is():
+    book = ShareBook(32)
+    seq_a, seq_b = _halves(book)
+    book.update("a", _running(2, 0, seq_a, 16, chunks={}), now=0.1)  # its last chunk ended
+    book.update("b", _running(2, 1000, seq_b, 16), now=0.1)
+    grants = book.allocate(now=0.1, queued=0)
+    assert grants["a"][1] == 0 and grants["b"][1] == 16  # b waits for a to apply 0
+    book.update("a", _running(3, 0, grants["a"][0], 0, chunks={}), now=0.2)
+    assert book.allocate(now=0.2, queued=0)["b"][1] == 32
+
+
+def test_a_worker_idle_for_longer_gives_its_share_up_though_chunks_are_queued():
+    """Queued chunks go to workers with room; one with no chunk of this run for NEXT_CHUNK_S (busy with
+    another run's chunks on a shared cluster) is not about to take them."""
+    book = ShareBook(32)
+    seq_a, seq_b = _halves(book)
+    book.update("a", _running(2, 0, seq_a, 16, chunks={}), now=0.1)
+    book.update("b", _running(2, 1000, seq_b, 16), now=0.1)
+    assert book.allocate(now=0.1, queued=4)["a"][1] == 16
+    book.update("b", _running(3, 1000, seq_b, 16), now=0.1 + NEXT_CHUNK_S + 0.1)
+    grants = book.allocate(now=0.1 + NEXT_CHUNK_S + 0.1, queued=4)
+    assert grants["a"][1] == 0
+
+
 @dataclass
 class Worker:
     """A worker as the engine sees it: it applies whatever answer it last read, and runs up to it."""
@@ -72,7 +130,7 @@ class Worker:
     in_use: int = 0
     n: int = 0
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> dict[str, Any]:
         self.n += 1
         return {
             "n": self.n,
@@ -80,6 +138,7 @@ class Worker:
             "in_use": self.in_use,
             "applied_seq": self.applied_seq,
             "applied": self.applied,
+            "chunks": {"0": [0, 0]} if self.demand else {},
         }
 
 
@@ -90,8 +149,9 @@ class Worker:
     steps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 60)), max_size=120),
 )
 def test_requests_in_flight_never_sum_past_the_limit(limit, demands, steps):
-    """Reports reach the book late, answers reach workers late or out of turn, work comes and goes: the
-    workers' real in-flight counts, bounded only by the share each applied, never sum past the limit."""
+    """Reports reach the book late, answers reach workers late or out of turn, work comes and goes, chunks
+    are queued or not: the workers' real in-flight counts, bounded only by the share each applied, never
+    sum past the limit."""
     book = ShareBook(limit)
     workers = [Worker(f"w{i}", d) for i, d in enumerate(demands)]
     inbox: dict[str, dict[str, int]] = {}  # the newest report of each worker, waiting for the book
@@ -103,7 +163,7 @@ def test_requests_in_flight_never_sum_past_the_limit(limit, demands, steps):
         elif action == 1:
             for name, report in inbox.items():
                 book.update(name, report, now=0)
-            board = book.allocate(now=0)
+            board = book.allocate(now=0, queued=amount % 3)  # chunks queued or not
         elif action == 2 and worker.name in board:
             seq, share = board[worker.name]
             if seq > worker.applied_seq:
@@ -151,3 +211,31 @@ def test_a_worker_that_returns_after_it_was_gone_gets_only_what_is_free():
         b.in_use = min(b.in_use, b.demand)
         round_at(t, a, b)
     assert a.applied == 32 and book.peak_in_flight <= 32
+
+
+def test_the_board_counts_chunks_submitted_and_not_yet_running_as_queued():
+    """The board tells the book what is queued: a worker whose chunk just ended keeps its share while a
+    chunk waits for a worker, and gives it up once the last one runs."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        for index in (0, 1, 2):
+            board.started(index)  # submitted, as RemoteChunks does, and waiting for a worker
+        seqs = {}
+        for worker in ("a", "b"):
+            channel.exchange(worker, _running(1, 1000, 0, 0, chunks={"0" if worker == "a" else "1": [0, 0]}))
+        board.round()
+        for worker in ("a", "b"):
+            seqs[worker] = board.published["grants"][worker][0]
+            assert board.published["grants"][worker][1] == 16
+        loop.run_until_complete(asyncio.sleep(0))  # the loop hears chunks 0 and 1 started
+        board.forget(0)
+        board.forget(1)
+        channel.exchange("a", _running(2, 0, seqs["a"], 16, chunks={}))  # a's chunk ended; 2 is queued
+        board.round()
+        assert board.published["grants"]["a"][1] == 16, "a gave up its share between two chunks"
+        board.forget(2)  # chunk 2 runs elsewhere: nothing is queued any more
+        board.round()
+        assert board.published["grants"]["a"][1] == 0
+    finally:
+        loop.close()

@@ -63,7 +63,7 @@ class Board:
         self.workers_seen = 0
         self.announced: set[int] = set()  # chunks a report showed running (the rounds' thread)
         self.running: set[int] = set()  # the same, as the loop has heard of them
-        self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.waiting: dict[int, asyncio.Future[None]] = {}  # chunks submitted, not yet seen running
         self.published: dict[str, Any] | None = None
         self.published_at = 0.0
 
@@ -73,7 +73,7 @@ class Board:
             self.book.update(worker, report)
             self.rotation.merge(worker, report.get("rotation") or {})
         self.book.set_limit(self.rotation.live_limit(self.limits))
-        grants = self.book.allocate()
+        grants = self.book.allocate(queued=len(self.waiting))
         answer = {"grants": grants, "rotation": {url: list(e) for url, e in self.rotation.events.items()}}
         if answer != self.published or time.monotonic() - self.published_at > REPUBLISH_S:
             self.channel.publish(answer)
