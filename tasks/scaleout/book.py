@@ -14,7 +14,7 @@ from typing import Any
 
 LOST_S = 10.0  # a worker silent this long is gone: what it held is free again
 SHARE_LEASE_S = 5.0  # a worker whose share the book has not confirmed this long drops it (< LOST_S)
-NEXT_CHUNK_S = 1.0  # a worker that ran a chunk this recently takes the next queued one (see `wanted`)
+NEXT_CHUNK_S = 0.5  # how long a chunk's tail and the gap after it keep the worker's share (`keeping`)
 
 
 @dataclass
@@ -26,7 +26,8 @@ class WorkerState:
     applied_seq: int = 0
     applied: int = 0
     seen: float = 0.0
-    ran_at: float = float("-inf")  # when a report last showed a chunk of the run running here
+    chunks: frozenset[str] = frozenset()  # the chunks of the run its last report showed running
+    tail_at: float | None = None  # when the book first saw it in a chunk's tail (none since a chunk began)
     reports: int = -1  # the worker's report counter: a report read twice is not a sign of life
     issued: list[tuple[int, int]] = field(default_factory=list)  # (seq, share), oldest first
     snapshot: dict[str, Any] = field(default_factory=dict)
@@ -84,6 +85,10 @@ class ShareBook:
         self._seq = 0
 
     def update(self, worker: str, report: dict[str, Any], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        gone = self.gone.get(worker)
+        if worker not in self.workers and gone is not None and int(report.get("n", 0)) == gone.reports:
+            return  # a gone worker's last report read again (a dead one's stays behind): not a return
         state = self.workers.get(worker) or self.gone.pop(worker, None) or WorkerState()
         self.workers[worker] = state
         state.demand = int(report.get("demand", 0))
@@ -93,9 +98,13 @@ class ShareBook:
         state.issued = [(seq, share) for seq, share in state.issued if seq > state.applied_seq]
         if int(report.get("n", 0)) != state.reports:
             state.reports = int(report.get("n", 0))
-            state.seen = time.monotonic() if now is None else now
-        if report.get("chunks"):
-            state.ran_at = time.monotonic() if now is None else now
+            state.seen = now
+        chunks = frozenset(report.get("chunks") or {})
+        if chunks - state.chunks:
+            state.tail_at = None  # a chunk began there
+        state.chunks = chunks
+        if state.tail_at is None and state.demand < state.applied:
+            state.tail_at = now
         state.snapshot = report.get("snapshot") or state.snapshot
 
     def allocate(self, now: float | None = None, queued: int = 0) -> dict[str, tuple[int, int]]:
@@ -108,7 +117,8 @@ class ShareBook:
             self._issue(self.workers[worker], 0)
             self.gone[worker] = self.workers.pop(worker)
         current = {w: s.share for w, s in self.workers.items()}
-        wanted = {w: self.wanted(s, now, queued) for w, s in self.workers.items()}
+        keeping = self.keeping(now, queued)
+        wanted = {w: max(s.demand, s.share) if w in keeping else s.demand for w, s in self.workers.items()}
         target = water_fill(self.limit, wanted, current)
         for worker, state in self.workers.items():
             if target[worker] < state.share:
@@ -126,14 +136,20 @@ class ShareBook:
             w: (s.issued[-1] if s.issued else (s.applied_seq, s.applied)) for w, s in self.workers.items()
         }
 
-    def wanted(self, state: WorkerState, now: float, queued: int) -> int:
-        """A worker's demand as the book fills it. While chunks are queued, the engine starts the next one on
-        a worker whose chunk just ended, within milliseconds: such a worker (it ran one within NEXT_CHUNK_S)
-        keeps its part of the limit through its chunk's tail and the gap, rather than give it up and wait
-        two rounds to get it back with every chunk (0.3 s at half the rate, at each chunk's end on Ray)."""
-        if queued > 0 and now - state.ran_at <= NEXT_CHUNK_S:
-            return max(state.demand, self.limit)
-        return state.demand
+    def keeping(self, now: float, queued: int) -> set[str]:
+        """Workers that keep their share though their chunks need less: in a chunk's tail or the gap after
+        it, seen less than NEXT_CHUNK_S ago, at most one per chunk queued in the engine (those with no chunk
+        running, then the earliest tails: the first to take the next chunk, which the engine starts on a
+        worker with room within milliseconds). Given up, a share came back two rounds after the next chunk
+        began, 0.3 s at half the rate at every chunk's end on Ray, where a worker process runs one chunk at a
+        time. A longer tail (a slow request's retries) gives its share up after NEXT_CHUNK_S."""
+        if queued <= 0:
+            return set()
+        tails = [
+            w for w, s in self.workers.items() if s.tail_at is not None and now - s.tail_at < NEXT_CHUNK_S
+        ]
+        tails.sort(key=lambda w: (bool(self.workers[w].chunks), self.workers[w].tail_at, w))
+        return set(tails[:queued])
 
     def set_limit(self, limit: int) -> None:
         """A new run-wide limit (replicas left or rejoined rotation); shares follow in the next rounds."""
