@@ -72,57 +72,81 @@ def _running(n: int, demand: int, applied_seq: int, applied: int, chunks: dict |
 
 
 def _halves(book: ShareBook, *names: str) -> dict[str, int]:
-    """Workers with a chunk each, settled at equal parts of the limit: the seqs they applied."""
+    """Workers settled at equal parts of the limit at t=3 s, each past one chunk's end whose tail and gap
+    took 0.2 s (fast requests), each applying what the book grants: the seqs they applied. Their reports'
+    counters are below 10 by then."""
     names = names or ("a", "b")
-    for name in names:
-        book.update(name, _running(1, 1000, 0, 0), now=0)
-    grants = book.allocate(now=0, queued=4)
-    assert {grants[name][1] for name in names} == {book.limit // len(names)}
-    return {name: grants[name][0] for name in names}
+    applied = dict.fromkeys(names, (0, 0))
+    steps = [(0.0, 1000, None), (0.1, 3, None), (0.2, 0, {})]
+    steps += [(0.3 + k / 10, 1000, {"1": [0, 0]}) for k in range(6)]
+    for n, (t, demand, chunks) in enumerate(steps, 1):
+        for name in names:
+            book.update(name, _running(n, demand, *applied[name], chunks=chunks), now=t)
+        grants = book.allocate(now=t, queued=4)
+        applied = {name: grants[name] for name in names}
+    assert {share for _, share in applied.values()} == {book.limit // len(names)}, applied
+    return {name: seq for name, (seq, _) in applied.items()}
 
 
 def test_a_worker_between_chunks_keeps_its_share_while_chunks_are_queued():
     """On Ray a worker process runs one chunk at a time: its chunk ends, the engine starts a queued one
-    there within milliseconds. Its share stays through the chunk's tail and the gap; taken away, it came
-    back only two rounds after the next chunk began, at every chunk's end."""
+    there within milliseconds. With fast requests its share stays through the chunk's tail and the gap;
+    taken away, it came back only two rounds after the next chunk began, at every chunk's end."""
     book = ShareBook(32)
     seq = _halves(book)
-    book.update("a", _running(2, 3, seq["a"], 16), now=0.1)  # the chunk's tail: 3 rollouts left
+    book.update("a", _running(10, 3, seq["a"], 16, chunks={"1": [997, 0]}), now=3.0)  # the tail: 3 left
+    book.update("b", _running(10, 1000, seq["b"], 16, chunks={"2": [0, 0]}), now=3.0)
+    assert book.allocate(now=3.0, queued=4) == {"a": (seq["a"], 16), "b": (seq["b"], 16)}
+    book.update("a", _running(11, 0, seq["a"], 16, chunks={}), now=3.1)  # ended; the next not yet started
+    assert book.allocate(now=3.1, queued=4) == {"a": (seq["a"], 16), "b": (seq["b"], 16)}
+    book.update("a", _running(12, 1000, seq["a"], 16, chunks={"3": [0, 0]}), now=3.2)  # runs at once at 16
+    assert book.allocate(now=3.2, queued=3) == {"a": (seq["a"], 16), "b": (seq["b"], 16)}
+
+
+def test_a_workers_first_chunk_end_moves_its_share_as_before():
+    """Nothing tells yet how long this worker's tails last: its first tail goes to the worker with work."""
+    book = ShareBook(32)
+    for name in "ab":
+        book.update(name, _running(1, 1000, 0, 0), now=0)
+    seq = {w: g[0] for w, g in book.allocate(now=0, queued=4).items()}
+    book.update("a", _running(2, 3, seq["a"], 16), now=0.1)
     book.update("b", _running(2, 1000, seq["b"], 16), now=0.1)
-    assert book.allocate(now=0.1, queued=4) == {"a": (seq["a"], 16), "b": (seq["b"], 16)}
-    book.update("a", _running(3, 0, seq["a"], 16, chunks={}), now=0.2)  # ended; the next not yet started
-    assert book.allocate(now=0.2, queued=4) == {"a": (seq["a"], 16), "b": (seq["b"], 16)}
-    book.update("a", _running(4, 1000, seq["a"], 16, chunks={"2": [0, 0]}), now=0.3)  # runs at once at 16
-    assert book.allocate(now=0.3, queued=3) == {"a": (seq["a"], 16), "b": (seq["b"], 16)}
-    book.update("a", _running(5, 3, seq["a"], 16, chunks={"2": [997, 0]}), now=3.5)  # the next chunk's tail
-    assert book.allocate(now=3.5, queued=3)["a"] == (seq["a"], 16), "a new chunk's tail is kept again"
+    assert book.allocate(now=0.1, queued=4)["a"][1] == 3
 
 
 def test_with_nothing_queued_a_finished_workers_share_goes_where_the_work_is():
     book = ShareBook(32)
     seq = _halves(book)
-    book.update("a", _running(2, 0, seq["a"], 16, chunks={}), now=0.1)  # its last chunk ended
-    book.update("b", _running(2, 1000, seq["b"], 16), now=0.1)
-    grants = book.allocate(now=0.1, queued=0)
+    book.update("a", _running(10, 0, seq["a"], 16, chunks={}), now=3.0)  # its last chunk ended
+    book.update("b", _running(10, 1000, seq["b"], 16), now=3.0)
+    grants = book.allocate(now=3.0, queued=0)
     assert grants["a"][1] == 0 and grants["b"][1] == 16  # b waits for a to apply 0
-    book.update("a", _running(3, 0, grants["a"][0], 0, chunks={}), now=0.2)
-    assert book.allocate(now=0.2, queued=0)["b"][1] == 32
+    book.update("a", _running(11, 0, grants["a"][0], 0, chunks={}), now=3.1)
+    assert book.allocate(now=3.1, queued=0)["b"][1] == 32
 
 
 def test_a_long_tail_gives_its_share_up_though_chunks_are_queued():
     """One slow request (minutes of retries) in a chunk's tail: its worker keeps its share NEXT_CHUNK_S,
-    not for the whole tail, while the other worker has work for all of it."""
+    not for the whole tail, while the other worker has work for all of it; and its next tail, since this
+    one lasted longer, is not kept at all."""
     book = ShareBook(32)
     seq = _halves(book)
-    book.update("a", _running(2, 1, seq["a"], 16), now=0.1)
-    book.update("b", _running(2, 1000, seq["b"], 16), now=0.1)
-    assert book.allocate(now=0.1, queued=60)["a"][1] == 16
-    later = 0.1 + NEXT_CHUNK_S
-    book.update("b", _running(3, 900, seq["b"], 16), now=later)
+    book.update("a", _running(10, 1, seq["a"], 16, chunks={"1": [999, 0]}), now=3.0)
+    book.update("b", _running(10, 1000, seq["b"], 16), now=3.0)
+    assert book.allocate(now=3.0, queued=60)["a"][1] == 16
+    later = 3.0 + NEXT_CHUNK_S
+    book.update("b", _running(11, 900, seq["b"], 16), now=later)
     grants = book.allocate(now=later, queued=60)
     assert grants["a"][1] == 1
-    book.update("a", _running(3, 1, grants["a"][0], 1), now=later + 0.1)
-    assert book.allocate(now=later + 0.1, queued=60)["b"][1] == 31
+    book.update("a", _running(11, 1, grants["a"][0], 1), now=later + 0.1)
+    grants = book.allocate(now=later + 0.1, queued=60)
+    assert grants["b"][1] == 31
+    book.update("a", _running(12, 1000, grants["a"][0], 1, chunks={"3": [0, 0]}), now=20.0)  # tail over
+    book.update("b", _running(12, 1000, grants["b"][0], 31), now=20.0)
+    book.allocate(now=20.0, queued=60)
+    assert book.workers["a"].last_tail_s > NEXT_CHUNK_S
+    book.update("a", _running(13, 2, grants["a"][0], 1, chunks={"3": [998, 0]}), now=30.0)
+    assert book.allocate(now=30.0, queued=60)["a"][1] == 1, "a tail after a slow one was kept"
 
 
 def test_a_worker_idle_for_longer_gives_its_share_up_though_chunks_are_queued():
@@ -130,11 +154,41 @@ def test_a_worker_idle_for_longer_gives_its_share_up_though_chunks_are_queued():
     another run's chunks on a shared cluster) is not about to take them."""
     book = ShareBook(32)
     seq = _halves(book)
-    book.update("a", _running(2, 0, seq["a"], 16, chunks={}), now=0.1)
-    book.update("b", _running(2, 1000, seq["b"], 16), now=0.1)
-    assert book.allocate(now=0.1, queued=4)["a"][1] == 16
-    book.update("b", _running(3, 1000, seq["b"], 16), now=0.1 + NEXT_CHUNK_S)
-    assert book.allocate(now=0.1 + NEXT_CHUNK_S, queued=4)["a"][1] == 0
+    book.update("a", _running(10, 0, seq["a"], 16, chunks={}), now=3.0)
+    book.update("b", _running(10, 1000, seq["b"], 16), now=3.0)
+    assert book.allocate(now=3.0, queued=4)["a"][1] == 16
+    book.update("b", _running(11, 1000, seq["b"], 16), now=3.0 + NEXT_CHUNK_S)
+    assert book.allocate(now=3.0 + NEXT_CHUNK_S, queued=4)["a"][1] == 0
+
+
+def test_short_chunks_that_need_less_than_the_share_do_not_renew_it():
+    """A worker whose chunks each need less than its share (small or mostly adopted chunks), a new one
+    every 0.4 s: its tail goes on through them, and its share goes to the worker with work after
+    NEXT_CHUNK_S, not never."""
+    book = ShareBook(32)
+    seq = _halves(book)
+    shares = []
+    for k in range(10):
+        t = 3.0 + 0.4 * k
+        book.update("a", _running(10 + k, 3, seq["a"], 16, chunks={str(10 + k): [0, 0]}), now=t)
+        book.update("b", _running(10 + k, 1000, seq["b"], 16), now=t)
+        shares.append(book.allocate(now=t, queued=10)["a"][1])
+    assert shares[0] == 16 and shares[-1] == 3, shares
+
+
+def test_a_share_lowered_before_it_is_applied_is_no_tail():
+    """A third worker joins: the book lowers a's share before a applies it. a's demand below the share it
+    still applies, not below the new one, is not its tail; its real tail, later, is kept."""
+    book = ShareBook(32)
+    seq = _halves(book)
+    book.update("c", _running(1, 1000, 0, 0), now=3.0)
+    lowered = book.allocate(now=3.0, queued=4)
+    assert lowered["a"][1] == 11
+    book.update("a", _running(10, 12, seq["a"], 16, chunks={"1": [988, 0]}), now=3.1)  # 12 < 16, not < 11
+    book.allocate(now=3.1, queued=4)
+    assert book.workers["a"].tail_at is None
+    book.update("a", _running(11, 3, lowered["a"][0], 11, chunks={"1": [997, 0]}), now=4.0)
+    assert "a" in book.keeping(4.0, queued=4)
 
 
 def test_one_worker_keeps_its_share_per_chunk_queued():
@@ -143,9 +197,9 @@ def test_one_worker_keeps_its_share_per_chunk_queued():
     book = ShareBook(64)
     seq = _halves(book, "a", "b", "c", "d")
     for i, name in enumerate("abc"):
-        book.update(name, _running(2, 0, seq[name], 16, chunks={}), now=0.1 + i / 100)
-    book.update("d", _running(2, 1000, seq["d"], 16), now=0.1)
-    grants = book.allocate(now=0.2, queued=1)
+        book.update(name, _running(10, 0, seq[name], 16, chunks={}), now=3.0 + i / 100)
+    book.update("d", _running(10, 1000, seq["d"], 16), now=3.0)
+    grants = book.allocate(now=3.1, queued=1)
     assert grants["a"][1] == 16 and grants["b"][1] == grants["c"][1] == 0  # a's chunk ended first
 
 
@@ -154,8 +208,8 @@ def test_a_dead_workers_report_left_behind_is_no_sign_of_life():
     once, its share revoked once, not revived and revoked again at every round."""
     book = ShareBook(32, lost_s=10)
     seq = _halves(book)
-    last = _running(2, 5, seq["a"], 16)
-    t, n = 0.0, 1
+    last = _running(10, 5, seq["a"], 16)
+    t, n = 0.3, 10
     while t < 60:
         t, n = t + 0.1, n + 1
         book.update("a", last, now=t)
@@ -278,6 +332,7 @@ def test_the_board_counts_chunks_submitted_and_not_yet_running_as_queued():
             seqs[worker] = board.published["grants"][worker][0]
             assert board.published["grants"][worker][1] == 16
         loop.run_until_complete(asyncio.sleep(0))  # the loop hears chunks 0 and 1 started
+        board.book.workers["a"].last_tail_s = 0.2  # its tails are short (the book's tests show how it learns)
         board.forget(0)
         board.forget(1)
         channel.exchange("a", _running(2, 0, seqs["a"], 16, chunks={}))  # a's chunk ended; 2 is queued

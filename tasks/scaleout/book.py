@@ -14,7 +14,7 @@ from typing import Any
 
 LOST_S = 10.0  # a worker silent this long is gone: what it held is free again
 SHARE_LEASE_S = 5.0  # a worker whose share the book has not confirmed this long drops it (< LOST_S)
-NEXT_CHUNK_S = 0.5  # how long a chunk's tail and the gap after it keep the worker's share (`keeping`)
+NEXT_CHUNK_S = 0.5  # a worker's tail and gap shorter than this keep its share while chunks wait (`keeping`)
 
 
 @dataclass
@@ -27,7 +27,8 @@ class WorkerState:
     applied: int = 0
     seen: float = 0.0
     chunks: frozenset[str] = frozenset()  # the chunks of the run its last report showed running
-    tail_at: float | None = None  # when the book first saw it in a chunk's tail (none since a chunk began)
+    tail_at: float | None = None  # when the book first saw its chunks need less than its share (its tail)
+    last_tail_s: float | None = None  # how long its last tail and the gap after it lasted (to a new chunk)
     reports: int = -1  # the worker's report counter: a report read twice is not a sign of life
     issued: list[tuple[int, int]] = field(default_factory=list)  # (seq, share), oldest first
     snapshot: dict[str, Any] = field(default_factory=dict)
@@ -100,10 +101,12 @@ class ShareBook:
             state.reports = int(report.get("n", 0))
             state.seen = now
         chunks = frozenset(report.get("chunks") or {})
-        if chunks - state.chunks:
-            state.tail_at = None  # a chunk began there
+        if chunks - state.chunks and state.tail_at is not None:  # a chunk began there after a tail
+            state.last_tail_s = now - state.tail_at
+            if state.demand >= state.share:  # a chunk that needs less goes on with the tail
+                state.tail_at = None
         state.chunks = chunks
-        if state.tail_at is None and state.demand < state.applied:
+        if state.tail_at is None and state.demand < state.share:
             state.tail_at = now
         state.snapshot = report.get("snapshot") or state.snapshot
 
@@ -137,16 +140,22 @@ class ShareBook:
         }
 
     def keeping(self, now: float, queued: int) -> set[str]:
-        """Workers that keep their share though their chunks need less: in a chunk's tail or the gap after
-        it, seen less than NEXT_CHUNK_S ago, at most one per chunk queued in the engine (those with no chunk
-        running, then the earliest tails: the first to take the next chunk, which the engine starts on a
-        worker with room within milliseconds). Given up, a share came back two rounds after the next chunk
-        began, 0.3 s at half the rate at every chunk's end on Ray, where a worker process runs one chunk at a
-        time. A longer tail (a slow request's retries) gives its share up after NEXT_CHUNK_S."""
+        """Workers that keep their share though their chunks need less, while chunks wait in the engine: in
+        their tail or the gap after it for less than NEXT_CHUNK_S, where their last tail and gap lasted less
+        than that too (fast requests; slow ones end in longer tails, whose share moves to workers with
+        work), at most one per queued chunk (those with no chunk running, then the earliest tails: the
+        engine starts a queued chunk on the first worker with room, within milliseconds). Given up, a
+        share came back two rounds after the next chunk began: 0.3 s at half the rate at every chunk's end
+        on Ray (a worker process runs one chunk at a time) at 50 ms a request."""
         if queued <= 0:
             return set()
         tails = [
-            w for w, s in self.workers.items() if s.tail_at is not None and now - s.tail_at < NEXT_CHUNK_S
+            w
+            for w, s in self.workers.items()
+            if s.tail_at is not None
+            and now - s.tail_at < NEXT_CHUNK_S
+            and s.last_tail_s is not None
+            and s.last_tail_s < NEXT_CHUNK_S
         ]
         tails.sort(key=lambda w: (bool(self.workers[w].chunks), self.workers[w].tail_at, w))
         return set(tails[:queued])
