@@ -13,7 +13,7 @@ import fsspec
 import orjson
 
 from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
-from rollflow.tasks.collect.rows import STOP_EVERY, InputError, ScanStopped
+from rollflow.tasks.collect.rows import InputError, ScanStopped, scan_checkpoint
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store, open_input, storage_options_for
@@ -107,8 +107,7 @@ def scan_dataset(
     last: RolloutKey = (-1, -1)
     with open_input(url, options) as fh:
         for lineno, line in enumerate(fh, start=1):
-            if stopped is not None and lineno % STOP_EVERY == 0 and stopped():
-                raise ScanStopped(f"the scan of {url} was stopped at line {lineno}")
+            scan_checkpoint(lineno, stopped, url)
             line_offset, offset = offset, offset + len(line)
             digest.update(line)
             if not line.strip():
