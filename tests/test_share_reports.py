@@ -1,6 +1,7 @@
-"""A worker reads the share book's answer every POLL_S but writes its report only when what the book
-allocates by has changed, or REPORT_S after the last one: an unchanged report every 0.1 s cost each Dask
-worker about a fifth of its CPU in bench/scale_out.py."""
+"""A worker writes its report only when what the book allocates by has changed, or REPORT_S after the last
+one (an unchanged report every 0.1 s cost each Dask worker about a fifth of its CPU in bench/scale_out.py),
+and reads the book's answer every POLL_S while shares move, every `settled_s` of its link (Dask's) while
+they are settled."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.progress import ProgressEvent
+from rollflow.tasks.scaleout import collector as collector_module
 from rollflow.tasks.scaleout.collector import REPORT_S, RemoteRun, RunSlot, WorkerCollector
 from rollflow.tasks.scaleout.scope import WorkerScope
 
@@ -21,7 +23,10 @@ class CountingLink:
     """A share book that answers at once, counting its exchanges and keeping the reports it got; `fail`
     exchanges raise first (an unreachable scheduler), and once `ended` it answers that the run ended."""
 
-    def __init__(self) -> None:
+    settled_s = 0.5  # as a Dask link's
+
+    def __init__(self, moving: bool = True) -> None:
+        self.moving = moving  # what its answers say of the shares
         self.exchanges = 0
         self.reports: list[tuple[int, dict[str, Any]]] = []  # (the exchange it came with, the report)
         self.fail = 0
@@ -34,7 +39,7 @@ class CountingLink:
             raise ConnectionError("the scheduler cannot be reached")
         if report is not None:
             self.reports.append((self.exchanges, report))
-        return {"closed": True} if self.ended else {"grants": {}}
+        return {"closed": True} if self.ended else {"grants": {}, "moving": self.moving}
 
 
 def _run(tmp_path: Path, link: CountingLink | None, limit: int | dict[str, int]) -> RemoteRun:
@@ -86,25 +91,53 @@ def test_a_report_is_due_when_what_the_book_allocates_by_changes(tmp_path: Path)
     assert slot.next_report(me, REPORT_S + 0.8) is not None
 
 
-def test_an_unchanged_worker_reads_every_poll_and_reports_once_a_second(tmp_path: Path) -> None:
-    """The exchanges go on every POLL_S (the answer may move); the reports only when due."""
-    collector, link = WorkerCollector.get(), CountingLink()
-    run = _run(tmp_path, link, 8)
-    slot = asyncio.run_coroutine_threadsafe(collector._slot(run), collector.loop).result(timeout=30)
+def _exchanges_in(link: CountingLink, tmp_path: Path, seconds: float) -> tuple[int, int]:
+    """A run's slot with one chunk running and nothing changing: its exchanges and reports in `seconds`."""
+    collector = WorkerCollector.get()
+    slot = asyncio.run_coroutine_threadsafe(collector._slot(_run(tmp_path, link, 8)), collector.loop).result(
+        timeout=30
+    )
     collector.loop.call_soon_threadsafe(slot.start, 0, 100)
-    time.sleep(1.5)
-    exchanges, reports = link.exchanges, len(link.reports)
-    assert exchanges >= 8, exchanges
-    assert reports <= 3, f"{reports} reports in {exchanges} exchanges with nothing changed"
-    before = link.exchanges
-    collector.loop.call_soon_threadsafe(slot.start, 5, 100)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not any("5" in r["chunks"] for _, r in link.reports):
-        time.sleep(0.02)
-    named = [n for n, r in link.reports if "5" in r["chunks"]]
-    # the exchange under way when the chunk started may have been built before it: the next one names it
-    assert named and named[0] <= before + 2, (before, named[:1])
-    link.ended = True  # the slot closes instead of polling on for the rest of the session
+    time.sleep(seconds)
+    return link.exchanges, len(link.reports)
+
+
+def test_an_unchanged_worker_reads_every_poll_while_shares_move(tmp_path: Path) -> None:
+    """The exchanges go on every POLL_S while the book says shares move; the reports only when due."""
+    link = CountingLink(moving=True)
+    try:
+        exchanges, reports = _exchanges_in(link, tmp_path, 1.5)
+        assert exchanges >= 8, exchanges
+        assert reports <= 3, f"{reports} reports in {exchanges} exchanges with nothing changed"
+    finally:
+        link.ended = True  # the slot closes instead of polling on for the rest of the session
+
+
+def test_a_settled_worker_reads_every_settled_s_and_reports_what_changes_at_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With shares settled a worker still reads the book every `settled_s` (the book may cut its share for a
+    worker that needs one), and a change the book must hear (a chunk starts) goes at the next POLL_S."""
+    monkeypatch.setattr(collector_module, "REPORT_S", 100.0)  # no report falls due by the clock
+    link = CountingLink(moving=False)
+    try:
+        exchanges, _ = _exchanges_in(link, tmp_path, 3 * CountingLink.settled_s + 0.1)
+        assert 2 <= exchanges <= 5, (
+            f"{exchanges} exchanges in {3 * CountingLink.settled_s + 0.1:.1f} s, settled"
+        )
+        collector = WorkerCollector.get()
+        slot = next(s for s in collector.slots.values() if s.link is link)
+        before = link.exchanges
+        collector.loop.call_soon_threadsafe(slot.start, 5, 100)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any("5" in r["chunks"] for _, r in link.reports):
+            time.sleep(0.02)
+        named = [n for n, r in link.reports if "5" in r["chunks"]]
+        # the exchange under way when the chunk started may have been built before it: the next one names it
+        assert named and named[0] <= before + 2, (before, named[:1])
+    finally:
+        link.ended = True
+        link.moving = True  # read at the next POLL_S: the slot closes
 
 
 def test_requests_draining_after_a_cut_are_reported_as_they_drain(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from share_board import ShareBoard
 
+from rollflow.tasks.collect.progress import hub
 from rollflow.tasks.scaleout.board import Board
 from rollflow.tasks.scaleout.book import NEXT_CHUNK_S, ShareBook, water_fill
 
@@ -342,4 +343,54 @@ def test_the_board_counts_chunks_submitted_and_not_yet_running_as_queued():
         board.round()
         assert board.published["grants"]["a"][1] == 0
     finally:
+        loop.close()
+
+
+def test_the_book_says_whether_shares_are_still_moving():
+    """Workers read a settled board less often (collector.SETTLED_S): the book says `moving` while any
+    share it issued is not applied yet or any worker's share is not where the split puts it."""
+    book = ShareBook(32)
+    book.update("a", _running(1, 1000, 0, 0), now=0.0)
+    grants = book.allocate(now=0.0)
+    assert grants["a"][1] == 32 and book.moving, "a's share is issued, not applied"
+    book.update("a", _running(2, 1000, grants["a"][0], 32), now=0.1)
+    book.allocate(now=0.1)
+    assert not book.moving
+    book.update("b", _running(1, 1000, 0, 0), now=0.2)
+    grants = book.allocate(now=0.2)
+    assert grants["a"][1] == 16 and grants["b"][1] == 0 and book.moving, "b waits for a to drain"
+    book.update("a", _running(3, 1000, grants["a"][0], 16), now=0.3)
+    grants = book.allocate(now=0.3)
+    assert grants["b"][1] == 16 and book.moving, "b's share is issued, not applied"
+    book.update("b", _running(2, 1000, grants["b"][0], 16), now=0.4)
+    book.allocate(now=0.4)
+    assert not book.moving
+    book.update("b", _running(3, 5, grants["b"][0], 16), now=0.5)  # b's tail: its share goes to a
+    book.allocate(now=0.5)
+    assert book.moving
+
+
+def test_the_board_emits_a_running_chunks_counts_once_per_change():
+    """A worker's report is read again every round until it writes the next one: its chunks' counts reach
+    the flow's loop (one wake-up each) only when they changed."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    events: list[Any] = []
+    unsubscribe = hub.subscribe(lambda e: events.append((e.kind, e.chunk, e.done, e.failed)))
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"0": [10, 1]}))
+        for _ in range(5):
+            board.round()
+        loop.run_until_complete(asyncio.sleep(0))
+        mine = [e for e in events if e[1] == 0]
+        assert mine == [("attempt", 0, 10, 0), ("rollouts", 0, 0, 1)], mine
+        channel.exchange("a", _running(2, 1000, 0, 0, chunks={"0": [20, 1]}))
+        board.round()
+        board.round()
+        loop.run_until_complete(asyncio.sleep(0))
+        mine = [e for e in events if e[1] == 0]
+        assert mine[2:] == [("attempt", 0, 20, 0), ("rollouts", 0, 0, 1)], mine
+        assert [e[0] for e in events].count("workers") == 1
+    finally:
+        unsubscribe()
         loop.close()

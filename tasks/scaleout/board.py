@@ -66,6 +66,7 @@ class Board:
         self.waiting: dict[int, asyncio.Future[None]] = {}  # chunks submitted, not yet seen running
         self.published: dict[str, Any] | None = None
         self.published_at = 0.0
+        self.counts: dict[int, tuple[int, int]] = {}  # chunk -> (done, failed) last emitted (the rounds')
 
     def round(self) -> None:
         reports = self.channel.reports()
@@ -74,21 +75,37 @@ class Board:
             self.rotation.merge(worker, report.get("rotation") or {})
         self.book.set_limit(self.rotation.live_limit(self.limits))
         grants = self.book.allocate(queued=len(self.waiting))
-        answer = {"grants": grants, "rotation": {url: list(e) for url, e in self.rotation.events.items()}}
+        answer = {
+            "grants": grants,
+            "rotation": {url: list(e) for url, e in self.rotation.events.items()},
+            "moving": self.book.moving,
+        }
         if answer != self.published or time.monotonic() - self.published_at > REPUBLISH_S:
             self.channel.publish(answer)
             self.published, self.published_at = answer, time.monotonic()
-        for worker in self.book.workers:
-            for index, (done, failed) in (reports.get(worker, {}).get("chunks") or {}).items():
-                if int(index) not in self.announced:
-                    self.announced.add(int(index))
-                    self.loop.call_soon_threadsafe(self._started, int(index))
-                if int(index) not in self.finished:
-                    self._emit(ProgressEvent("attempt", chunk=int(index), done=done))
-                    self._emit(ProgressEvent("rollouts", chunk=int(index), failed=failed))
+        events = self._progress(reports)
         if len(self.book.workers) != self.workers_seen:
             self.workers_seen = len(self.book.workers)
-            self._emit(ProgressEvent("workers", total=self.workers_seen))
+            events.append(ProgressEvent("workers", total=self.workers_seen))
+        if events:
+            self.loop.call_soon_threadsafe(_emit_all, events)
+
+    def _progress(self, reports: dict[str, dict[str, Any]]) -> list[ProgressEvent]:
+        """The running chunks' counts that changed since the last round: a report is read again every
+        round until its worker writes the next one, and each event wakes the flow's loop."""
+        events = []
+        for worker in self.book.workers:
+            for key, (done, failed) in (reports.get(worker, {}).get("chunks") or {}).items():
+                index = int(key)
+                if index not in self.announced:
+                    self.announced.add(index)
+                    self.loop.call_soon_threadsafe(self._started, index)
+                if index in self.finished or self.counts.get(index) == (done, failed):
+                    continue
+                self.counts[index] = (done, failed)
+                events.append(ProgressEvent("attempt", chunk=index, done=done))
+                events.append(ProgressEvent("rollouts", chunk=index, failed=failed))
+        return events
 
     def started(self, index: int) -> asyncio.Future[None]:
         """Done once a worker has reported chunk `index` running (on the loop)."""
@@ -111,9 +128,12 @@ class Board:
     def finish(self, outcome: ChunkOutcome) -> None:
         index = outcome.manifest.chunk
         self.finished.add(index)
-        self._emit(ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows))
-        self._emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
-        self._emit(ProgressEvent("chunk", chunk=index))
+        events = [
+            ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows),
+            ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed),
+            ProgressEvent("chunk", chunk=index),
+        ]
+        self.loop.call_soon_threadsafe(_emit_all, events)  # after the rounds' events already queued
 
     def workers(self, outcomes: list[ChunkOutcome]) -> list[dict[str, Any]]:
         """Each worker process's newest figures: its last report's or its last chunk's, whichever is later."""
@@ -124,5 +144,7 @@ class Board:
                 newest[snap["worker"]] = snap
         return [newest[w] for w in sorted(newest)]
 
-    def _emit(self, event: ProgressEvent) -> None:
-        self.loop.call_soon_threadsafe(hub.emit, event)
+
+def _emit_all(events: list[ProgressEvent]) -> None:
+    for event in events:
+        hub.emit(event)

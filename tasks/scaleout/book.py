@@ -83,6 +83,7 @@ class ShareBook:
         self.gone: dict[str, WorkerState] = {}
         self.peak_in_flight = 0  # the most the workers reported in flight at once (as sampled by reports)
         self.peak_held = 0  # the most the book allowed at once (never above the limit)
+        self.moving = True  # as of the last round: shares are still on their way to where they belong
         self._seq = 0
 
     def update(self, worker: str, report: dict[str, Any], now: float | None = None) -> None:
@@ -133,6 +134,7 @@ class ShareBook:
             if more > 0:
                 self._issue(state, state.share + more)
                 free -= more
+        self.moving = any(target[w] != s.share or s.issued for w, s in self.workers.items())
         self.peak_in_flight = max(self.peak_in_flight, sum(s.in_use for s in self.workers.values()))
         self.peak_held = max(self.peak_held, sum(s.held for s in self.workers.values()))
         return {

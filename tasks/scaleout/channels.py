@@ -13,7 +13,7 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,11 @@ class LinkState:
 @dataclass
 class DaskLink(LinkState):
     """A worker's link through the scheduler; `bind` in the task's thread, where the worker's client is."""
+
+    # Each exchange is a request to the scheduler through the worker's event loop: reading a settled book
+    # every POLL_S cost that loop twice the CPU in bench/scale_out.py, and the scheduler ten requests a
+    # second per worker. A Dask worker runs several chunks at once, so its share rarely moves mid-run.
+    settled_s: ClassVar[float] = 0.5
 
     key: str
     client: Any = field(default=None, repr=False, compare=False)
@@ -193,6 +198,11 @@ def _ray_key(name: str, *parts: str) -> bytes:
 class RayLink(LinkState):
     """A worker's link through the Ray cluster's key-value store (the GCS): no process of its own, so a
     run on Ray starts no actor, whose process would import Ray anew for every run."""
+
+    # A read is a GCS get (about 0.1 ms of the worker's CPU), and a Ray worker process runs one chunk at a
+    # time, so shares move at every chunk's end: read at every look (reading a settled book every 0.5 s
+    # cost runs in bench/scale_out.py 0.3 to 0.7 s of their 22 s).
+    settled_s: ClassVar[float] = 0.0
 
     name: str
     seen: bool = field(default=False, compare=False)  # a live board was read, and no end since (LinkState)

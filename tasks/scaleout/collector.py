@@ -38,7 +38,8 @@ from rollflow.tasks.verify.pool import close_pools
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  # how often a worker reads the share book's answer and applies its share
+POLL_S = 0.1  # how often a worker looks whether to exchange with the share book (and does, while shares move)
+FOLLOW_S = 1.0  # after its share changed, a worker reads every POLL_S this long (a next move comes soon)
 REPORT_S = 1.0  # a worker's report is written at least this often (the book counts silence from it)
 IDLE_S = 30.0  # a run with no chunk in this process for this long is closed here (if the book never said so)
 EXCHANGE_THREADS = 2  # exchanges run on threads of their own: one stuck never holds a commit's thread
@@ -46,7 +47,8 @@ EXCHANGE_THREADS = 2  # exchanges run on threads of their own: one stuck never h
 
 class ShareLink(Protocol):
     """The worker's side of the share book: send this worker's report (None: nothing new to say), get the
-    book's newest answer."""
+    book's newest answer. A link whose exchanges are dear says how often a worker reads a settled book
+    (`settled_s`, seconds; none: at every POLL_S)."""
 
     def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None: ...
 
@@ -93,6 +95,9 @@ class RunSlot:
     sync: asyncio.Task[None] | None = None
     exchanging: asyncio.Future[dict[str, Any] | None] | None = None  # the exchange under way, if any
     sent_at: float = 0.0  # when it was sent: an answer confirms the share as of then, not as of its arrival
+    moving: bool = True  # the book's last answer said shares are on their way (or no live answer came)
+    moved_at: float = 0.0  # when the book last changed this worker's share
+    settled_s: float = 0.0  # how often it reads the book while shares are settled (its link's `settled_s`)
     written: tuple[Any, ...] | None = None  # what the book allocates by, as of the last report sent
     written_at: float = 0.0
 
@@ -143,6 +148,14 @@ class RunSlot:
         report = self.report(worker)
         self.written, self.written_at = state, now
         return report
+
+    def wants_exchange(self, now: float) -> bool:
+        """Whether to exchange with the book now: while shares move (the book's last answer said so, or
+        none came) and FOLLOW_S after this worker's share last moved, when a report is due, and
+        `settled_s` after the last exchange."""
+        if self.moving or now - self.moved_at < FOLLOW_S or now - self.sent_at >= self.settled_s:
+            return True
+        return self.due(now) is not None
 
     def due(self, now: float) -> tuple[Any, ...] | None:
         """What the book allocates by, when it changed since the last report or that is REPORT_S old (a
@@ -196,6 +209,7 @@ class RunSlot:
         seq, share = (reply.get("grants") or {}).get(worker, (0, 0))
         if seq > self.applied_seq:
             self.applied_seq = seq
+            self.moved_at = time.monotonic()
             self.ctx.pool.set_share(share, self.run_limits)
         for url, (state, seq) in (reply.get("rotation") or {}).items():
             self.ctx.pool.follow(url, state, seq)
@@ -282,11 +296,14 @@ class WorkerCollector:
         ctx.run = run_key(run)
         urls = run.spec.backend.urls
         limits = run.share if isinstance(run.share, dict) else split_limit(run.share, urls)
-        return RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link, ctx.run)
+        slot = RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link, ctx.run)
+        slot.settled_s = getattr(run.link, "settled_s", 0.0)
+        return slot
 
     async def _keep_share(self, key: str, slot: RunSlot) -> None:
-        """Read and apply the share every POLL_S, with a report when one is due, until the book says the
-        run ended, or the run has had no chunk here for IDLE_S (or is past its deadline)."""
+        """Exchange with the book when `wants_exchange` says so (it looks every POLL_S), with a report when
+        one is due, until the book says the run ended, or the run has had no chunk here for IDLE_S (or is
+        past its deadline)."""
         warned = False
         while True:
             # A share not confirmed for SHARE_LEASE_S is dropped before this worker reports again (after a
@@ -294,9 +311,12 @@ class WorkerCollector:
             if time.monotonic() - slot.last_ok > SHARE_LEASE_S and slot.ctx.pool.share:
                 slot.ctx.pool.set_share(0, slot.run_limits)
             try:
-                if self._answer(key, slot, await self._exchange(slot)):
+                if slot.wants_exchange(time.monotonic()) and self._answer(
+                    key, slot, await self._exchange(slot)
+                ):
                     return
             except Exception as exc:
+                slot.moving = True
                 if not warned:
                     log.warning("cannot reach the run's share book: %s: %s", type(exc).__name__, exc)
                     warned = True
@@ -319,8 +339,10 @@ class WorkerCollector:
         if reply and not reply.get("gone"):
             slot.last_ok = slot.sent_at
             slot.apply(self.worker, reply)
+            slot.moving = bool(reply.get("moving", True))
         else:
             slot.written = None  # no live board took the last report: the next exchange sends one
+            slot.moving = True
         return False
 
     def _close_slot(self, key: str, slot: RunSlot) -> None:
