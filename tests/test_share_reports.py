@@ -27,6 +27,8 @@ class CountingLink:
 
     def __init__(self, moving: bool = True) -> None:
         self.moving = moving  # what its answers say of the shares
+        self.grants: dict[str, list[int]] = {}  # what its answers grant
+        self.times: list[float] = []  # when each exchange came (time.monotonic)
         self.exchanges = 0
         self.reports: list[tuple[int, dict[str, Any]]] = []  # (the exchange it came with, the report)
         self.fail = 0
@@ -34,12 +36,13 @@ class CountingLink:
 
     def exchange(self, worker: str, report: dict[str, Any] | None) -> dict[str, Any] | None:
         self.exchanges += 1
+        self.times.append(time.monotonic())
         if self.fail:
             self.fail -= 1
             raise ConnectionError("the scheduler cannot be reached")
         if report is not None:
             self.reports.append((self.exchanges, report))
-        return {"closed": True} if self.ended else {"grants": {}, "moving": self.moving}
+        return {"closed": True} if self.ended else {"grants": dict(self.grants), "moving": self.moving}
 
 
 def _run(tmp_path: Path, link: CountingLink | None, limit: int | dict[str, int]) -> RemoteRun:
@@ -113,18 +116,25 @@ def test_an_unchanged_worker_reads_every_poll_while_shares_move(tmp_path: Path) 
         link.ended = True  # the slot closes instead of polling on for the rest of the session
 
 
+def _between(link: CountingLink, start: float, end: float) -> int:
+    return sum(1 for t in list(link.times) if start <= t < end)
+
+
 def test_a_settled_worker_reads_every_settled_s_and_reports_what_changes_at_once(
     tmp_path: Path, monkeypatch
 ) -> None:
     """With shares settled a worker still reads the book every `settled_s` (the book may cut its share for a
     worker that needs one), and a change the book must hear (a chunk starts) goes at the next POLL_S."""
     monkeypatch.setattr(collector_module, "REPORT_S", 100.0)  # no report falls due by the clock
-    link = CountingLink(moving=False)
+    link, settled = CountingLink(moving=False), CountingLink.settled_s
     try:
-        exchanges, _ = _exchanges_in(link, tmp_path, 3 * CountingLink.settled_s + 0.1)
-        assert 2 <= exchanges <= 5, (
-            f"{exchanges} exchanges in {3 * CountingLink.settled_s + 0.1:.1f} s, settled"
-        )
+        _exchanges_in(link, tmp_path, 0.6)  # its first reports, and the quick reads after them
+        start = time.monotonic()
+        time.sleep(4 * settled)
+        exchanges = _between(link, start, start + 4 * settled)
+        # One read every settled_s: 4 in the window, 3 if the loop ran late; none if it only read when a
+        # report was due, 2 at one read a second, 20 at every POLL_S.
+        assert 3 <= exchanges <= 5, f"{exchanges} exchanges in {4 * settled:.1f} s, settled"
         collector = WorkerCollector.get()
         slot = next(s for s in collector.slots.values() if s.link is link)
         before = link.exchanges
@@ -138,6 +148,27 @@ def test_a_settled_worker_reads_every_settled_s_and_reports_what_changes_at_once
     finally:
         link.ended = True
         link.moving = True  # read at the next POLL_S: the slot closes
+
+
+def test_a_worker_whose_share_moved_reads_every_poll_for_a_while(tmp_path: Path, monkeypatch) -> None:
+    """A share that moved is often followed by another move (a tail goes on, a new chunk takes it back):
+    for FOLLOW_S after its share moved a worker reads every POLL_S though the book says settled."""
+    monkeypatch.setattr(collector_module, "REPORT_S", 100.0)
+    link = CountingLink(moving=False)
+    try:
+        _exchanges_in(link, tmp_path, 0.6)
+        link.grants = {WorkerCollector.get().worker: [1, 8]}
+        granted = time.monotonic()
+        time.sleep(collector_module.FOLLOW_S)
+        # After the report of the applied share (its quick reads last ANSWER_S), to FOLLOW_S: every POLL_S
+        # reads about 5 there, settled reads at most 1.
+        late = _between(link, granted + 0.4, granted + collector_module.FOLLOW_S - 0.05)
+        assert late >= 3, (
+            f"{late} exchanges from 0.4 s to {collector_module.FOLLOW_S - 0.05:.2f} s after it moved"
+        )
+    finally:
+        link.ended = True
+        link.moving = True
 
 
 def test_requests_draining_after_a_cut_are_reported_as_they_drain(tmp_path: Path) -> None:

@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from share_board import ShareBoard
 
-from rollflow.tasks.collect.progress import hub
+from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.progress import RolloutCount, hub
 from rollflow.tasks.scaleout.board import Board
 from rollflow.tasks.scaleout.book import NEXT_CHUNK_S, ShareBook, water_fill
+from rollflow.tasks.storage.ledger import ChunkManifest
 
 
 def test_water_fill_splits_evenly_and_never_past_a_demand():
@@ -347,7 +349,7 @@ def test_the_board_counts_chunks_submitted_and_not_yet_running_as_queued():
 
 
 def test_the_book_says_whether_shares_are_still_moving():
-    """Workers read a settled board less often (collector.SETTLED_S): the book says `moving` while any
+    """Workers read a settled board less often (their link's `settled_s`): the book says `moving` while any
     share it issued is not applied yet or any worker's share is not where the split puts it."""
     book = ShareBook(32)
     book.update("a", _running(1, 1000, 0, 0), now=0.0)
@@ -359,7 +361,11 @@ def test_the_book_says_whether_shares_are_still_moving():
     book.update("b", _running(1, 1000, 0, 0), now=0.2)
     grants = book.allocate(now=0.2)
     assert grants["a"][1] == 16 and grants["b"][1] == 0 and book.moving, "b waits for a to drain"
-    book.update("a", _running(3, 1000, grants["a"][0], 16), now=0.3)
+    drain = {**_running(3, 1000, grants["a"][0], 16), "in_use": 32}  # a applied its cut, not drained yet
+    book.update("a", drain, now=0.25)
+    grants = book.allocate(now=0.25)
+    assert grants["b"][1] == 0 and not book.workers["a"].issued and book.moving, "b still waits for a"
+    book.update("a", _running(4, 1000, grants["a"][0], 16), now=0.3)
     grants = book.allocate(now=0.3)
     assert grants["b"][1] == 16 and book.moving, "b's share is issued, not applied"
     book.update("b", _running(2, 1000, grants["b"][0], 16), now=0.4)
@@ -391,6 +397,54 @@ def test_the_board_emits_a_running_chunks_counts_once_per_change():
         mine = [e for e in events if e[1] == 0]
         assert mine[2:] == [("attempt", 0, 20, 0), ("rollouts", 0, 0, 1)], mine
         assert [e[0] for e in events].count("workers") == 1
+    finally:
+        unsubscribe()
+        loop.close()
+
+
+class FinishingLoop:
+    """A real loop whose first thread-safe call from the rounds' thread runs `finish` first: the loop
+    finishing the chunk while a round, which has read its running counts, is still queueing them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.finish: Any = None
+
+    def call_soon_threadsafe(self, *args: Any) -> Any:
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
+        return self.loop.call_soon_threadsafe(*args)
+
+    def create_future(self) -> Any:
+        return self.loop.create_future()
+
+
+def test_a_rounds_counts_queued_before_a_chunk_finished_never_count_it_again():
+    """The rounds run on a thread of their own: a round can read a running chunk's counts, then the chunk
+    finishes on the loop before the round's events reach it. Its final counts stand; the stale ones are
+    dropped rather than counting the chunk again."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    finishing = FinishingLoop(loop)
+    count = RolloutCount(total=212)
+    unsubscribe = hub.subscribe(count.add)
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, finishing)  # type: ignore[arg-type]
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [50, 0]}))
+        board.round()
+        loop.run_until_complete(asyncio.sleep(0))
+        # Chunk 7 is read running again, then chunk 8 is new: the loop finishes 7 as the round announces 8.
+        channel.exchange("a", _running(2, 1000, 0, 0, chunks={"7": [98, 2], "8": [0, 0]}))
+        manifest = ChunkManifest(
+            chunk=7, first_task=0, num_tasks=106, rows_expected=106, rows=106, failed=0,
+            sha256="", bytes=0, started_at="", committed_at="", wall_s=0.0, attempt=2,
+        )  # fmt: skip
+        finishing.finish = lambda: board.finish(ChunkOutcome(manifest=manifest, skipped=False))
+        board.round()
+        assert finishing.finish is None, "the round made no thread-safe call"
+        loop.run_until_complete(asyncio.sleep(0))
+        counted = (count.done, count.failed, count.chunks)
+        assert counted == (106, 0, {8: [0, 0]}), counted
     finally:
         unsubscribe()
         loop.close()

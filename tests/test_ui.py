@@ -100,13 +100,19 @@ def test_custom_run_with_one_field_changed_publishes_with_the_rest_as_served(
             repeats.evaluate("e => e.scrollIntoView({block: 'center'})")
             shot(page, shots, "ui-run-form.png")
             page.get_by_role("button", name="Submit").click()
-            # Submit leaves the form for the deployment's page once the run is created
-            page.wait_for_url(re.compile(rf".*/deployment/{served['id']}(\?.*)?$"), timeout=60_000)
+            # What Submit does is create the run (the form then leaves for another page): wait for the run,
+            # and if none comes, say what the page showed.
             query = {"flow_runs": {"deployment_id": {"any_": [served["id"]]}}}
-            deadline, runs = time.monotonic() + 30, []
+            deadline, runs = time.monotonic() + 60, []
             while not runs and time.monotonic() < deadline:
-                time.sleep(0.25)
+                page.wait_for_timeout(250)
                 runs = ok(api, "/flow_runs/filter", query)
+            if not runs:
+                shot(page, shots, "ui-run-submitted.png")
+                text = page.locator("body").inner_text()[-1500:]
+                pytest.fail(f"no flow run 60 s after Submit; the page at {page.url} read:\n{text}")
+            page.wait_for_timeout(1000)  # a second Submit would have created its run by now
+            runs = ok(api, "/flow_runs/filter", query)
             assert len(runs) == 1, "the form's Submit created exactly one flow run"
             run_id = runs[0]["id"]
             run = wait_final(api, run_id)

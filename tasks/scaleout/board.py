@@ -88,7 +88,15 @@ class Board:
             self.workers_seen = len(self.book.workers)
             events.append(ProgressEvent("workers", total=self.workers_seen))
         if events:
-            self.loop.call_soon_threadsafe(_emit_all, events)
+            self.loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[ProgressEvent]) -> None:
+        """On the loop: a round's events, but a running chunk's counts for chunks that finished since the
+        round read them (`finish` ran on the loop in between; its counts are final)."""
+        for event in events:
+            if event.kind in ("attempt", "rollouts") and event.chunk in self.finished:
+                continue
+            hub.emit(event)
 
     def _progress(self, reports: dict[str, dict[str, Any]]) -> list[ProgressEvent]:
         """The running chunks' counts that changed since the last round: a report is read again every
@@ -126,14 +134,12 @@ class Board:
             future.set_result(None)
 
     def finish(self, outcome: ChunkOutcome) -> None:
+        """On the loop: the chunk's final counts; the rounds' counts of it queued before are dropped."""
         index = outcome.manifest.chunk
         self.finished.add(index)
-        events = [
-            ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows),
-            ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed),
-            ProgressEvent("chunk", chunk=index),
-        ]
-        self.loop.call_soon_threadsafe(_emit_all, events)  # after the rounds' events already queued
+        hub.emit(ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows))
+        hub.emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
+        hub.emit(ProgressEvent("chunk", chunk=index))
 
     def workers(self, outcomes: list[ChunkOutcome]) -> list[dict[str, Any]]:
         """Each worker process's newest figures: its last report's or its last chunk's, whichever is later."""
@@ -143,8 +149,3 @@ class Board:
             if snap and snap.get("seq", 0) >= newest.get(snap["worker"], {}).get("seq", -1):
                 newest[snap["worker"]] = snap
         return [newest[w] for w in sorted(newest)]
-
-
-def _emit_all(events: list[ProgressEvent]) -> None:
-    for event in events:
-        hub.emit(event)

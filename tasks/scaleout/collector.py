@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a worker looks whether to exchange with the share book (and does, while shares move)
 FOLLOW_S = 1.0  # after its share changed, a worker reads every POLL_S this long (a next move comes soon)
+ANSWER_S = (
+    0.3  # after a report that changed what the book allocates by, the same (its answer is a round away)
+)
 REPORT_S = 1.0  # a worker's report is written at least this often (the book counts silence from it)
 IDLE_S = 30.0  # a run with no chunk in this process for this long is closed here (if the book never said so)
 EXCHANGE_THREADS = 2  # exchanges run on threads of their own: one stuck never holds a commit's thread
@@ -97,6 +100,7 @@ class RunSlot:
     sent_at: float = 0.0  # when it was sent: an answer confirms the share as of then, not as of its arrival
     moving: bool = True  # the book's last answer said shares are on their way (or no live answer came)
     moved_at: float = 0.0  # when the book last changed this worker's share
+    changed_at: float = 0.0  # when it last sent a report that changed what the book allocates by
     settled_s: float = 0.0  # how often it reads the book while shares are settled (its link's `settled_s`)
     written: tuple[Any, ...] | None = None  # what the book allocates by, as of the last report sent
     written_at: float = 0.0
@@ -146,14 +150,20 @@ class RunSlot:
         if state is None:
             return None
         report = self.report(worker)
+        if state != self.written:
+            self.changed_at = now
         self.written, self.written_at = state, now
         return report
 
     def wants_exchange(self, now: float) -> bool:
         """Whether to exchange with the book now: while shares move (the book's last answer said so, or
-        none came) and FOLLOW_S after this worker's share last moved, when a report is due, and
-        `settled_s` after the last exchange."""
-        if self.moving or now - self.moved_at < FOLLOW_S or now - self.sent_at >= self.settled_s:
+        none came), FOLLOW_S after this worker's share last moved, ANSWER_S after a report that changed
+        what the book allocates by (the answer it came back with was published before the book read it: a
+        worker's first report would otherwise wait `settled_s` for its first share), when a report is due,
+        and `settled_s` after the last exchange."""
+        if self.moving or now - self.moved_at < FOLLOW_S or now - self.changed_at < ANSWER_S:
+            return True
+        if now - self.sent_at >= self.settled_s:
             return True
         return self.due(now) is not None
 
