@@ -88,8 +88,9 @@ class ShareBook:
 
     def update(self, worker: str, report: dict[str, Any], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        n = int(report.get("n", 0))
         gone = self.gone.get(worker)
-        if worker not in self.workers and gone is not None and int(report.get("n", 0)) == gone.reports:
+        if worker not in self.workers and gone is not None and n == gone.reports:
             return  # a gone worker's last report read again (a dead one's stays behind): not a return
         state = self.workers.get(worker) or self.gone.pop(worker, None) or WorkerState()
         self.workers[worker] = state
@@ -98,9 +99,8 @@ class ShareBook:
         state.applied_seq = int(report.get("applied_seq", 0))
         state.applied = int(report.get("applied", 0))
         state.issued = [(seq, share) for seq, share in state.issued if seq > state.applied_seq]
-        if int(report.get("n", 0)) != state.reports:
-            state.reports = int(report.get("n", 0))
-            state.seen = now
+        if n != state.reports:
+            state.reports, state.seen = n, now
         chunks = frozenset(report.get("chunks") or {})
         if chunks - state.chunks and state.tail_at is not None:  # a chunk began there after a tail
             state.last_tail_s = now - state.tail_at
