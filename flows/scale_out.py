@@ -130,7 +130,12 @@ class RemoteChunks:
         """`chunk`: a ChunkSpec (collection) or any chunk with an `index` (reverify's SourceChunk)."""
         if self.board is not None:
             await self._queue(chunk, self.board)
-        outcome = await self.task(self.dispatch, chunk)
+        try:
+            outcome = await self.task(self.dispatch, chunk)
+        except BaseException:
+            if self.board is not None:
+                self.board.failed(chunk.index)
+            raise
         if self.board is not None:
             self.board.finish(outcome)
         return outcome

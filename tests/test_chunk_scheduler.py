@@ -23,6 +23,7 @@ from share_board import ShareBoard
 from rollflow.flows import scale_out
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.scheduler import run_chunks
 from rollflow.tasks.storage.ledger import ChunkManifest
@@ -211,3 +212,25 @@ async def test_a_chunk_whose_future_was_cancelled_is_counted_and_the_rest_run(
         "ChunkCancelled: chunk 1: its task was cancelled",
         "RuntimeError: chunk 7 failed",
     ]
+
+
+async def test_a_chunk_that_fails_for_good_leaves_the_progress_count() -> None:
+    """Its attempts counted rollouts as they came, but it commits none: the progress every display shows
+    loses them, where a chunk that failed once and then committed keeps its final counts."""
+    count = RolloutCount(total=30)
+    unsubscribe = hub.subscribe(count.add)
+
+    async def run(c: ChunkSpec) -> ChunkOutcome:
+        hub.emit(ProgressEvent("attempt", chunk=c.index, done=0))
+        hub.emit(ProgressEvent("rollouts", chunk=c.index, done=8, failed=2))
+        if c.index == 1:
+            raise RuntimeError("chunk 1 failed after its retries")
+        hub.emit(ProgressEvent("chunk", chunk=c.index))
+        return outcome(c)
+
+    try:
+        done = await run_chunks((chunk(i) for i in range(3)), run, 2)
+    finally:
+        unsubscribe()
+    assert len(done.outcomes) == 2 and len(done.errors) == 1
+    assert (count.done, count.failed, count.chunks) == (16, 4, {}), (count.done, count.failed, count.chunks)

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from share_board import ShareBoard
@@ -447,4 +448,34 @@ def test_a_rounds_counts_queued_before_a_chunk_finished_never_count_it_again():
         assert counted == (106, 0, {8: [0, 0]}), counted
     finally:
         unsubscribe()
+        loop.close()
+
+
+def _chunk_counts(board: Board, loop: asyncio.AbstractEventLoop, rounds: int) -> list[Any]:
+    events: list[Any] = []
+    unsubscribe = hub.subscribe(lambda e: events.append((e.kind, e.done)) if e.chunk == 7 else None)
+    try:
+        for _ in range(rounds):
+            board.round()
+            loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        unsubscribe()
+    return events
+
+
+@pytest.mark.parametrize("again", [2, 1], ids=["the flow's retry", "the engine's own retry"])
+def test_a_chunk_run_again_elsewhere_shows_its_new_workers_counts(again: int) -> None:
+    """A worker died running chunk 7; its last report stays in the book until it counts as gone. The chunk
+    runs again on worker b, which the book knew first (so b's report is read before the dead one's): the
+    progress shows b's counts, once, not the dead attempt's again at every round."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        channel.exchange("b", _running(1, 1000, 0, 0, chunks={"3": [0, 0, 1]}))
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [80, 0, 1]}))
+        assert _chunk_counts(board, loop, 2) == [("attempt", 80), ("rollouts", 0)]
+        channel.exchange("b", _running(2, 1000, 0, 0, chunks={"3": [0, 0, 1], "7": [5, 0, again]}))
+        shown = _chunk_counts(board, loop, 4)
+        assert shown == [("attempt", 5), ("rollouts", 0)], shown
+    finally:
         loop.close()

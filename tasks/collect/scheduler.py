@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rows import ChunkSpec
 
 RunChunk = Callable[[ChunkSpec], Awaitable[ChunkOutcome]]
@@ -32,6 +33,12 @@ class Scheduled:
 
 class ChunkCancelled(Exception):
     """A chunk's task was cancelled by its engine (not by this run): the chunk counts as failed."""
+
+
+def _uncount(chunk: ChunkSpec) -> None:
+    """A chunk that failed for good commits nothing: the rollouts its attempts counted leave the progress."""
+    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=0))
+    hub.emit(ProgressEvent("chunk", chunk=chunk.index))
 
 
 def _keep(exc: Exception) -> Exception:
@@ -62,6 +69,7 @@ async def run_chunks(
         try:
             done.outcomes.append(await run(chunk))
         except Exception as exc:  # the chunk failed after its retries; the audit reports the gap
+            _uncount(chunk)
             done.errors.append(error(exc))
         except asyncio.CancelledError:
             # A future cancelled by its engine reads back as CancelledError: that chunk's failure, unless
@@ -69,6 +77,7 @@ async def run_chunks(
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
+            _uncount(chunk)
             done.errors.append(error(ChunkCancelled(f"chunk {chunk.index}: its task was cancelled")))
         finally:
             running -= 1

@@ -67,6 +67,8 @@ class Board:
         self.published: dict[str, Any] | None = None
         self.published_at = 0.0
         self.counts: dict[int, tuple[int, int]] = {}  # chunk -> (done, failed) last emitted (the rounds')
+        self.owners: dict[int, tuple[int, str]] = {}  # chunk -> (attempt, worker) whose counts are shown
+        self.listed: set[tuple[str, int]] = set()  # (worker, chunk) the last round's reports list
 
     def round(self) -> None:
         reports = self.channel.reports()
@@ -100,20 +102,38 @@ class Board:
 
     def _progress(self, reports: dict[str, dict[str, Any]]) -> list[ProgressEvent]:
         """The running chunks' counts that changed since the last round: a report is read again every
-        round until its worker writes the next one, and each event wakes the flow's loop."""
-        events = []
+        round until its worker writes the next one, and each event wakes the flow's loop. A chunk's counts
+        are its owner's (`_owner`): a worker that died running it reports it until the book drops it."""
+        events, listed = [], set()
         for worker in self.book.workers:
-            for key, (done, failed) in (reports.get(worker, {}).get("chunks") or {}).items():
+            for key, counts in (reports.get(worker, {}).get("chunks") or {}).items():
                 index = int(key)
+                listed.add((worker, index))
                 if index not in self.announced:
                     self.announced.add(index)
                     self.loop.call_soon_threadsafe(self._started, index)
+                if not self._owner(worker, index, counts[2] if len(counts) > 2 else 1):
+                    continue
+                done, failed = counts[0], counts[1]
                 if index in self.finished or self.counts.get(index) == (done, failed):
                     continue
                 self.counts[index] = (done, failed)
                 events.append(ProgressEvent("attempt", chunk=index, done=done))
                 events.append(ProgressEvent("rollouts", chunk=index, failed=failed))
+        self.listed = listed
         return events
+
+    def _owner(self, worker: str, index: int, attempt: int) -> bool:
+        """Whether `worker` runs the chunk's newest attempt: the highest the flow started, and of one the
+        engine ran again elsewhere (its worker died), the worker that listed it last."""
+        owner = self.owners.get(index)
+        if (
+            owner is None
+            or attempt > owner[0]
+            or (attempt == owner[0] and (worker, index) not in self.listed)
+        ):
+            self.owners[index] = owner = (attempt, worker)
+        return owner[1] == worker
 
     def started(self, index: int) -> asyncio.Future[None]:
         """Done once a worker has reported chunk `index` running (on the loop)."""
@@ -140,6 +160,11 @@ class Board:
         hub.emit(ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows))
         hub.emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
         hub.emit(ProgressEvent("chunk", chunk=index))
+
+    def failed(self, index: int) -> None:
+        """On the loop: a chunk that failed for good; the rounds' counts of it are dropped from now on (the
+        scheduler takes what it counted out of the progress)."""
+        self.finished.add(index)
 
     def workers(self, outcomes: list[ChunkOutcome]) -> list[dict[str, Any]]:
         """Each worker process's newest figures: its last report's or its last chunk's, whichever is later."""

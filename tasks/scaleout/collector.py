@@ -40,9 +40,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a worker looks whether to exchange with the share book (and does, while shares move)
 FOLLOW_S = 1.0  # after its share changed, a worker reads every POLL_S this long (a next move comes soon)
-ANSWER_S = (
-    0.3  # after a report that changed what the book allocates by, the same (its answer is a round away)
-)
+ANSWER_S = 0.3  # after a report that changed what the book allocates by, the same (a round away)
 REPORT_S = 1.0  # a worker's report is written at least this often (the book counts silence from it)
 IDLE_S = 30.0  # a run with no chunk in this process for this long is closed here (if the book never said so)
 EXCHANGE_THREADS = 2  # exchanges run on threads of their own: one stuck never holds a commit's thread
@@ -88,6 +86,7 @@ class RunSlot:
     link: ShareLink | None
     key: str  # the run's key here; its chunks' progress events carry it
     planned: dict[int, int] = field(default_factory=dict)  # running chunk -> its planned rollouts
+    attempts: dict[int, int] = field(default_factory=dict)  # running chunk -> the flow's attempt of it
     counted: RolloutCount = field(default_factory=RolloutCount)  # what this process finished of them
     chunks_done: int = 0
     applied_seq: int = 0
@@ -105,12 +104,14 @@ class RunSlot:
     written: tuple[Any, ...] | None = None  # what the book allocates by, as of the last report sent
     written_at: float = 0.0
 
-    def start(self, chunk: int, planned: int) -> None:
+    def start(self, chunk: int, planned: int, attempt: int = 1) -> None:
         self.planned[chunk] = planned
+        self.attempts[chunk] = attempt
         self.counted.chunks[chunk] = [0, 0]
 
     def end(self, chunk: int) -> None:
         self.planned.pop(chunk, None)
+        self.attempts.pop(chunk, None)
         self.counted.chunks.pop(chunk, None)
 
     def count(self, event: ProgressEvent) -> None:
@@ -140,7 +141,9 @@ class RunSlot:
             "applied_seq": self.applied_seq,
             "applied": self._applied(),
             "rotation": self._rotation(),
-            "chunks": {str(i): list(counts) for i, counts in self.counted.chunks.items()},
+            "chunks": {
+                str(i): [*counts, self.attempts.get(i, 1)] for i, counts in self.counted.chunks.items()
+            },
             "snapshot": self.snapshot(worker),
         }
 
@@ -256,7 +259,7 @@ class WorkerCollector:
 
     async def _collect(self, run: RemoteRun, chunk: ChunkSpec, attempt: int) -> ChunkOutcome:
         slot = await self._slot(run)
-        slot.start(chunk.index, chunk.good_rows * run.spec.collection.num_repeats)
+        slot.start(chunk.index, chunk.good_rows * run.spec.collection.num_repeats, attempt)
         scope = run.scope
         left = None if scope.stop_at is None else max(0.0, scope.stop_at - time.time())
         try:
@@ -306,9 +309,16 @@ class WorkerCollector:
         ctx.run = run_key(run)
         urls = run.spec.backend.urls
         limits = run.share if isinstance(run.share, dict) else split_limit(run.share, urls)
-        slot = RunSlot(handles, ctx, {url: limits[url] for url in urls}, run.scope, run.link, ctx.run)
-        slot.settled_s = getattr(run.link, "settled_s", 0.0)
-        return slot
+        settled_s = getattr(run.link, "settled_s", 0.0)
+        return RunSlot(
+            handles,
+            ctx,
+            {url: limits[url] for url in urls},
+            run.scope,
+            run.link,
+            ctx.run,
+            settled_s=settled_s,
+        )
 
     async def _keep_share(self, key: str, slot: RunSlot) -> None:
         """Exchange with the book when `wants_exchange` says so (it looks every POLL_S), with a report when

@@ -37,7 +37,7 @@ def _asked(count: Callable[[], int | None]) -> int | None:
             error = exc
     log.warning(
         "could not count this node's worker processes (%s: %s): this process sizes its verifier pool as if "
-        "it were alone on the node",
+        "it were alone on the node; --verify-processes sets each worker process's pool instead",
         type(error).__name__,
         error,
     )
