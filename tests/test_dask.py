@@ -170,6 +170,12 @@ def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
     try:
         proc = spawn(args, cli_env)
         wait_until(pools_up, proc, timeout_s=180)
+        # A pool starts its processes together, but a process is seen only once it has exec'd: look on
+        # for a while, so a pool seen half started is seen whole, and one too big shows all of it.
+        settle = time.monotonic() + 2.0
+        while time.monotonic() < settle and proc.poll() is None:
+            pools_up()
+            time.sleep(0.05)
     finally:
         set_latency(slow_sim, 20)
     assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
