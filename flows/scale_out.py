@@ -132,9 +132,14 @@ class RemoteChunks:
             await self._queue(chunk, self.board)
         try:
             outcome = await self.task(self.dispatch, chunk)
-        except BaseException:
+        except Exception:
             if self.board is not None:
-                self.board.failed(chunk.index)
+                self.board.abandoned(chunk.index)
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.board is not None and task is not None and not task.cancelling():  # its engine's doing
+                self.board.abandoned(chunk.index)
             raise
         if self.board is not None:
             self.board.finish(outcome)

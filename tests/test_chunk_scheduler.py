@@ -216,21 +216,57 @@ async def test_a_chunk_whose_future_was_cancelled_is_counted_and_the_rest_run(
 
 async def test_a_chunk_that_fails_for_good_leaves_the_progress_count() -> None:
     """Its attempts counted rollouts as they came, but it commits none: the progress every display shows
-    loses them, where a chunk that failed once and then committed keeps its final counts."""
-    count = RolloutCount(total=30)
+    goes back to what the dataset holds of it (an earlier, partly failed commit stands). A chunk that failed
+    once and then committed keeps its final counts."""
+    count = RolloutCount(total=300)
     unsubscribe = hub.subscribe(count.add)
 
     async def run(c: ChunkSpec) -> ChunkOutcome:
-        hub.emit(ProgressEvent("attempt", chunk=c.index, done=0))
+        floor = (40, 1) if c.index == 1 else (0, 0)  # chunk 1 re-runs an earlier commit's failures
+        hub.emit(ProgressEvent("attempt", chunk=c.index, done=floor[0], floor=floor))
         hub.emit(ProgressEvent("rollouts", chunk=c.index, done=8, failed=2))
-        if c.index == 1:
-            raise RuntimeError("chunk 1 failed after its retries")
-        hub.emit(ProgressEvent("chunk", chunk=c.index))
-        return outcome(c)
+        if c.index == 0:  # its second attempt adopts 3 saved parts, then commits
+            hub.emit(ProgressEvent("attempt", chunk=c.index, done=3))
+            hub.emit(ProgressEvent("rollouts", chunk=c.index, done=7))
+            hub.emit(ProgressEvent("chunk", chunk=c.index))
+            return outcome(c)
+        raise RuntimeError(f"chunk {c.index} failed after its retries")
 
     try:
         done = await run_chunks((chunk(i) for i in range(3)), run, 2)
     finally:
         unsubscribe()
-    assert len(done.outcomes) == 2 and len(done.errors) == 1
-    assert (count.done, count.failed, count.chunks) == (16, 4, {}), (count.done, count.failed, count.chunks)
+    assert len(done.outcomes) == 1 and len(done.errors) == 2
+    assert (count.done, count.failed, count.chunks) == (3 + 7 + 40, 1, {}), (
+        count.done,
+        count.failed,
+        count.chunks,
+    )
+
+
+class Stopping(Exception):
+    """Stands for the signal `flows.stops.chunk_error` re-raises (a KeyboardInterrupt would stop pytest)."""
+
+
+async def test_a_chunk_stopped_by_a_signal_keeps_its_counts() -> None:
+    """Ctrl-C while a chunk's task unwinds stops the run (`error` raises the signal instead of counting a
+    failure); the chunk is not abandoned (its parts are saved and a re-run adopts them), so its counts stay,
+    as a deadline's do."""
+    count = RolloutCount(total=100)
+    unsubscribe = hub.subscribe(count.add)
+
+    async def run(c: ChunkSpec) -> ChunkOutcome:
+        hub.emit(ProgressEvent("attempt", chunk=c.index, done=0))
+        hub.emit(ProgressEvent("rollouts", chunk=c.index, done=70))
+        raise RuntimeError("the task's crash handling failed while the signal unwound it")
+
+    def stop(exc: Exception) -> Exception:
+        raise Stopping from exc
+
+    try:
+        with pytest.raises(ExceptionGroup) as raised:
+            await run_chunks([chunk(0)], run, 1, error=stop)
+    finally:
+        unsubscribe()
+    assert raised.group_contains(Stopping)
+    assert count.done == 70 and count.chunks == {0: [70, 0]}, (count.done, count.chunks)

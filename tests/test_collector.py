@@ -45,7 +45,7 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     slot.count(ProgressEvent("rollouts", chunk=8, done=50, run=slot.ctx.run))  # not running here
     slot.count(ProgressEvent("rollouts", chunk=7, done=40, run="other|run"))  # another run's chunk 7
     report = slot.report(me)
-    assert slot._left() == 84 and report["chunks"] == {"7": [15, 1, 1]}  # done, failed, attempt
+    assert slot._left() == 84 and report["chunks"] == {"7": [15, 1, 1, 0, 0]}  # RunSlot._running
     assert report["demand"] == 16, "reported up to the run's limit, beyond which the book allocates the same"
     assert report["applied_seq"] == 3 and report["applied"] == 8
     assert report["rotation"] == {}  # followed, not found here

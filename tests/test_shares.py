@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from share_board import ShareBoard
 
 from rollflow.tasks.collect.chunk import ChunkOutcome
-from rollflow.tasks.collect.progress import RolloutCount, hub
-from rollflow.tasks.scaleout.board import Board
+from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
+from rollflow.tasks.scaleout import book as book_module
+from rollflow.tasks.scaleout.board import SILENT_S, Board
 from rollflow.tasks.scaleout.book import NEXT_CHUNK_S, ShareBook, water_fill
 from rollflow.tasks.storage.ledger import ChunkManifest
 
@@ -478,4 +479,70 @@ def test_a_chunk_run_again_elsewhere_shows_its_new_workers_counts(again: int) ->
         shown = _chunk_counts(board, loop, 4)
         assert shown == [("attempt", 5), ("rollouts", 0)], shown
     finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("known_first", ["b", "a"])
+def test_a_dead_workers_report_read_with_its_chunks_new_run_never_holds_it(
+    monkeypatch: pytest.MonkeyPatch, known_first: str
+) -> None:
+    """The rounds missed a's reports (a slow scheduler) until a had died and b ran its chunk again: one
+    round reads both listings anew. The tie goes to the worker the book knew first; when that is the dead
+    one, b's report keeps changing and a's does not, and once a's has been unchanged for SILENT_S longer
+    than b's, b's counts are shown."""
+    now = [100.0]
+    monkeypatch.setattr(book_module.time, "monotonic", lambda: now[0])
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    count = RolloutCount(total=500)
+    unsubscribe = hub.subscribe(count.add)
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        for worker in sorted("ab", key=lambda w: w != known_first):
+            channel.exchange(
+                worker, _running(1, 1000, 0, 0, chunks={"2" if worker == "a" else "3": [0, 0, 1]})
+            )
+        board.round()
+        channel.exchange("a", _running(2, 1000, 0, 0, chunks={"7": [80, 0, 1]}))  # its last report
+        for step in range(1, 60):  # b reports every second; a never again
+            now[0] = 100.0 + step / 10
+            if step % 10 in (0, 1):
+                b_chunks = {"3": [0, 0, 1], "7": [5 + step, 0, 1]}
+                channel.exchange("b", _running(2 + step, 1000, 0, 0, chunks=b_chunks))
+            board.round()
+            loop.run_until_complete(asyncio.sleep(0))
+            if known_first == "b" and step in (1, SILENT_S * 10):
+                assert count.chunks[7][0] == 5 + step, f"{count.chunks[7]} at step {step}"  # b reported then
+            if known_first == "a" and step in (1, SILENT_S * 10):
+                assert count.chunks[7] == [80, 0], f"{count.chunks[7]} at step {step}: a shown till then"
+        assert count.chunks[7] == [5 + 51, 0], count.chunks[7]
+    finally:
+        unsubscribe()
+        loop.close()
+
+
+def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_progress() -> None:
+    """A chunk that fails for good on the flow's side (its task's retries spent) may still be listed by its
+    worker's last report: the rounds after it never count it back in."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    count = RolloutCount(total=500)
+    unsubscribe = hub.subscribe(count.add)
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [80, 2, 3, 40, 1]}))
+        board.round()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert (count.done, count.failed) == (80, 2)
+        board.abandoned(7)
+        hub.emit(ProgressEvent("abandoned", chunk=7))  # what the scheduler emits then
+        channel.exchange("a", _running(2, 1000, 0, 0, chunks={"7": [90, 2, 3, 40, 1]}))
+        board.round()
+        loop.run_until_complete(asyncio.sleep(0))
+        # Back to its earlier commit's 40 rows and 1 failure, which stand: the dataset holds them.
+        assert (count.done, count.failed, count.chunks) == (40, 1, {}), (
+            count.done,
+            count.failed,
+            count.chunks,
+        )
+    finally:
+        unsubscribe()
         loop.close()

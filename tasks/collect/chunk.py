@@ -125,6 +125,10 @@ class _Flusher:
             runner.cancel()
             await asyncio.shield(self.flush())
             raise
+        except BaseException:  # a stall, a failed flush: the attempt ends, so do its requests and counts
+            runner.cancel()
+            await asyncio.wait({runner})
+            raise
 
 
 def committed_rows(ledger: Ledger, manifest: ChunkManifest) -> tuple[dict[RolloutKey, bytes], list[str]]:
@@ -186,7 +190,8 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     )
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
-    batch = await _collect_missing(ctx, chunk, rows, found.kept)
+    floor = (found.resumed, previous.failed) if previous is not None else (0, 0)
+    batch = await _collect_missing(ctx, chunk, rows, found.kept, floor)
     keys = [(task_index, r) for task_index, _ in rows for r in range(ctx.collection.num_repeats)]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
     fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None
@@ -211,8 +216,10 @@ async def _collect_missing(
     chunk: ChunkSpec,
     rows: list[tuple[int, dict[str, Any]]],
     kept: dict[RolloutKey, bytes],
+    floor: tuple[int, int] = (0, 0),
 ) -> RolloutBatch:
-    """Run the rollouts `kept` lacks, saving parts as they finish; the batch holds kept and new lines."""
+    """Run the rollouts `kept` lacks, saving parts as they finish; the batch holds kept and new lines.
+    `floor`: (rows, failed) of the chunk's earlier commit, where its progress goes back if it is abandoned."""
     k = ctx.collection.num_repeats
     batch = RolloutBatch(results=dict(kept))
     todo = (
@@ -221,7 +228,7 @@ async def _collect_missing(
         for r in range(k)
         if (task_index, r) not in kept
     )
-    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept), run=ctx.run))  # restarts its count
+    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept), run=ctx.run, floor=floor))
     runner = asyncio.create_task(run_rollouts(ctx, todo, batch, chunk=chunk.index))
     await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
     return batch

@@ -13,14 +13,16 @@ Listener = Callable[["ProgressEvent"], None]
 
 @dataclass(slots=True)
 class ProgressEvent:
-    # "plan", "attempt" (a chunk attempt starts with `done` adopted), "rollouts", "chunk",
-    # "workers" (Dask or Ray: `total` worker processes report to the run now)
+    # "plan", "attempt" (a chunk attempt starts with `done` adopted), "rollouts", "chunk" (committed),
+    # "abandoned" (failed for good), "workers" (Dask or Ray: `total` worker processes report to the run now)
     kind: str
     total: int = 0
     done: int = 0
     failed: int = 0
     chunk: int | None = None
     run: str | None = None  # the run the chunk belongs to, where one process serves several (a worker)
+    # "attempt": (done, failed) of the chunk's earlier, partly failed commit, which stands if it is abandoned
+    floor: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RolloutCount:
     failed: int = 0
     workers: int = 0  # worker processes in use (remote runners; 0 when chunks run in this process)
     chunks: dict[int, list[int]] = field(default_factory=dict)  # running chunk -> [done, failed]
+    floors: dict[int, tuple[int, int]] = field(default_factory=dict)  # running chunk -> its earlier commit's
 
     def add(self, event: ProgressEvent) -> bool:
         """Apply one event; True when the count changed."""
@@ -53,6 +56,7 @@ class RolloutCount:
             self.done += event.done - old[0]
             self.failed -= old[1]
             self.chunks[event.chunk] = [event.done, 0]
+            self.floors[event.chunk] = event.floor
             return True
         if event.kind == "rollouts":
             mine = self.chunks.setdefault(event.chunk, [0, 0])
@@ -61,8 +65,15 @@ class RolloutCount:
             self.done += event.done
             self.failed += event.failed
             return True
+        if event.kind == "abandoned":  # back to what the dataset holds of it: its earlier commit, if any
+            old = self.chunks.pop(event.chunk, [0, 0])
+            done, failed = self.floors.pop(event.chunk, (0, 0))
+            self.done += done - old[0]
+            self.failed += failed - old[1]
+            return True
         if event.kind == "chunk":
             self.chunks.pop(event.chunk, None)
+            self.floors.pop(event.chunk, None)
         return False
 
     @property

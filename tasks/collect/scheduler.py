@@ -35,12 +35,6 @@ class ChunkCancelled(Exception):
     """A chunk's task was cancelled by its engine (not by this run): the chunk counts as failed."""
 
 
-def _uncount(chunk: ChunkSpec) -> None:
-    """A chunk that failed for good commits nothing: the rollouts its attempts counted leave the progress."""
-    hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=0))
-    hub.emit(ProgressEvent("chunk", chunk=chunk.index))
-
-
 def _keep(exc: Exception) -> Exception:
     return exc
 
@@ -69,16 +63,18 @@ async def run_chunks(
         try:
             done.outcomes.append(await run(chunk))
         except Exception as exc:  # the chunk failed after its retries; the audit reports the gap
-            _uncount(chunk)
-            done.errors.append(error(exc))
+            failure = error(exc)  # a signal is raised here: the run stops, its chunks are not abandoned
+            hub.emit(ProgressEvent("abandoned", chunk=chunk.index))
+            done.errors.append(failure)
         except asyncio.CancelledError:
             # A future cancelled by its engine reads back as CancelledError: that chunk's failure, unless
             # this run itself is being cancelled (the deadline or Ctrl-C), which must go on.
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
-            _uncount(chunk)
-            done.errors.append(error(ChunkCancelled(f"chunk {chunk.index}: its task was cancelled")))
+            failure = error(ChunkCancelled(f"chunk {chunk.index}: its task was cancelled"))
+            hub.emit(ProgressEvent("abandoned", chunk=chunk.index))
+            done.errors.append(failure)
         finally:
             running -= 1
             gate.release()

@@ -16,6 +16,26 @@ from rollflow.tasks.scaleout.book import ShareBook
 # this often: a board deleted under a live run is back within it (workers that find it gone keep their
 # running chunks' shares meanwhile), and a Ray cluster's next run deletes boards left unwritten far longer.
 REPUBLISH_S = 1.0
+# A report unchanged this long, beside a newer one listing the same chunk, is a dead worker's: its counts are
+# no longer shown (a live worker writes one at least every collector.REPORT_S).
+SILENT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A running chunk in a worker's report."""
+
+    done: int
+    failed: int
+    attempt: int
+    floor: tuple[int, int]
+
+
+def chunk_entry(counts: list[int]) -> Entry:
+    """A report's [done, failed, attempt, floor done, floor failed] (RunSlot._running); a worker of an
+    older rollflow on a long-lived cluster sends [done, failed] only."""
+    done, failed, attempt, floor_done, floor_failed = [*counts, 1, 0, 0][:5]
+    return Entry(done, failed, attempt, (floor_done, floor_failed))
 
 
 class Channel(Protocol):
@@ -104,36 +124,42 @@ class Board:
         """The running chunks' counts that changed since the last round: a report is read again every
         round until its worker writes the next one, and each event wakes the flow's loop. A chunk's counts
         are its owner's (`_owner`): a worker that died running it reports it until the book drops it."""
-        events, listed = [], set()
+        running: dict[int, dict[str, Entry]] = {}
         for worker in self.book.workers:
             for key, counts in (reports.get(worker, {}).get("chunks") or {}).items():
-                index = int(key)
-                listed.add((worker, index))
-                if index not in self.announced:
-                    self.announced.add(index)
-                    self.loop.call_soon_threadsafe(self._started, index)
-                if not self._owner(worker, index, counts[2] if len(counts) > 2 else 1):
-                    continue
-                done, failed = counts[0], counts[1]
-                if index in self.finished or self.counts.get(index) == (done, failed):
-                    continue
-                self.counts[index] = (done, failed)
-                events.append(ProgressEvent("attempt", chunk=index, done=done))
-                events.append(ProgressEvent("rollouts", chunk=index, failed=failed))
-        self.listed = listed
+                running.setdefault(int(key), {})[worker] = chunk_entry(counts)
+        events = []
+        for index, listers in running.items():
+            if index not in self.announced:
+                self.announced.add(index)
+                self.loop.call_soon_threadsafe(self._started, index)
+            entry = listers[self._owner(index, listers)]
+            if index in self.finished or self.counts.get(index) == (entry.done, entry.failed):
+                continue
+            self.counts[index] = (entry.done, entry.failed)
+            events.append(ProgressEvent("attempt", chunk=index, done=entry.done, floor=entry.floor))
+            events.append(ProgressEvent("rollouts", chunk=index, failed=entry.failed))
+        self.listed = {(worker, index) for index, listers in running.items() for worker in listers}
         return events
 
-    def _owner(self, worker: str, index: int, attempt: int) -> bool:
-        """Whether `worker` runs the chunk's newest attempt: the highest the flow started, and of one the
-        engine ran again elsewhere (its worker died), the worker that listed it last."""
+    def _owner(self, index: int, listers: dict[str, Entry]) -> str:
+        """The worker running the chunk's newest attempt: the highest the flow started. Of one attempt run
+        twice (its engine ran it again after its worker died), the worker that listed it last, or the one
+        whose report changed last when the owner's has not changed for SILENT_S (a dead worker's report
+        stays behind unchanged until the book counts it gone)."""
+        seen = {worker: self.book.workers[worker].seen for worker in listers}
+        top = max(entry.attempt for entry in listers.values())
+        newest = [worker for worker, entry in listers.items() if entry.attempt == top]
+        fresh = [worker for worker in newest if (worker, index) not in self.listed]
         owner = self.owners.get(index)
-        if (
-            owner is None
-            or attempt > owner[0]
-            or (attempt == owner[0] and (worker, index) not in self.listed)
-        ):
-            self.owners[index] = owner = (attempt, worker)
-        return owner[1] == worker
+        if owner is None or owner[0] < top or owner[1] not in listers or fresh:
+            pick = max(fresh or newest, key=seen.__getitem__)
+        else:
+            pick, latest = owner[1], max(newest, key=seen.__getitem__)
+            if seen[latest] - seen[pick] > SILENT_S:
+                pick = latest
+        self.owners[index] = (top, pick)
+        return pick
 
     def started(self, index: int) -> asyncio.Future[None]:
         """Done once a worker has reported chunk `index` running (on the loop)."""
@@ -161,7 +187,7 @@ class Board:
         hub.emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
         hub.emit(ProgressEvent("chunk", chunk=index))
 
-    def failed(self, index: int) -> None:
+    def abandoned(self, index: int) -> None:
         """On the loop: a chunk that failed for good; the rounds' counts of it are dropped from now on (the
         scheduler takes what it counted out of the progress)."""
         self.finished.add(index)

@@ -87,6 +87,7 @@ class RunSlot:
     key: str  # the run's key here; its chunks' progress events carry it
     planned: dict[int, int] = field(default_factory=dict)  # running chunk -> its planned rollouts
     attempts: dict[int, int] = field(default_factory=dict)  # running chunk -> the flow's attempt of it
+    floors: dict[int, tuple[int, int]] = field(default_factory=dict)  # running chunk -> its earlier commit's
     counted: RolloutCount = field(default_factory=RolloutCount)  # what this process finished of them
     chunks_done: int = 0
     applied_seq: int = 0
@@ -112,6 +113,7 @@ class RunSlot:
     def end(self, chunk: int) -> None:
         self.planned.pop(chunk, None)
         self.attempts.pop(chunk, None)
+        self.floors.pop(chunk, None)
         self.counted.chunks.pop(chunk, None)
 
     def count(self, event: ProgressEvent) -> None:
@@ -122,6 +124,7 @@ class RunSlot:
             return
         if event.kind == "attempt":
             self.counted.chunks[event.chunk] = [event.done, 0]
+            self.floors[event.chunk] = event.floor
         elif event.kind == "rollouts":
             self.counted.add(event)
 
@@ -141,11 +144,14 @@ class RunSlot:
             "applied_seq": self.applied_seq,
             "applied": self._applied(),
             "rotation": self._rotation(),
-            "chunks": {
-                str(i): [*counts, self.attempts.get(i, 1)] for i, counts in self.counted.chunks.items()
-            },
+            "chunks": {str(i): self._running(i) for i in self.counted.chunks},
             "snapshot": self.snapshot(worker),
         }
+
+    def _running(self, chunk: int) -> list[int]:
+        """A running chunk as reports carry it: [done, failed, the flow's attempt, and (done, failed) of its
+        earlier commit] (the board shows the newest attempt's counts; board.chunk_entry reads it)."""
+        return [*self.counted.chunks[chunk], self.attempts.get(chunk, 1), *self.floors.get(chunk, (0, 0))]
 
     def next_report(self, worker: str, now: float) -> dict[str, Any] | None:
         """The report to send with this exchange, or None when none is due."""
