@@ -270,3 +270,43 @@ async def test_a_chunk_stopped_by_a_signal_keeps_its_counts() -> None:
         unsubscribe()
     assert raised.group_contains(Stopping)
     assert count.done == 70 and count.chunks == {0: [70, 0]}, (count.done, count.chunks)
+
+
+class ReportingEngine(PoolEngine):
+    """Chunk 3's worker reports it running with 40 rollouts counted, later with 50, and its attempt fails
+    right after that report: the rounds read the 50 only after the flow heard of the failure."""
+
+    def _work(self, c: ChunkSpec) -> ChunkOutcome:
+        if c.index != 3:
+            return outcome(c)
+        for n, done in ((1, 40), (2, 50)):
+            if n == 2:
+                time.sleep(1.5 * scale_out.POLL_S)  # a round reads the 40
+            report = {"n": n, "demand": 0, "in_use": 0, "applied_seq": 0, "applied": 0}
+            self.channel.exchange("w", {**report, "chunks": {"3": [done, 0, 1]}})
+        raise RuntimeError("chunk 3 failed")
+
+
+async def test_a_remote_chunk_that_fails_for_good_is_not_counted_back_by_later_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reporting = ReportingEngine()
+
+    @contextlib.contextmanager
+    def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
+        yield reporting
+
+    monkeypatch.setattr(scale_out, "open_engine", open_engine)
+    monkeypatch.setattr(scale_out, "collect_chunk_remote_task", PlainChunkTask())
+    monkeypatch.setattr(scale_out, "POLL_S", 0.5)  # the flow hears of the failure well before the next round
+    count = RolloutCount(total=6)
+    unsubscribe = hub.subscribe(count.add)
+    try:
+        result = await asyncio.wait_for(
+            scale_out.collect_remote(spec(tmp_path), [chunk(i) for i in range(6)], {URL: 32}, 0), 30
+        )
+    finally:
+        unsubscribe()
+        reporting.pool.shutdown(wait=True)
+    assert result.errors == ["RuntimeError: chunk 3 failed"]
+    assert (count.done, count.chunks) == (5, {}), (count.done, count.chunks)

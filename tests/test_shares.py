@@ -15,7 +15,7 @@ from share_board import ShareBoard
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
 from rollflow.tasks.scaleout import book as book_module
-from rollflow.tasks.scaleout.board import SILENT_S, Board
+from rollflow.tasks.scaleout.board import SILENT_S, Board, Entry, chunk_entry
 from rollflow.tasks.scaleout.book import NEXT_CHUNK_S, ShareBook, water_fill
 from rollflow.tasks.storage.ledger import ChunkManifest
 
@@ -546,3 +546,12 @@ def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_prog
     finally:
         unsubscribe()
         loop.close()
+
+
+def test_a_running_chunk_reads_the_same_from_workers_of_any_version() -> None:
+    """Workers of an older rollflow on a long-lived cluster send [done, failed]; later fields are added at
+    the end, never in between."""
+    assert chunk_entry([7, 1]) == Entry(7, 1, 1, (0, 0))
+    assert chunk_entry([7, 1, 2]) == Entry(7, 1, 2, (0, 0))
+    assert chunk_entry([7, 1, 2, 40, 3]) == Entry(7, 1, 2, (40, 3))
+    assert chunk_entry([7, 1, 2, 40, 3, 99]) == Entry(7, 1, 2, (40, 3))

@@ -31,10 +31,13 @@ class Entry:
     floor: tuple[int, int]
 
 
+ENTRY_DEFAULTS = (0, 0, 1, 0, 0)
+
+
 def chunk_entry(counts: list[int]) -> Entry:
     """A report's [done, failed, attempt, floor done, floor failed] (RunSlot._running); a worker of an
-    older rollflow on a long-lived cluster sends [done, failed] only."""
-    done, failed, attempt, floor_done, floor_failed = [*counts, 1, 0, 0][:5]
+    older rollflow on a long-lived cluster sends [done, failed] only, a newer may send more."""
+    done, failed, attempt, floor_done, floor_failed = [*counts, *ENTRY_DEFAULTS[len(counts) :]][:5]
     return Entry(done, failed, attempt, (floor_done, floor_failed))
 
 
