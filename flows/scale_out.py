@@ -6,8 +6,9 @@ flight, each awaited through the engine's done callback, never polled. The engin
 (entering the runner, submitting, reading a result, leaving) run on one thread of their own; the share
 book's rounds on another, so a slow submission never delays the book. At the deadline, or when the run is
 cancelled, the futures still running are cancelled and the runner is left (which closes a local cluster's
-workers) before this returns or raises. Workers of an existing cluster stop their chunk themselves at the
-deadline or when the run's lease is gone (tasks/scaleout/scope.py).
+workers) before this returns or raises. Workers of an existing cluster stop their chunk themselves
+WORKER_STOP_GRACE_S after the deadline (which counts from before the engine's start, on both sides) or
+when the run's lease is gone (tasks/scaleout/scope.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Chunks submitted ahead at least: a worker that joins, or a cluster that adapts, finds them queued.
 MIN_REMOTE_IN_FLIGHT = 64
+WORKER_STOP_GRACE_S = 2.0  # workers stop a run's chunks this long after its deadline (see collect_remote)
 
 
 @dataclass
@@ -134,12 +136,12 @@ class RemoteChunks:
             outcome = await self.task(self.dispatch, chunk)
         except Exception:
             if self.board is not None:
-                self.board.abandoned(chunk.index)
+                self.board.abandon(chunk.index)
             raise
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self.board is not None and task is not None and not task.cancelling():  # its engine's doing
-                self.board.abandoned(chunk.index)
+                self.board.abandon(chunk.index)
             raise
         if self.board is not None:
             self.board.finish(outcome)
@@ -213,15 +215,18 @@ async def collect_remote(
     Stopped at `deadline_s` or by cancellation; either way the runner is left before this returns or
     raises, so no chunk of this run is still running on a cluster this run started.
     """
-    stop_at = None if deadline_s is None else time.time() + deadline_s
-    scope = WorkerScope(stop_at=stop_at, owner=owner, margin_s=margin_s)
+    stop_at = None if deadline_s is None else time.time() + deadline_s  # the engine's start counts too
+    # Workers stop themselves a little after the flow's deadline: the flow stops its chunks first, so one
+    # at the deadline ends stopped, not failed (workers of an existing cluster are not stopped otherwise).
+    worker_stop = None if stop_at is None else stop_at + WORKER_STOP_GRACE_S
+    scope = WorkerScope(stop_at=worker_stop, owner=owner, margin_s=margin_s)
     calls = EngineThread()
     stack = contextlib.ExitStack()
     try:
         engine = await settled(
             calls.call(stack.enter_context, open_engine(spec, secrets.token_hex(6), len(chunks)))
         )
-        return await _collect(spec, chunks, limits, retries, scope, deadline_s, engine, calls)
+        return await _collect(spec, chunks, limits, retries, scope, stop_at, engine, calls)
     finally:
         await settled(calls.call(stack.close))
         calls.close()
@@ -233,7 +238,7 @@ async def _collect(
     limits: dict[str, int],
     retries: int,
     scope: WorkerScope,
-    deadline_s: float | None,
+    stop_at: float | None,
     engine: Engine,
     calls: EngineThread,
 ) -> CollectResult:
@@ -250,7 +255,8 @@ async def _collect(
     rounds = BoardThread(board, notes)
     rounds.thread.start()
     try:
-        done = await run_chunks(chunks, remote.run, in_flight, deadline_s)
+        left = None if stop_at is None else max(0.0, stop_at - time.time())
+        done = await run_chunks(chunks, remote.run, in_flight, left)
     finally:
         await settled(calls.call(remote.cancel_live))
         await settled(rounds.finish())

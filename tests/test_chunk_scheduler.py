@@ -310,3 +310,68 @@ async def test_a_remote_chunk_that_fails_for_good_is_not_counted_back_by_later_r
         reporting.pool.shutdown(wait=True)
     assert result.errors == ["RuntimeError: chunk 3 failed"]
     assert (count.done, count.chunks) == (5, {}), (count.done, count.chunks)
+
+
+async def test_a_chunk_its_engine_cancelled_is_abandoned_and_one_the_deadline_unwinds_is_not() -> None:
+    """A future its engine cancelled reads back as CancelledError: that chunk failed, its counts leave the
+    progress. A chunk whose unwinding at the deadline raised an error of its own (its last flush failed) was
+    stopped, not failed: its counts stay, as every chunk's at a deadline."""
+    count = RolloutCount(total=200)
+    unsubscribe = hub.subscribe(count.add)
+
+    async def run(c: ChunkSpec) -> ChunkOutcome:
+        hub.emit(ProgressEvent("attempt", chunk=c.index, done=0))
+        hub.emit(ProgressEvent("rollouts", chunk=c.index, done=60))
+        if c.index == 0:
+            raise asyncio.CancelledError  # its engine's doing: nothing cancelled this run
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise OSError("the last part write failed while the deadline stopped the chunk") from None
+        return outcome(c)
+
+    try:
+        done = await run_chunks([chunk(0), chunk(1)], run, 2, deadline_s=0.3)
+    finally:
+        unsubscribe()
+    assert done.stopped and [type(e).__name__ for e in done.errors] == ["ChunkCancelled"], done.errors
+    assert (count.done, count.chunks) == (60, {1: [60, 0]}), (count.done, count.chunks)
+
+
+class SlowStartEngine(PoolEngine):
+    """An engine that takes 0.5 s to start; its worker stops a chunk at the run's deadline as a worker does
+    (`WorkerScope.stop_at`, collector.py), raising TimeoutError."""
+
+    def submit(self, fn: Any, name: str, job: Any, c: ChunkSpec, attempt: int) -> Future[ChunkOutcome]:
+        return self.pool.submit(self._stopped_at, job.scope.stop_at)
+
+    @staticmethod
+    def _stopped_at(stop_at: float) -> ChunkOutcome:
+        time.sleep(max(0.0, stop_at - time.time()))
+        raise TimeoutError
+
+
+async def test_a_remote_deadline_counts_from_the_run_and_stops_chunks_before_their_workers_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's start counts against the deadline on both sides, and the flow stops the run's chunks
+    first: they end stopped, none failed (workers of an existing cluster stop themselves a little later)."""
+    slow = SlowStartEngine()
+
+    @contextlib.contextmanager
+    def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
+        time.sleep(0.5)
+        yield slow
+
+    monkeypatch.setattr(scale_out, "open_engine", open_engine)
+    monkeypatch.setattr(scale_out, "collect_chunk_remote_task", PlainChunkTask())
+    t0 = time.monotonic()
+    try:
+        result = await asyncio.wait_for(
+            scale_out.collect_remote(spec(tmp_path), [chunk(i) for i in range(4)], {URL: 32}, 0, 1.5), 30
+        )
+    finally:
+        slow.pool.shutdown(wait=False, cancel_futures=True)
+    took = time.monotonic() - t0
+    assert result.stopped and result.errors == [], result.errors
+    assert took < 1.5 + 0.5, f"stopped {took:.2f} s after a 1.5 s deadline that began with the engine's start"

@@ -45,11 +45,15 @@ def test_a_slot_shares_the_runs_endpoint_limits_and_follows_the_book(tmp_path: P
     slot.count(ProgressEvent("rollouts", chunk=8, done=50, run=slot.ctx.run))  # not running here
     slot.count(ProgressEvent("rollouts", chunk=7, done=40, run="other|run"))  # another run's chunk 7
     report = slot.report(me)
-    assert slot._left() == 84 and report["chunks"] == {"7": [15, 1, 1, 0, 0]}  # RunSlot._running
+    assert slot._left() == 84 and report["chunks"] == {"7": [15, 1, 1]}  # RunSlot._running
     assert report["demand"] == 16, "reported up to the run's limit, beyond which the book allocates the same"
     assert report["applied_seq"] == 3 and report["applied"] == 8
     assert report["rotation"] == {}  # followed, not found here
     assert report["snapshot"]["rollouts"] == 5  # the 10 adopted were counted where they were collected
+    # Its next attempt adopts 40 rows of an earlier, partly failed commit (1 failed): the flow's progress goes
+    # back there if the chunk is abandoned, so reports carry it once the attempt has read it.
+    slot.count(ProgressEvent("attempt", chunk=7, done=40, floor=(40, 1), run=slot.ctx.run))
+    assert slot.report(me)["chunks"] == {"7": [40, 0, 1, 40, 1]}
 
 
 def test_a_slot_recreated_after_idling_goes_on_from_its_first_life(tmp_path: Path, monkeypatch) -> None:

@@ -532,7 +532,7 @@ def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_prog
         board.round()
         loop.run_until_complete(asyncio.sleep(0))
         assert (count.done, count.failed) == (80, 2)
-        board.abandoned(7)
+        board.abandon(7)
         hub.emit(ProgressEvent("abandoned", chunk=7))  # what the scheduler emits then
         channel.exchange("a", _running(2, 1000, 0, 0, chunks={"7": [90, 2, 3, 40, 1]}))
         board.round()
@@ -551,7 +551,52 @@ def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_prog
 def test_a_running_chunk_reads_the_same_from_workers_of_any_version() -> None:
     """Workers of an older rollflow on a long-lived cluster send [done, failed]; later fields are added at
     the end, never in between."""
-    assert chunk_entry([7, 1]) == Entry(7, 1, 1, (0, 0))
-    assert chunk_entry([7, 1, 2]) == Entry(7, 1, 2, (0, 0))
+    assert chunk_entry([7, 1]) == Entry(7, 1, 1, None)
+    assert chunk_entry([7, 1, 2]) == Entry(7, 1, 2, None)
     assert chunk_entry([7, 1, 2, 40, 3]) == Entry(7, 1, 2, (40, 3))
     assert chunk_entry([7, 1, 2, 40, 3, 99]) == Entry(7, 1, 2, (40, 3))
+
+
+def test_a_stale_listing_of_an_older_attempt_never_counts_again() -> None:
+    """Dead worker a's report of attempt 1 stays in the book for a while. Attempt 2 runs on b (both read
+    anew in one round: the newer attempt wins, not the worker the book knew first), then fails; while the
+    flow waits to retry it, only a's stale attempt 1 is listed and the progress keeps b's counts. Attempt 3
+    is shown as it comes."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"2": [0, 0, 1]}))
+        channel.exchange("b", _running(1, 1000, 0, 0, chunks={"3": [0, 0, 1]}))
+        board.round()
+        channel.exchange("a", _running(2, 1000, 0, 0, chunks={"7": [80, 0, 1]}))
+        channel.exchange("b", _running(2, 1000, 0, 0, chunks={"3": [0, 0, 1], "7": [5, 0, 2]}))
+        assert _chunk_counts(board, loop, 2) == [("attempt", 5), ("rollouts", 0)]
+        channel.exchange("b", _running(3, 1000, 0, 0, chunks={"3": [0, 0, 1]}))  # attempt 2 failed
+        assert _chunk_counts(board, loop, 3) == [], "a's stale attempt 1 was shown again"
+        channel.exchange("b", _running(4, 1000, 0, 0, chunks={"3": [0, 0, 1], "7": [9, 0, 3]}))
+        assert _chunk_counts(board, loop, 2) == [("attempt", 9), ("rollouts", 0)]
+    finally:
+        loop.close()
+
+
+def test_an_attempt_that_has_not_read_its_earlier_commit_yet_keeps_the_floor_known() -> None:
+    """Attempt 1 on a reads the chunk's earlier commit (40 rows, 1 failed) and reports it; attempt 2 on b
+    is listed before it has read it. The chunk is then abandoned: the progress goes back to the 40 and 1
+    the dataset holds, not to nothing."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    count = RolloutCount(total=100)
+    unsubscribe = hub.subscribe(count.add)
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [45, 0, 1, 40, 1]}))
+        board.round()
+        channel.exchange("b", _running(1, 1000, 0, 0, chunks={"7": [0, 0, 2]}))
+        board.round()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert count.chunks[7] == [0, 0] and count.floors[7] == (40, 1), (count.chunks, count.floors)
+        board.abandon(7)
+        hub.emit(ProgressEvent("abandoned", chunk=7))
+        assert (count.done, count.failed, count.chunks) == (40, 1, {})
+    finally:
+        unsubscribe()
+        loop.close()

@@ -29,6 +29,7 @@ from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 log = logging.getLogger(__name__)
+RUNNER_STOP_S = 5.0  # how long a failed attempt waits for its cancelled requests to end before it goes on
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Adoptable:
     probes: dict[RolloutKey, str] = field(default_factory=dict)  # probe-saved keys -> probing session
     resumed: int = 0
     problems: list[str] = field(default_factory=list)
+    floor: tuple[int, int] = (0, 0)  # (rows, failed) of the earlier commit when it stands as it is
 
     def probe_sessions(self) -> dict[str, int]:
         return dict(Counter(self.probes.values()))
@@ -125,9 +127,13 @@ class _Flusher:
             runner.cancel()
             await asyncio.shield(self.flush())
             raise
-        except BaseException:  # a stall, a failed flush: the attempt ends, so do its requests and counts
-            runner.cancel()
-            await asyncio.wait({runner})
+        except Exception:  # a stall, a failed flush, the runner's own error: the attempt ends, and so do
+            runner.cancel()  # its requests and counts (within RUNNER_STOP_S: a check may ignore the cancel)
+            _, pending = await asyncio.wait({runner}, timeout=RUNNER_STOP_S)
+            if pending:
+                log.warning(
+                    "chunk %d: its attempt's requests did not stop within %gs", self.chunk, RUNNER_STOP_S
+                )
             raise
 
 
@@ -157,6 +163,8 @@ def _adoptable(ctx: CollectContext, chunk: ChunkSpec, previous: ChunkManifest | 
         found.kept.update(rows)
         found.problems += notes
         found.resumed = len(rows)
+        if not notes:  # a changed commit is withdrawn by the audit: nothing of it stands
+            found.floor = (len(rows), previous.failed)
         for key in rows:  # counted when that commit landed, not again as a probe
             found.probes.pop(key, None)
     return found
@@ -190,8 +198,7 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     )
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
-    floor = (found.resumed, previous.failed) if previous is not None else (0, 0)
-    batch = await _collect_missing(ctx, chunk, rows, found.kept, floor)
+    batch = await _collect_missing(ctx, chunk, rows, found.kept, found.floor)
     keys = [(task_index, r) for task_index, _ in rows for r in range(ctx.collection.num_repeats)]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
     fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None

@@ -21,8 +21,9 @@ class ProgressEvent:
     failed: int = 0
     chunk: int | None = None
     run: str | None = None  # the run the chunk belongs to, where one process serves several (a worker)
-    # "attempt": (done, failed) of the chunk's earlier, partly failed commit, which stands if it is abandoned
-    floor: tuple[int, int] = (0, 0)
+    # "attempt": (done, failed) of the chunk's earlier commit that stands (a resumed run redoing its
+    # failures), where its count goes back if it is abandoned; None: not known yet, the last one holds
+    floor: tuple[int, int] | None = None
 
 
 @dataclass
@@ -56,7 +57,8 @@ class RolloutCount:
             self.done += event.done - old[0]
             self.failed -= old[1]
             self.chunks[event.chunk] = [event.done, 0]
-            self.floors[event.chunk] = event.floor
+            if event.floor is not None:
+                self.floors[event.chunk] = event.floor
             return True
         if event.kind == "rollouts":
             mine = self.chunks.setdefault(event.chunk, [0, 0])

@@ -35,6 +35,12 @@ class ChunkCancelled(Exception):
     """A chunk's task was cancelled by its engine (not by this run): the chunk counts as failed."""
 
 
+def _stopping() -> bool:
+    """Whether this chunk's task is being cancelled: the run stops (its deadline, Ctrl-C), or ends."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _keep(exc: Exception) -> Exception:
     return exc
 
@@ -64,13 +70,14 @@ async def run_chunks(
             done.outcomes.append(await run(chunk))
         except Exception as exc:  # the chunk failed after its retries; the audit reports the gap
             failure = error(exc)  # a signal is raised here: the run stops, its chunks are not abandoned
+            if _stopping():  # raised while the deadline or Ctrl-C unwound it: a stop, not its failure
+                raise asyncio.CancelledError from exc
             hub.emit(ProgressEvent("abandoned", chunk=chunk.index))
             done.errors.append(failure)
         except asyncio.CancelledError:
             # A future cancelled by its engine reads back as CancelledError: that chunk's failure, unless
             # this run itself is being cancelled (the deadline or Ctrl-C), which must go on.
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if _stopping():
                 raise
             failure = error(ChunkCancelled(f"chunk {chunk.index}: its task was cancelled"))
             hub.emit(ProgressEvent("abandoned", chunk=chunk.index))

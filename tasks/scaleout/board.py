@@ -23,22 +23,20 @@ SILENT_S = 3.0
 
 @dataclass(frozen=True)
 class Entry:
-    """A running chunk in a worker's report."""
+    """A running chunk in a worker's report; `floor` None until the attempt has read its earlier commit."""
 
     done: int
     failed: int
     attempt: int
-    floor: tuple[int, int]
-
-
-ENTRY_DEFAULTS = (0, 0, 1, 0, 0)
+    floor: tuple[int, int] | None
 
 
 def chunk_entry(counts: list[int]) -> Entry:
     """A report's [done, failed, attempt, floor done, floor failed] (RunSlot._running); a worker of an
-    older rollflow on a long-lived cluster sends [done, failed] only, a newer may send more."""
-    done, failed, attempt, floor_done, floor_failed = [*counts, *ENTRY_DEFAULTS[len(counts) :]][:5]
-    return Entry(done, failed, attempt, (floor_done, floor_failed))
+    older rollflow on a long-lived cluster sends [done, failed] only, a newer one may send more."""
+    attempt = counts[2] if len(counts) > 2 else 1
+    floor = (counts[3], counts[4]) if len(counts) > 4 else None
+    return Entry(counts[0], counts[1], attempt, floor)
 
 
 class Channel(Protocol):
@@ -89,7 +87,7 @@ class Board:
         self.waiting: dict[int, asyncio.Future[None]] = {}  # chunks submitted, not yet seen running
         self.published: dict[str, Any] | None = None
         self.published_at = 0.0
-        self.counts: dict[int, tuple[int, int]] = {}  # chunk -> (done, failed) last emitted (the rounds')
+        self.counts: dict[int, Entry] = {}  # chunk -> what was last emitted of it (the rounds')
         self.owners: dict[int, tuple[int, str]] = {}  # chunk -> (attempt, worker) whose counts are shown
         self.listed: set[tuple[str, int]] = set()  # (worker, chunk) the last round's reports list
 
@@ -136,29 +134,38 @@ class Board:
             if index not in self.announced:
                 self.announced.add(index)
                 self.loop.call_soon_threadsafe(self._started, index)
-            entry = listers[self._owner(index, listers)]
-            if index in self.finished or self.counts.get(index) == (entry.done, entry.failed):
+            owner = self._owner(index, listers)
+            if owner is None:
                 continue
-            self.counts[index] = (entry.done, entry.failed)
+            entry = listers[owner]
+            if index in self.finished or self.counts.get(index) == entry:
+                continue
+            self.counts[index] = entry
             events.append(ProgressEvent("attempt", chunk=index, done=entry.done, floor=entry.floor))
             events.append(ProgressEvent("rollouts", chunk=index, failed=entry.failed))
         self.listed = {(worker, index) for index, listers in running.items() for worker in listers}
         return events
 
-    def _owner(self, index: int, listers: dict[str, Entry]) -> str:
-        """The worker running the chunk's newest attempt: the highest the flow started. Of one attempt run
-        twice (its engine ran it again after its worker died), the worker that listed it last, or the one
-        whose report changed last when the owner's has not changed for SILENT_S (a dead worker's report
+    def _owner(self, index: int, listers: dict[str, Entry]) -> str | None:
+        """The worker running the chunk's newest attempt (the highest listed so far; None while no worker
+        lists it: a stale listing of an older attempt, a dead worker's, never counts again). Of one attempt
+        listed twice (its engine ran it again after its worker died), the worker that listed it last, or the
+        other when the owner's report has not changed for SILENT_S longer than the other's (a dead worker's
         stays behind unchanged until the book counts it gone)."""
-        seen = {worker: self.book.workers[worker].seen for worker in listers}
-        top = max(entry.attempt for entry in listers.values())
-        newest = [worker for worker, entry in listers.items() if entry.attempt == top]
-        fresh = [worker for worker in newest if (worker, index) not in self.listed]
         owner = self.owners.get(index)
-        if owner is None or owner[0] < top or owner[1] not in listers or fresh:
-            pick = max(fresh or newest, key=seen.__getitem__)
+        top = max([entry.attempt for entry in listers.values()] + ([owner[0]] if owner else []))
+        seen = {
+            worker: self.book.workers[worker].seen
+            for worker, entry in listers.items()
+            if entry.attempt == top
+        }
+        if not seen:
+            return None
+        fresh = [worker for worker in seen if (worker, index) not in self.listed]
+        if owner is None or owner[0] < top or owner[1] not in seen or fresh:
+            pick = max(fresh or seen, key=seen.__getitem__)
         else:
-            pick, latest = owner[1], max(newest, key=seen.__getitem__)
+            pick, latest = owner[1], max(seen, key=seen.__getitem__)
             if seen[latest] - seen[pick] > SILENT_S:
                 pick = latest
         self.owners[index] = (top, pick)
@@ -190,7 +197,7 @@ class Board:
         hub.emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
         hub.emit(ProgressEvent("chunk", chunk=index))
 
-    def abandoned(self, index: int) -> None:
+    def abandon(self, index: int) -> None:
         """On the loop: a chunk that failed for good; the rounds' counts of it are dropped from now on (the
         scheduler takes what it counted out of the progress)."""
         self.finished.add(index)

@@ -124,7 +124,8 @@ class RunSlot:
             return
         if event.kind == "attempt":
             self.counted.chunks[event.chunk] = [event.done, 0]
-            self.floors[event.chunk] = event.floor
+            if event.floor is not None:
+                self.floors[event.chunk] = event.floor
         elif event.kind == "rollouts":
             self.counted.add(event)
 
@@ -149,9 +150,9 @@ class RunSlot:
         }
 
     def _running(self, chunk: int) -> list[int]:
-        """A running chunk as reports carry it: [done, failed, the flow's attempt, and (done, failed) of its
-        earlier commit] (the board shows the newest attempt's counts; board.chunk_entry reads it)."""
-        return [*self.counted.chunks[chunk], self.attempts.get(chunk, 1), *self.floors.get(chunk, (0, 0))]
+        """A running chunk as reports carry it: [done, failed, the flow's attempt, and, once the attempt has
+        read it, (done, failed) of its earlier commit] (board.chunk_entry reads it)."""
+        return [*self.counted.chunks[chunk], self.attempts.get(chunk, 1), *self.floors.get(chunk, ())]
 
     def next_report(self, worker: str, now: float) -> dict[str, Any] | None:
         """The report to send with this exchange, or None when none is due."""
