@@ -32,7 +32,7 @@ from rollflow.settings import RunSpec, redact
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.plan import SMALL_REMOTE_CHUNK_ROLLOUTS
 from rollflow.tasks.collect.rows import ChunkSpec
-from rollflow.tasks.collect.scheduler import Scheduled, run_chunks
+from rollflow.tasks.collect.scheduler import Scheduled, run_chunks, stopping
 from rollflow.tasks.scaleout.board import Board
 from rollflow.tasks.scaleout.collector import POLL_S, RemoteRun
 from rollflow.tasks.scaleout.scope import WorkerScope
@@ -134,13 +134,8 @@ class RemoteChunks:
             await self._queue(chunk, self.board)
         try:
             outcome = await self.task(self.dispatch, chunk)
-        except Exception:
-            if self.board is not None:
-                self.board.abandon(chunk.index)
-            raise
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.board is not None and task is not None and not task.cancelling():  # its engine's doing
+        except (Exception, asyncio.CancelledError):
+            if self.board is not None and not stopping():  # failed for good, or its engine cancelled it
                 self.board.abandon(chunk.index)
             raise
         if self.board is not None:

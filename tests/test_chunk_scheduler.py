@@ -312,7 +312,9 @@ async def test_a_remote_chunk_that_fails_for_good_is_not_counted_back_by_later_r
     assert (count.done, count.chunks) == (5, {}), (count.done, count.chunks)
 
 
-async def test_a_chunk_its_engine_cancelled_is_abandoned_and_one_the_deadline_unwinds_is_not() -> None:
+async def test_a_chunk_its_engine_cancelled_is_abandoned_and_one_the_deadline_unwinds_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A future its engine cancelled reads back as CancelledError: that chunk failed, its counts leave the
     progress. A chunk whose unwinding at the deadline raised an error of its own (its last flush failed) was
     stopped, not failed: its counts stay, as every chunk's at a deadline."""
@@ -336,31 +338,38 @@ async def test_a_chunk_its_engine_cancelled_is_abandoned_and_one_the_deadline_un
         unsubscribe()
     assert done.stopped and [type(e).__name__ for e in done.errors] == ["ChunkCancelled"], done.errors
     assert (count.done, count.chunks) == (60, {1: [60, 0]}), (count.done, count.chunks)
+    assert "chunk 1 stopped with the run, raising OSError: the last part write failed" in caplog.text
 
 
 class SlowStartEngine(PoolEngine):
-    """An engine that takes 0.5 s to start; its worker stops a chunk at the run's deadline as a worker does
-    (`WorkerScope.stop_at`, collector.py), raising TimeoutError."""
+    """An engine that takes ENGINE_START_S to start; its worker, whose clock runs 1 s ahead of the flow's,
+    stops a chunk at the run's deadline as a worker does (`WorkerScope.stop_at`, collector.py), raising
+    TimeoutError."""
 
     def submit(self, fn: Any, name: str, job: Any, c: ChunkSpec, attempt: int) -> Future[ChunkOutcome]:
         return self.pool.submit(self._stopped_at, job.scope.stop_at)
 
     @staticmethod
     def _stopped_at(stop_at: float) -> ChunkOutcome:
-        time.sleep(max(0.0, stop_at - time.time()))
+        time.sleep(max(0.0, stop_at - (time.time() + 1.0)))
         raise TimeoutError
+
+
+ENGINE_START_S = 1.0
+REMOTE_DEADLINE_S = 3.0
 
 
 async def test_a_remote_deadline_counts_from_the_run_and_stops_chunks_before_their_workers_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine's start counts against the deadline on both sides, and the flow stops the run's chunks
-    first: they end stopped, none failed (workers of an existing cluster stop themselves a little later)."""
+    first, though the worker's clock runs ahead: they end stopped, none failed (workers of an existing
+    cluster stop themselves a little later)."""
     slow = SlowStartEngine()
 
     @contextlib.contextmanager
     def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
-        time.sleep(0.5)
+        time.sleep(ENGINE_START_S)
         yield slow
 
     monkeypatch.setattr(scale_out, "open_engine", open_engine)
@@ -368,10 +377,16 @@ async def test_a_remote_deadline_counts_from_the_run_and_stops_chunks_before_the
     t0 = time.monotonic()
     try:
         result = await asyncio.wait_for(
-            scale_out.collect_remote(spec(tmp_path), [chunk(i) for i in range(4)], {URL: 32}, 0, 1.5), 30
+            scale_out.collect_remote(
+                spec(tmp_path), [chunk(i) for i in range(4)], {URL: 32}, 0, REMOTE_DEADLINE_S
+            ),
+            30,
         )
     finally:
         slow.pool.shutdown(wait=False, cancel_futures=True)
     took = time.monotonic() - t0
     assert result.stopped and result.errors == [], result.errors
-    assert took < 1.5 + 0.5, f"stopped {took:.2f} s after a 1.5 s deadline that began with the engine's start"
+    # Counted from the engine's start, the deadline would end the run at REMOTE_DEADLINE_S + ENGINE_START_S.
+    assert took < REMOTE_DEADLINE_S + ENGINE_START_S / 2, (
+        f"stopped {took:.2f} s after a {REMOTE_DEADLINE_S} s deadline"
+    )

@@ -551,7 +551,7 @@ def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_prog
 def test_a_running_chunk_reads_the_same_from_workers_of_any_version() -> None:
     """Workers of an older rollflow on a long-lived cluster send [done, failed]; later fields are added at
     the end, never in between."""
-    assert chunk_entry([7, 1]) == Entry(7, 1, 1, None)
+    assert chunk_entry([7, 1]) == Entry(7, 1, None, None)
     assert chunk_entry([7, 1, 2]) == Entry(7, 1, 2, None)
     assert chunk_entry([7, 1, 2, 40, 3]) == Entry(7, 1, 2, (40, 3))
     assert chunk_entry([7, 1, 2, 40, 3, 99]) == Entry(7, 1, 2, (40, 3))
@@ -599,4 +599,20 @@ def test_an_attempt_that_has_not_read_its_earlier_commit_yet_keeps_the_floor_kno
         assert (count.done, count.failed, count.chunks) == (40, 1, {})
     finally:
         unsubscribe()
+        loop.close()
+
+
+def test_a_listing_another_run_of_the_same_attempt_replaced_is_never_shown_again() -> None:
+    """Dead worker a ran attempt 1; its engine ran attempt 1 again on b, whose counts are shown. b's run of
+    it then fails and b lists nothing while the flow waits to retry: a's stale listing stays unshown."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    try:
+        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+        channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [80, 0, 1]}))
+        assert _chunk_counts(board, loop, 2) == [("attempt", 80), ("rollouts", 0)]
+        channel.exchange("b", _running(1, 1000, 0, 0, chunks={"7": [5, 0, 1]}))
+        assert _chunk_counts(board, loop, 2) == [("attempt", 5), ("rollouts", 0)]
+        channel.exchange("b", _running(2, 1000, 0, 0, chunks={}))
+        assert _chunk_counts(board, loop, 3) == [], "the replaced listing was shown again"
+    finally:
         loop.close()

@@ -10,6 +10,7 @@ does not grow with the number of chunks, pending or done.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rows import ChunkSpec
 
+log = logging.getLogger(__name__)
 RunChunk = Callable[[ChunkSpec], Awaitable[ChunkOutcome]]
 Fatal = Callable[[Exception], Exception]
 
@@ -35,8 +37,8 @@ class ChunkCancelled(Exception):
     """A chunk's task was cancelled by its engine (not by this run): the chunk counts as failed."""
 
 
-def _stopping() -> bool:
-    """Whether this chunk's task is being cancelled: the run stops (its deadline, Ctrl-C), or ends."""
+def stopping() -> bool:
+    """Whether the current chunk's task is being cancelled: the run stops (its deadline, Ctrl-C)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
 
@@ -70,14 +72,17 @@ async def run_chunks(
             done.outcomes.append(await run(chunk))
         except Exception as exc:  # the chunk failed after its retries; the audit reports the gap
             failure = error(exc)  # a signal is raised here: the run stops, its chunks are not abandoned
-            if _stopping():  # raised while the deadline or Ctrl-C unwound it: a stop, not its failure
+            if stopping():  # raised while the deadline or Ctrl-C unwound it: a stop, not its failure
+                log.warning(
+                    "chunk %d stopped with the run, raising %s: %s", chunk.index, type(exc).__name__, exc
+                )
                 raise asyncio.CancelledError from exc
             hub.emit(ProgressEvent("abandoned", chunk=chunk.index))
             done.errors.append(failure)
         except asyncio.CancelledError:
             # A future cancelled by its engine reads back as CancelledError: that chunk's failure, unless
             # this run itself is being cancelled (the deadline or Ctrl-C), which must go on.
-            if _stopping():
+            if stopping():
                 raise
             failure = error(ChunkCancelled(f"chunk {chunk.index}: its task was cancelled"))
             hub.emit(ProgressEvent("abandoned", chunk=chunk.index))

@@ -27,14 +27,14 @@ class Entry:
 
     done: int
     failed: int
-    attempt: int
+    attempt: int | None  # None: a worker too old to say
     floor: tuple[int, int] | None
 
 
 def chunk_entry(counts: list[int]) -> Entry:
     """A report's [done, failed, attempt, floor done, floor failed] (RunSlot._running); a worker of an
     older rollflow on a long-lived cluster sends [done, failed] only, a newer one may send more."""
-    attempt = counts[2] if len(counts) > 2 else 1
+    attempt = counts[2] if len(counts) > 2 else None
     floor = (counts[3], counts[4]) if len(counts) > 4 else None
     return Entry(counts[0], counts[1], attempt, floor)
 
@@ -90,6 +90,7 @@ class Board:
         self.counts: dict[int, Entry] = {}  # chunk -> what was last emitted of it (the rounds')
         self.owners: dict[int, tuple[int, str]] = {}  # chunk -> (attempt, worker) whose counts are shown
         self.listed: set[tuple[str, int]] = set()  # (worker, chunk) the last round's reports list
+        self.replaced: set[tuple[str, int]] = set()  # (worker, chunk) listings another run of it replaced
 
     def round(self) -> None:
         reports = self.channel.reports()
@@ -148,16 +149,17 @@ class Board:
 
     def _owner(self, index: int, listers: dict[str, Entry]) -> str | None:
         """The worker running the chunk's newest attempt (the highest listed so far; None while no worker
-        lists it: a stale listing of an older attempt, a dead worker's, never counts again). Of one attempt
-        listed twice (its engine ran it again after its worker died), the worker that listed it last, or the
-        other when the owner's report has not changed for SILENT_S longer than the other's (a dead worker's
-        stays behind unchanged until the book counts it gone)."""
+        lists it: a stale listing, a dead worker's, never counts again). Of one attempt listed twice (its
+        engine ran it again after its worker died), the worker that listed it last, or the other when the
+        owner's report has not changed for SILENT_S longer than the other's (a dead worker's stays behind
+        unchanged until the book counts it gone); a listing replaced so is never shown again. A worker too
+        old to say its attempt lists the newest."""
         owner = self.owners.get(index)
-        top = max([entry.attempt for entry in listers.values()] + ([owner[0]] if owner else []))
+        top = max([e.attempt for e in listers.values() if e.attempt is not None] + [owner[0] if owner else 1])
         seen = {
             worker: self.book.workers[worker].seen
             for worker, entry in listers.items()
-            if entry.attempt == top
+            if entry.attempt in (top, None) and (worker, index) not in self.replaced
         }
         if not seen:
             return None
@@ -168,6 +170,8 @@ class Board:
             pick, latest = owner[1], max(seen, key=seen.__getitem__)
             if seen[latest] - seen[pick] > SILENT_S:
                 pick = latest
+        if owner is not None and owner[0] == top and owner[1] != pick and owner[1] in listers:
+            self.replaced.add((owner[1], index))
         self.owners[index] = (top, pick)
         return pick
 
