@@ -111,16 +111,22 @@ class PoolEngine:
         return 4
 
 
-@pytest.fixture
-def engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[PoolEngine]:
-    pool_engine = PoolEngine()
+def use_engine(monkeypatch: pytest.MonkeyPatch, engine: PoolEngine, start_s: float = 0.0) -> PoolEngine:
+    """`collect_remote` runs its chunks on `engine` (which takes `start_s` to start) as plain calls."""
 
     @contextlib.contextmanager
     def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
-        yield pool_engine
+        time.sleep(start_s)
+        yield engine
 
     monkeypatch.setattr(scale_out, "open_engine", open_engine)
     monkeypatch.setattr(scale_out, "collect_chunk_remote_task", PlainChunkTask())
+    return engine
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[PoolEngine]:
+    pool_engine = use_engine(monkeypatch, PoolEngine())
     yield pool_engine
     pool_engine.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -190,14 +196,7 @@ class CancellingEngine(PoolEngine):
 async def test_a_chunk_whose_future_was_cancelled_is_counted_and_the_rest_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cancelling = CancellingEngine(work_s=0.01)
-
-    @contextlib.contextmanager
-    def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
-        yield cancelling
-
-    monkeypatch.setattr(scale_out, "open_engine", open_engine)
-    monkeypatch.setattr(scale_out, "collect_chunk_remote_task", PlainChunkTask())
+    cancelling = use_engine(monkeypatch, CancellingEngine(work_s=0.01))
     run = spec(tmp_path)
     run.collection.chunks_in_flight = 2
     try:
@@ -290,14 +289,7 @@ class ReportingEngine(PoolEngine):
 async def test_a_remote_chunk_that_fails_for_good_is_not_counted_back_by_later_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reporting = ReportingEngine()
-
-    @contextlib.contextmanager
-    def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
-        yield reporting
-
-    monkeypatch.setattr(scale_out, "open_engine", open_engine)
-    monkeypatch.setattr(scale_out, "collect_chunk_remote_task", PlainChunkTask())
+    reporting = use_engine(monkeypatch, ReportingEngine())
     monkeypatch.setattr(scale_out, "POLL_S", 0.5)  # the flow hears of the failure well before the next round
     count = RolloutCount(total=6)
     unsubscribe = hub.subscribe(count.add)
@@ -365,15 +357,7 @@ async def test_a_remote_deadline_counts_from_the_run_and_stops_chunks_before_the
     """The engine's start counts against the deadline on both sides, and the flow stops the run's chunks
     first, though the worker's clock runs ahead: they end stopped, none failed (workers of an existing
     cluster stop themselves a little later)."""
-    slow = SlowStartEngine()
-
-    @contextlib.contextmanager
-    def open_engine(spec: RunSpec, key: str, chunks: int) -> Iterator[PoolEngine]:
-        time.sleep(ENGINE_START_S)
-        yield slow
-
-    monkeypatch.setattr(scale_out, "open_engine", open_engine)
-    monkeypatch.setattr(scale_out, "collect_chunk_remote_task", PlainChunkTask())
+    slow = use_engine(monkeypatch, SlowStartEngine(), ENGINE_START_S)
     t0 = time.monotonic()
     try:
         result = await asyncio.wait_for(

@@ -4,6 +4,8 @@ limit, whatever order reports, answers and requests come in."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -452,6 +454,19 @@ def test_a_rounds_counts_queued_before_a_chunk_finished_never_count_it_again():
         loop.close()
 
 
+@contextlib.contextmanager
+def counted_board() -> Iterator[tuple[ShareBoard, asyncio.AbstractEventLoop, Board, RolloutCount]]:
+    """A board on an in-process channel and its own loop, with the progress count its events feed."""
+    channel, loop = ShareBoard(), asyncio.new_event_loop()
+    count = RolloutCount(total=500)
+    unsubscribe = hub.subscribe(count.add)
+    try:
+        yield channel, loop, Board(channel, {"http://127.0.0.1:9": 32}, loop), count
+    finally:
+        unsubscribe()
+        loop.close()
+
+
 def _chunk_counts(board: Board, loop: asyncio.AbstractEventLoop, rounds: int) -> list[Any]:
     events: list[Any] = []
     unsubscribe = hub.subscribe(lambda e: events.append((e.kind, e.done)) if e.chunk == 7 else None)
@@ -492,11 +507,7 @@ def test_a_dead_workers_report_read_with_its_chunks_new_run_never_holds_it(
     than b's, b's counts are shown."""
     now = [100.0]
     monkeypatch.setattr(book_module.time, "monotonic", lambda: now[0])
-    channel, loop = ShareBoard(), asyncio.new_event_loop()
-    count = RolloutCount(total=500)
-    unsubscribe = hub.subscribe(count.add)
-    try:
-        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+    with counted_board() as (channel, loop, board, count):
         for worker in sorted("ab", key=lambda w: w != known_first):
             channel.exchange(
                 worker, _running(1, 1000, 0, 0, chunks={"2" if worker == "a" else "3": [0, 0, 1]})
@@ -515,19 +526,12 @@ def test_a_dead_workers_report_read_with_its_chunks_new_run_never_holds_it(
             if known_first == "a" and step in (1, SILENT_S * 10):
                 assert count.chunks[7] == [80, 0], f"{count.chunks[7]} at step {step}: a shown till then"
         assert count.chunks[7] == [5 + 51, 0], count.chunks[7]
-    finally:
-        unsubscribe()
-        loop.close()
 
 
 def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_progress() -> None:
     """A chunk that fails for good on the flow's side (its task's retries spent) may still be listed by its
     worker's last report: the rounds after it never count it back in."""
-    channel, loop = ShareBoard(), asyncio.new_event_loop()
-    count = RolloutCount(total=500)
-    unsubscribe = hub.subscribe(count.add)
-    try:
-        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+    with counted_board() as (channel, loop, board, count):
         channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [80, 2, 3, 40, 1]}))
         board.round()
         loop.run_until_complete(asyncio.sleep(0))
@@ -543,9 +547,6 @@ def test_a_chunk_abandoned_while_its_worker_still_lists_it_stays_out_of_the_prog
             count.failed,
             count.chunks,
         )
-    finally:
-        unsubscribe()
-        loop.close()
 
 
 def test_a_running_chunk_reads_the_same_from_workers_of_any_version() -> None:
@@ -583,11 +584,7 @@ def test_an_attempt_that_has_not_read_its_earlier_commit_yet_keeps_the_floor_kno
     """Attempt 1 on a reads the chunk's earlier commit (40 rows, 1 failed) and reports it; attempt 2 on b
     is listed before it has read it. The chunk is then abandoned: the progress goes back to the 40 and 1
     the dataset holds, not to nothing."""
-    channel, loop = ShareBoard(), asyncio.new_event_loop()
-    count = RolloutCount(total=100)
-    unsubscribe = hub.subscribe(count.add)
-    try:
-        board = Board(channel, {"http://127.0.0.1:9": 32}, loop)
+    with counted_board() as (channel, loop, board, count):
         channel.exchange("a", _running(1, 1000, 0, 0, chunks={"7": [45, 0, 1, 40, 1]}))
         board.round()
         channel.exchange("b", _running(1, 1000, 0, 0, chunks={"7": [0, 0, 2]}))
@@ -597,9 +594,6 @@ def test_an_attempt_that_has_not_read_its_earlier_commit_yet_keeps_the_floor_kno
         board.abandon(7)
         hub.emit(ProgressEvent("abandoned", chunk=7))
         assert (count.done, count.failed, count.chunks) == (40, 1, {})
-    finally:
-        unsubscribe()
-        loop.close()
 
 
 def test_a_listing_another_run_of_the_same_attempt_replaced_is_never_shown_again() -> None:
