@@ -178,8 +178,13 @@ def test_each_dask_worker_process_verifies_with_one_pool_of_its_own(
             time.sleep(0.05)
     finally:
         set_latency(slow_sim, 20)
-    assert proc.wait(300) == 0, proc.stderr.read().decode()[-3000:]
-    assert all(len(pids) == each for pids in seen.values()), f"verifier processes per Dask worker: {seen}"
+    code, err = proc.wait(300), proc.stderr.read().decode()
+    assert code == 0, err[-3000:]
+    # The run's log says if a worker could not count its node's worker processes (node.py), or replaced a
+    # verifier process (pool.py): what sized a pool wrong, or added a process to it.
+    assert all(len(pids) == each for pids in seen.values()), (
+        f"verifier processes per Dask worker: {seen}\n{err[-3000:]}"
+    )
     rows = [line for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
     assert len(rows) == 2 * 600 and all(b'"reward":' in row for row in rows)
 
