@@ -3,6 +3,7 @@ that fails is asked again, and one that fails every time says so (the pool then 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -37,3 +38,19 @@ def test_outside_a_worker_process_the_count_is_one_at_once(caplog):
     with caplog.at_level(logging.WARNING, logger=node.__name__):
         assert node.node_sharers() == 1
     assert time.monotonic() - started < 0.15 and not caplog.text
+
+
+async def test_a_dask_worker_whose_client_is_asynchronous_counts_every_worker_on_its_node():
+    """The count goes through the worker's own connection to the scheduler, whatever client the worker has
+    (an asynchronous client's `scheduler_info`, called on its loop, answers from a cache listing no
+    worker: counted so, the pool would take the whole node)."""
+    from distributed import LocalCluster, Worker
+
+    async with LocalCluster(
+        n_workers=2, processes=False, asynchronous=True, dashboard_address=None
+    ) as cluster:
+        worker = next(iter(Worker._instances))
+        worker._get_client()  # made on the worker's loop: asynchronous
+        assert worker.client.asynchronous
+        assert await asyncio.to_thread(node._dask_sharers) == 2
+        assert len(cluster.workers) == 2

@@ -50,13 +50,17 @@ def _dask_sharers() -> int | None:
     worker = next(iter(Worker._instances), None)  # this process's worker, from any of its threads
     if worker is None:
         return None  # not a Dask worker process
+    from distributed.utils import sync
+
     host = worker.address.rsplit(":", 1)[0]
-    client = worker.client
-    try:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
-    except TypeError:  # versions before the scheduler listed only some workers by default
-        workers = client.scheduler_info()["workers"]
-    return max(1, sum(1 for address in workers if address.rsplit(":", 1)[0] == host))
+    # Asked through the worker's own connection to the scheduler: no client to make first (a step that can
+    # time out on a loaded node), and none whose `scheduler_info` answers from a cache listing no worker
+    # (an asynchronous client's, when called on its loop).
+    workers = sync(worker.loop, worker.scheduler.identity, n_workers=-1)["workers"]
+    found = sum(1 for address in workers if address.rsplit(":", 1)[0] == host)
+    if not found:
+        raise LookupError(f"the scheduler lists no worker on {host}")
+    return found
 
 
 def _ray_sharers() -> int | None:
