@@ -44,13 +44,13 @@ async def test_a_dask_worker_whose_client_is_asynchronous_counts_every_worker_on
     """The count goes through the worker's own connection to the scheduler, whatever client the worker has
     (an asynchronous client's `scheduler_info`, called on its loop, answers from a cache listing no
     worker: counted so, the pool would take the whole node)."""
-    from distributed import LocalCluster, Worker
+    from distributed import Scheduler, Worker
 
-    async with LocalCluster(
-        n_workers=2, processes=False, asynchronous=True, dashboard_address=None
-    ) as cluster:
-        worker = next(iter(Worker._instances))
+    async with (
+        Scheduler(host="127.0.0.1", port=0, dashboard=False, dashboard_address=None) as scheduler,
+        Worker(scheduler.address, host="127.0.0.1", dashboard=False) as worker,
+        Worker(scheduler.address, host="127.0.0.1", dashboard=False),
+    ):
         worker._get_client()  # made on the worker's loop: asynchronous
         assert worker.client.asynchronous
         assert await asyncio.to_thread(node._dask_sharers) == 2
-        assert len(cluster.workers) == 2
