@@ -51,6 +51,7 @@ PROFILE = os.environ.get("ROLLFLOW_BENCH_PROFILE")  # a folder: py-spy profiles 
 PROCESSES = os.environ.get("ROLLFLOW_BENCH_PROCESSES") == "1"  # each engine process's CPU, after each run
 CHUNK_SIZE = os.environ.get("ROLLFLOW_BENCH_CHUNK_SIZE", "auto")  # --chunk-size of every run
 CAPACITY = SLOTS / (LATENCY_MS / 1000)
+RAY_KEEP_S = 600  # --ray-keep-workers-s of the last two Ray runs: the second finds the first's workers
 BIN = Path(sys.executable).parent
 ROLLFLOW = str(BIN / "rollflow")
 PRELOAD = "rollflow.tasks.wrappers.preload"
@@ -257,6 +258,10 @@ def main() -> None:
             ray = ["--runner", "ray", "--ray-address", ray_address]
             for name, folder in (("fresh cluster", "ray"), ("second run", "ray-again")):
                 args = [*common, "--output", str(work / folder), *ray]
+                results.append(run(f"ray, 2 workers, {name}", args, ray_env, work / folder)[0])
+            warm = [*ray, "--ray-keep-workers-s", str(RAY_KEEP_S)]
+            for name, folder in (("warm workers started", "ray-warm"), ("warm workers kept", "ray-kept")):
+                args = [*common, "--output", str(work / folder), *warm]
                 results.append(run(f"ray, 2 workers, {name}", args, ray_env, work / folder)[0])
     finally:
         stop(engine)

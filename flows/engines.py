@@ -126,14 +126,12 @@ def open_engine(
     """The engine for `spec.runner`, entered; its share book channel (unless `book` is False) is closed
     on the way out. `threads`: see dask_runner."""
     if spec.runner == "ray":
-        with ray_runner(spec) as runner:
+        with ray_runner(spec) as runner, _ray_calls(spec) as calls:
             name = f"rollflow-shares-{key}"
             channel = RayChannel.start(name) if book else None
             try:
                 link = RayLink(name) if book else None
-                yield Engine(
-                    runner, channel, link, _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
-                )
+                yield Engine(runner, channel, link, *calls)
             finally:
                 if channel is not None:
                     with contextlib.suppress(Exception):
@@ -182,6 +180,18 @@ def _dask_cancel(runner: Any) -> Callable[[list[Any]], None]:
 
 def _dask_slots(runner: Any) -> int:
     return sum(runner.client.nthreads().values())
+
+
+@contextlib.contextmanager
+def _ray_calls(spec: EngineSettings) -> Iterator[tuple[Callable[..., Any], ...]]:
+    """submit, result, watch, cancel, slots: on Ray tasks, or on warm chunk workers kept between runs."""
+    if not spec.ray_keep_workers_s:
+        yield _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
+        return
+    from rollflow.flows.ray_pool import WarmWorkers
+
+    with WarmWorkers.opened(spec.ray_keep_workers_s) as pool:
+        yield pool.submit, pool.result, pool.watch, pool.cancel, pool.slots
 
 
 @functools.cache

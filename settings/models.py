@@ -299,6 +299,13 @@ class EngineSettings(Settings):
     ray_address: str | None = Field(
         None, description="An existing Ray cluster (ray://head:10001 or auto); default a local instance"
     )
+    ray_keep_workers_s: float = Field(
+        0.0,
+        ge=0,
+        le=86_400,
+        description="Keep chunk worker processes on the Ray cluster this many seconds after their last "
+        "chunk, one per CPU, so the next run skips their start (0: Ray starts them for each run)",
+    )
 
 
 class PipelineSettings(EngineSettings):

@@ -67,6 +67,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("dask-adapt-min", "", "dask_adapt_min"),
         ("dask-adapt-max", "", "dask_adapt_max"),
         ("ray-address", "", "ray_address"),
+        ("ray-keep-workers-s", "", "ray_keep_workers_s"),
         ("record-latency", "collection", "record_latency"),
         ("seed", "collection", "seed"),
     ),

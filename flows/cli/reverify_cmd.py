@@ -69,6 +69,7 @@ TOP_FLAGS = (
     "dask_address",
     "dask_workers",
     "ray_address",
+    "ray_keep_workers_s",
 )
 
 

@@ -1,0 +1,216 @@
+"""Chunk calls on Ray's warm chunk workers (`--ray-keep-workers`, tasks/wrappers/ray_actor.py): one worker
+per CPU of the cluster, found by name (started by an earlier run) or started, each given one call at a
+time; calls wait here, in submission order, for a free worker, as Ray's own queue keeps tasks.
+
+Workers are named by a fingerprint of this rollflow's code: a run never sends chunks to a worker that
+imported other code, and at its start it ends the idle workers of other code, which would hold their CPUs
+until their keep time ran out. A call whose worker died (killed, its node lost, or ended idle as the call
+was on its way) goes to a new worker, RESENDS times at most, as Ray retries a task whose process died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE, ChunkWorker
+from rollflow.tasks.wrappers.worker_chunks import WorkerLost
+
+log = logging.getLogger(__name__)
+RESENDS = 3
+STALE_ASK_S = 5.0  # how long an idle check of another code's worker may take
+GROW_S = 5.0  # while calls wait and every worker is busy, how often the cluster's CPUs are counted again
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A digest of the rollflow modules a worker runs (tasks/, settings/): a worker started by other code
+    is never reused."""
+    import rollflow.settings
+    import rollflow.tasks
+
+    digest = hashlib.blake2b(digest_size=6)
+    for package in (rollflow.tasks, rollflow.settings):
+        for folder in package.__path__:
+            root = Path(folder)
+            for path in sorted(root.rglob("*.py")):
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class Call(Future):  # type: ignore[type-arg]
+    """A chunk call: waiting here, then on a worker (`ref`), then ended with the call's value or error."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.fn, self.name, self.args = fn, name, args
+        self.sends = 0
+        self.ref: Any = None
+
+
+class WarmWorkers:
+    """The engine's calls (submit, result, watch, cancel, slots) on the cluster's warm workers. Every Ray
+    call is made on one thread of the pool's own; Ray's done callbacks only queue an event for it."""
+
+    def __init__(self, keep_s: float, count: int) -> None:
+        self.keep_s, self.count = keep_s, count
+        self.generation = code_fingerprint()
+        self.handles: list[Any] = [None] * count
+        self.free: deque[int] = deque(range(count))
+        self.running: dict[int, Call] = {}
+        self.waiting: deque[Call] = deque()
+        self.events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()  # `waiting`, between submit/cancel and the pool's thread
+        self.counted = time.monotonic()
+        self.thread = threading.Thread(target=self._serve, name="rollflow-ray-workers", daemon=True)
+
+    @classmethod
+    @contextlib.contextmanager
+    def opened(cls, keep_s: float) -> Iterator[WarmWorkers]:
+        pool = cls(keep_s, max(1, int(ray.cluster_resources().get("CPU", 0))))
+        pool.end_stale()
+        pool.thread.start()
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+    def submit(self, fn: Callable[..., Any], name: str, *args: Any) -> Call:
+        call = Call(fn=fn, name=name, args=args)
+        with self.lock:
+            self.waiting.append(call)
+        self.events.put(self._dispatch)
+        return call
+
+    def result(self, call: Call) -> Any:
+        return call.result()
+
+    def watch(self, call: Call, fn: Callable[[], None]) -> None:
+        call.add_done_callback(lambda _: fn())
+
+    def cancel(self, calls: list[Call]) -> None:
+        """Waiting calls end cancelled; running ones are asked to stop (a chunk stops itself at its run's
+        deadline or when its run's lease is gone, whichever Ray does with the request)."""
+        with self.lock:
+            for call in calls:
+                if call in self.waiting:
+                    self.waiting.remove(call)
+                    call.cancel()
+        for call in calls:
+            if call.ref is not None:
+                with contextlib.suppress(Exception):
+                    ray.cancel(call.ref)
+
+    def slots(self) -> int:
+        return self.count
+
+    def close(self) -> None:
+        with self.lock:
+            left, self.waiting = list(self.waiting), deque()
+        for call in left:
+            call.cancel()
+        self.events.put(None)
+        self.thread.join(timeout=30)
+
+    def end_stale(self) -> None:
+        """Ends the idle workers of other code (their CPUs would wait for their keep time to run out)."""
+        mine = f"{NAME_PREFIX}-{self.generation}-"
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry.get("name", "")
+            if (
+                entry.get("namespace") != NAMESPACE
+                or not name.startswith(NAME_PREFIX)
+                or name.startswith(mine)
+            ):
+                continue
+            with contextlib.suppress(ValueError, RayActorError, GetTimeoutError):
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                if ray.get(handle.idle_s.remote(), timeout=STALE_ASK_S) >= 0:
+                    ray.kill(handle, no_restart=True)
+                    log.info("ended the idle Ray chunk worker %s (another rollflow's code)", name)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                event = self.events.get(timeout=GROW_S)
+            except queue.Empty:
+                event = self._grow
+            if event is None:
+                return
+            event()
+
+    def _grow(self) -> None:
+        """A worker per CPU that joined the cluster (a node started, an autoscaler's), while calls wait."""
+        if not self.waiting or self.free or time.monotonic() - self.counted < GROW_S:
+            return
+        self.counted = time.monotonic()
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if cpus > self.count:
+            self.handles += [None] * (cpus - self.count)
+            self.free.extend(range(self.count, cpus))
+            self.count = cpus
+            self._dispatch()
+
+    def _worker(self, slot: int) -> Any:
+        if self.handles[slot] is None:
+            self.handles[slot] = ChunkWorker.options(
+                name=f"{NAME_PREFIX}-{self.generation}-{slot}",
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                scheduling_strategy="SPREAD",
+            ).remote(self.keep_s)
+        return self.handles[slot]
+
+    def _dispatch(self) -> None:
+        """On the pool's thread: each free worker takes the oldest waiting call."""
+        while self.free:
+            with self.lock:
+                if not self.waiting:
+                    return
+                call = self.waiting.popleft()
+            slot = self.free.popleft()
+            call.sends += 1
+            call.ref = self._worker(slot).call.options(name=call.name).remote(call.fn, *call.args)
+            self.running[slot] = call
+            ended = functools.partial(self.events.put, functools.partial(self._ended, slot))
+            call.ref.future().add_done_callback(lambda _, ended=ended: ended())
+        self._grow()
+
+    def _ended(self, slot: int) -> None:
+        call = self.running.pop(slot)
+        self.free.append(slot)
+        try:
+            call.set_result(ray.get(call.ref))
+        except RayActorError as exc:
+            self.handles[slot] = None  # the next call there starts a new worker under the same name
+            self._resend(call, exc)
+        except RayTaskError as exc:  # the chunk's own error, not Ray's wrapper with the worker's traceback
+            call.set_exception(exc.cause if isinstance(exc.cause, Exception) else exc)
+        except Exception as exc:
+            call.set_exception(exc)
+        self._dispatch()
+
+    def _resend(self, call: Call, exc: Exception) -> None:
+        if call.sends > RESENDS:
+            lost = WorkerLost(f"the chunk's Ray worker died on each of its {call.sends} sends ({exc})")
+            call.set_exception(lost)
+            return
+        log.warning("the Ray chunk worker running %s died; the call goes to a new worker", call.name)
+        call.ref = None
+        with self.lock:
+            self.waiting.appendleft(call)

@@ -1,0 +1,58 @@
+"""A warm chunk worker on Ray (`--ray-keep-workers`): a detached actor that runs chunk calls one at a time
+for run after run, and ends itself once idle for its keep time.
+
+Ray starts a job's worker processes anew for every run, and ends them with it: each start costs about
+0.5 CPU-s (Ray's worker, then rollflow's worker side) before its first chunk. A detached actor outlives the
+run that started it, so the next run on the cluster finds its process started, imported and connected.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+NAMESPACE = "rollflow-workers"
+NAME_PREFIX = "rollflow-chunks"
+CHECK_S = 1.0  # how often an idle worker looks at its idle time
+
+
+@ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"control": 1})
+class ChunkWorker:
+    """Runs `fn(*args)` calls one at a time (the default group holds one); `idle_s` answers from a group
+    of its own, so it answers while a chunk runs."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.running = 0
+        self.since = time.monotonic()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._expire, name="rollflow-keep", daemon=True).start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self.lock:
+            self.running += 1
+        try:
+            return fn(*args)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.since = time.monotonic()
+
+    @ray.method(concurrency_group="control")
+    def idle_s(self) -> float:
+        """Seconds since the last call ended, -1.0 while one runs."""
+        with self.lock:
+            return -1.0 if self.running else time.monotonic() - self.since
+
+    def _expire(self) -> None:
+        """Ends this actor once idle for its keep time: its CPU goes back to the cluster. A call on its way
+        meanwhile fails as an actor that died, and the flow sends it to a new worker."""
+        while True:
+            time.sleep(min(CHECK_S, self.keep_s))
+            if self.idle_s() >= self.keep_s:
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
