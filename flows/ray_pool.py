@@ -16,7 +16,6 @@ import hashlib
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -32,7 +31,7 @@ from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 log = logging.getLogger(__name__)
 RESENDS = 3
 STALE_ASK_S = 5.0  # how long an idle check of another code's worker may take
-GROW_S = 5.0  # while calls wait and every worker is busy, how often the cluster's CPUs are counted again
+TICK_S = 5.0  # while calls wait, how often the cluster's CPUs are counted and dead workers started again
 
 
 @functools.cache
@@ -70,12 +69,12 @@ class WarmWorkers:
         self.keep_s, self.count = keep_s, count
         self.generation = code_fingerprint()
         self.handles: list[Any] = [None] * count
-        self.free: deque[int] = deque(range(count))
+        self.free: deque[int] = deque()  # started workers with no call
+        self.starting: set[int] = set()
         self.running: dict[int, Call] = {}
         self.waiting: deque[Call] = deque()
         self.events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.lock = threading.Lock()  # `waiting`, between submit/cancel and the pool's thread
-        self.counted = time.monotonic()
         self.thread = threading.Thread(target=self._serve, name="rollflow-ray-workers", daemon=True)
 
     @classmethod
@@ -84,6 +83,7 @@ class WarmWorkers:
         pool = cls(keep_s, max(1, int(ray.cluster_resources().get("CPU", 0))))
         pool.end_stale()
         pool.thread.start()
+        pool.events.put(pool._start_missing)
         try:
             yield pool
         finally:
@@ -119,12 +119,17 @@ class WarmWorkers:
         return self.count
 
     def close(self) -> None:
+        """Waiting calls end cancelled; workers that never started are ended (left, one would start once a
+        CPU or a node came, to sit idle for its keep time)."""
         with self.lock:
             left, self.waiting = list(self.waiting), deque()
         for call in left:
             call.cancel()
         self.events.put(None)
         self.thread.join(timeout=30)
+        for slot in list(self.starting):
+            with contextlib.suppress(Exception):
+                ray.kill(self.handles[slot], no_restart=True)
 
     def end_stale(self) -> None:
         """Ends the idle workers of other code (their CPUs would wait for their keep time to run out)."""
@@ -146,35 +151,56 @@ class WarmWorkers:
     def _serve(self) -> None:
         while True:
             try:
-                event = self.events.get(timeout=GROW_S)
+                event = self.events.get(timeout=TICK_S)
             except queue.Empty:
-                event = self._grow
+                event = self._tick
             if event is None:
                 return
             event()
 
-    def _grow(self) -> None:
-        """A worker per CPU that joined the cluster (a node started, an autoscaler's), while calls wait."""
-        if not self.waiting or self.free or time.monotonic() - self.counted < GROW_S:
+    def _tick(self) -> None:
+        """While calls wait: a worker for each CPU that joined the cluster (a node started, an autoscaler's),
+        and again for each slot whose worker died or could not start."""
+        if not self.waiting:
             return
-        self.counted = time.monotonic()
         cpus = int(ray.cluster_resources().get("CPU", 0))
         if cpus > self.count:
             self.handles += [None] * (cpus - self.count)
-            self.free.extend(range(self.count, cpus))
             self.count = cpus
-            self._dispatch()
+        self._start_missing()
 
-    def _worker(self, slot: int) -> Any:
-        if self.handles[slot] is None:
-            self.handles[slot] = ChunkWorker.options(
-                name=f"{NAME_PREFIX}-{self.generation}-{slot}",
-                namespace=NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                scheduling_strategy="SPREAD",
-            ).remote(self.keep_s)
-        return self.handles[slot]
+    def _start_missing(self) -> None:
+        for slot, handle in enumerate(self.handles):
+            if handle is None and slot not in self.starting:
+                self._start(slot)
+
+    def _start(self, slot: int) -> None:
+        """Found by name, or started; given calls only once it answers: one waiting for a CPU (held by other
+        work) or for a node (an autoscaler's) would hold them while started workers had none."""
+        self.handles[slot] = ChunkWorker.options(
+            name=f"{NAME_PREFIX}-{self.generation}-{slot}",
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy="SPREAD",
+        ).remote(self.keep_s)
+        self.starting.add(slot)
+        ref = self.handles[slot].idle_s.remote()
+        self._on_end(ref, functools.partial(self._started, slot, ref))
+
+    def _started(self, slot: int, ref: Any) -> None:
+        self.starting.discard(slot)
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            log.warning("a Ray chunk worker did not start (%s: %s); tried again", type(exc).__name__, exc)
+            self.handles[slot] = None  # started again at a later tick
+            return
+        self.free.append(slot)
+        self._dispatch()
+
+    def _on_end(self, ref: Any, event: Callable[[], None]) -> None:
+        ref.future().add_done_callback(lambda _: self.events.put(event))
 
     def _dispatch(self) -> None:
         """On the pool's thread: each free worker takes the oldest waiting call."""
@@ -185,24 +211,24 @@ class WarmWorkers:
                 call = self.waiting.popleft()
             slot = self.free.popleft()
             call.sends += 1
-            call.ref = self._worker(slot).call.options(name=call.name).remote(call.fn, *call.args)
+            call.ref = self.handles[slot].call.options(name=call.name).remote(call.fn, *call.args)
             self.running[slot] = call
-            ended = functools.partial(self.events.put, functools.partial(self._ended, slot))
-            call.ref.future().add_done_callback(lambda _, ended=ended: ended())
-        self._grow()
+            self._on_end(call.ref, functools.partial(self._ended, slot))
 
     def _ended(self, slot: int) -> None:
         call = self.running.pop(slot)
-        self.free.append(slot)
         try:
             call.set_result(ray.get(call.ref))
         except RayActorError as exc:
-            self.handles[slot] = None  # the next call there starts a new worker under the same name
+            self._start(slot)  # a new worker under the same name
             self._resend(call, exc)
+            self._dispatch()
+            return
         except RayTaskError as exc:  # the chunk's own error, not Ray's wrapper with the worker's traceback
             call.set_exception(exc.cause if isinstance(exc.cause, Exception) else exc)
         except Exception as exc:
             call.set_exception(exc)
+        self.free.append(slot)
         self._dispatch()
 
     def _resend(self, call: Call, exc: Exception) -> None:

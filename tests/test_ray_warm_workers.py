@@ -1,0 +1,114 @@
+"""`--ray-keep-workers-s` on the two-node Ray cluster of fixtures_netns: the next run finds the first's
+worker processes and writes the local runner's bytes, the workers end once idle for their keep time, a
+worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
+other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cli_runs import ROWS
+from fixtures_netns import RayWorld
+from test_ray import _ray_run, _stats, _wait_for
+
+from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE
+
+WORKER = "ray::ChunkWorker"  # an idle warm worker's process title
+BUSY = "ray::collect-chunk"  # a warm worker's (or Ray task's) while it runs a chunk
+OTHER_CODE = f"{NAME_PREFIX}-0123456789ab-0"
+NAMES = f"""
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+if sys.argv[2] == "plant":  # an idle worker of other code, started by a run of it, holding a CPU
+    from rollflow.tasks.wrappers.ray_actor import ChunkWorker
+    options = {{"name": "{OTHER_CODE}", "namespace": "{NAMESPACE}", "lifetime": "detached"}}
+    worker = ChunkWorker.options(**options).remote(600)
+    ray.get(worker.idle_s.remote(), timeout=60)
+actors = ray.util.list_named_actors(all_namespaces=True)
+names = [a["name"] for a in actors if a["namespace"] == "{NAMESPACE}"]
+if sys.argv[2] == "end":
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace="{NAMESPACE}"), no_restart=True)
+print(json.dumps(sorted(names)))
+"""
+
+
+def _names(world: RayWorld, what: str = "list") -> list[str]:
+    """The warm workers' names on the cluster (after planting one of other code, or ending them all)."""
+    args = [sys.executable, "-c", NAMES, world.ray_address, what]
+    return json.loads(world.run(args, env=world.env(), timeout=120).check().stdout.strip().splitlines()[-1])
+
+
+def _workers(world: RayWorld) -> list[int]:
+    return sorted(world.pids(WORKER) + world.pids(BUSY))
+
+
+@pytest.fixture
+def warm(ray_world: RayWorld) -> Iterator[RayWorld]:
+    """The world, with no warm worker left at the end: they hold the CPUs other tests' tasks need."""
+    try:
+        yield ray_world
+    finally:
+        _names(ray_world, "end")
+        _wait_for(lambda: not _workers(ray_world), "warm workers still running", timeout_s=60)
+
+
+def test_ray_warm_workers_serve_the_next_run_then_end_when_idle(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    keep_s = 8
+    sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
+    seen = []
+    for i in range(2):
+        out = tmp_path / f"out-{i}"
+        result = warm.wait(
+            _ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", str(keep_s)), 240
+        )
+        assert result.rc == 0, result.stderr[-3000:]
+        assert (out / "rollouts.jsonl").read_bytes() == reference
+        report = json.loads((out / "report.json").read_text())
+        assert sum(w["rollouts"] for w in report["workers"]) == 2 * ROWS
+        seen.append(sorted(warm.pids(WORKER)))
+    assert len(seen[0]) == 2, seen  # one per CPU of the cluster
+    assert seen[1] == seen[0], "the second run started workers of its own"
+    assert len(_names(warm)) == 2
+    _wait_for(lambda: not _workers(warm), "idle workers outlived their keep time", timeout_s=keep_s + 20)
+    assert _names(warm) == []
+
+
+def test_ray_a_warm_worker_killed_mid_chunk_has_its_chunk_sent_to_a_new_one(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    sim = warm.simulate(["--latency-ms", "20", "--slots", "16"])
+    out = tmp_path / "out"
+    run = _ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", "30")
+    _wait_for(lambda: _stats(warm, sim)["completed"] >= 600, "the run made no progress", world=warm, run=run)
+    victims = warm.pids(BUSY)
+    assert victims, warm.procs("ray::")
+    assert warm.kill(pid=victims[0], signal=9)
+    result = warm.wait(run, timeout=300)
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference  # every rollout once, in order
+    assert len(list(out.glob("chunks/*.json"))) == -(-ROWS // 40)
+    assert "goes to a new worker" in result.stderr
+    assert _stats(warm, sim)["max_in_flight_seen"] <= 16
+
+
+def test_ray_an_idle_worker_of_other_code_is_ended_at_a_runs_start(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """It holds one of the cluster's two CPUs for 600 s: a run that left it there would have one worker
+    for its chunks."""
+    assert OTHER_CODE in _names(warm, "plant")
+    sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
+    out = tmp_path / "out"
+    result = warm.wait(_ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", "5"), timeout=120)
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    report = json.loads((out / "report.json").read_text())
+    assert len([w for w in report["workers"] if w["rollouts"]]) == 2, report["workers"]
+    assert OTHER_CODE not in _names(warm)
