@@ -10,7 +10,8 @@ drifts over minutes, so each engine is compared with the local runs just before 
 (2 threads each, with rollflow's `--preload` and `--preload-nanny`), run on the fresh cluster, then again
 on the same workers, as a long-lived cluster serves runs; Ray is a head node
 and a second node started with `ray start --address`, one CPU each (one chunk per worker process at a
-time), also run twice (Ray starts a job's worker processes anew for each run). Dask's and Ray's rows are
+time), also run twice (Ray starts a job's worker processes anew for each run), then twice more with
+`--ray-keep-workers-s`: the first starts the warm workers, the second finds them. Dask's and Ray's rows are
 compared with the better of the two local runs just before them: its rate, and its CPU per rollout.
 
 Figures per row: the collect stage's rate (report.json `collect_rollouts_per_s`, which includes the

@@ -1,7 +1,8 @@
 """`--ray-keep-workers-s` on the two-node Ray cluster of fixtures_netns: the next run finds the first's
 worker processes and writes the local runner's bytes, the workers end once idle for their keep time, a
 worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
-other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer)."""
+other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); all of
+it through a Ray client address too."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from cli_runs import ROWS
+from cli_runs import ROWS, run_args
 from fixtures_netns import RayWorld
-from test_ray import _ray_run, _stats, _wait_for
+from test_ray import CLIENT_SERVER_FAILED, RAY_CLIENT_PORT, ROLLFLOW, _ray_run, _stats, _wait_for
 
 from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE
 
@@ -112,3 +114,21 @@ def test_ray_an_idle_worker_of_other_code_is_ended_at_a_runs_start(
     report = json.loads((out / "report.json").read_text())
     assert len([w for w in report["workers"] if w["rollouts"]]) == 2, report["workers"]
     assert OTHER_CODE not in _names(warm)
+
+
+def test_ray_warm_workers_through_a_ray_client_address(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """--ray-address ray://: the flow is a Ray client; its calls, their ends and the workers' names all go
+    through Ray's client server."""
+    sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
+    out = tmp_path / "out"
+    args = [ROLLFLOW, *run_args(rows_input, str(out), SimpleNamespace(url=sim)), "--runner", "ray",
+            "--ray-address", f"ray://127.0.0.1:{RAY_CLIENT_PORT}", "--ray-keep-workers-s", "5"]  # fmt: skip
+    for _ in range(3):
+        result = warm.wait(warm.spawn(args, env=warm.env()), timeout=240)
+        if CLIENT_SERVER_FAILED not in result.stderr:  # see test_ray_client_address_runs_within_the_limit
+            break
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    assert len(_names(warm)) == 2
