@@ -1,4 +1,4 @@
-"""Chunk calls on Ray's warm chunk workers (`--ray-keep-workers`, tasks/wrappers/ray_actor.py): one worker
+"""Chunk calls on Ray's warm chunk workers (`--ray-keep-workers-s`, tasks/wrappers/ray_actor.py): one worker
 per CPU of the cluster, found by name (started by an earlier run) or started, each given one call at a
 time; calls wait here, in submission order, for a free worker, as Ray's own queue keeps tasks.
 
@@ -16,6 +16,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -51,7 +52,7 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-class Call(Future):  # type: ignore[type-arg]
+class Call(Future[Any]):
     """A chunk call: waiting here, then on a worker (`ref`), then ended with the call's value or error."""
 
     def __init__(self, fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> None:
@@ -59,6 +60,7 @@ class Call(Future):  # type: ignore[type-arg]
         self.fn, self.name, self.args = fn, name, args
         self.sends = 0
         self.ref: Any = None
+        self.dropped = False  # cancelled by the flow: never sent again
 
 
 class WarmWorkers:
@@ -107,6 +109,7 @@ class WarmWorkers:
         deadline or when its run's lease is gone, whichever Ray does with the request)."""
         with self.lock:
             for call in calls:
+                call.dropped = True
                 if call in self.waiting:
                     self.waiting.remove(call)
                     call.cancel()
@@ -132,19 +135,24 @@ class WarmWorkers:
                 ray.kill(self.handles[slot], no_restart=True)
 
     def end_stale(self) -> None:
-        """Ends the idle workers of other code (their CPUs would wait for their keep time to run out)."""
+        """Ends the idle workers of other code (their CPUs would wait for their keep time to run out); a
+        busy one is left to end its chunk and then itself."""
         mine = f"{NAME_PREFIX}-{self.generation}-"
+        asked = []
         for entry in ray.util.list_named_actors(all_namespaces=True):
             name = entry.get("name", "")
             if (
-                entry.get("namespace") != NAMESPACE
-                or not name.startswith(NAME_PREFIX)
-                or name.startswith(mine)
+                entry.get("namespace") == NAMESPACE
+                and name.startswith(NAME_PREFIX)
+                and not name.startswith(mine)
             ):
-                continue
-            with contextlib.suppress(ValueError, RayActorError, GetTimeoutError):
-                handle = ray.get_actor(name, namespace=NAMESPACE)
-                if ray.get(handle.idle_s.remote(), timeout=STALE_ASK_S) >= 0:
+                with contextlib.suppress(ValueError, RayActorError):
+                    handle = ray.get_actor(name, namespace=NAMESPACE)
+                    asked.append((name, handle, handle.idle_s.remote()))
+        deadline = time.monotonic() + STALE_ASK_S
+        for name, handle, idle in asked:
+            with contextlib.suppress(RayActorError, GetTimeoutError):
+                if ray.get(idle, timeout=max(0.0, deadline - time.monotonic())) >= 0:
                     ray.kill(handle, no_restart=True)
                     log.info("ended the idle Ray chunk worker %s (another rollflow's code)", name)
 
@@ -156,7 +164,10 @@ class WarmWorkers:
                 event = self._tick
             if event is None:
                 return
-            event()
+            try:
+                event()
+            except Exception:  # the pool's thread must outlive a failed Ray call, or every chunk would hang
+                log.exception("the Ray chunk workers' pool could not handle an event; it goes on")
 
     def _tick(self) -> None:
         """While calls wait: a worker for each CPU that joined the cluster (a node started, an autoscaler's),
@@ -211,7 +222,12 @@ class WarmWorkers:
                 call = self.waiting.popleft()
             slot = self.free.popleft()
             call.sends += 1
-            call.ref = self.handles[slot].call.options(name=call.name).remote(call.fn, *call.args)
+            try:
+                call.ref = self.handles[slot].call.options(name=call.name).remote(call.fn, *call.args)
+            except Exception as exc:  # not sent (the cluster unreachable, the call's arguments do not pickle)
+                self.free.append(slot)
+                call.set_exception(exc)
+                continue
             self.running[slot] = call
             self._on_end(call.ref, functools.partial(self._ended, slot))
 
@@ -232,6 +248,9 @@ class WarmWorkers:
         self._dispatch()
 
     def _resend(self, call: Call, exc: Exception) -> None:
+        if call.dropped:
+            call.set_exception(exc)
+            return
         if call.sends > RESENDS:
             lost = WorkerLost(f"the chunk's Ray worker died on each of its {call.sends} sends ({exc})")
             call.set_exception(lost)

@@ -248,6 +248,10 @@ async def verify(row, text):
 
 @pytest.fixture(scope="module")
 def reverify_source(ray_world: RayWorld, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_reverify_source(ray_world, tmp_path_factory)
+
+
+def make_reverify_source(ray_world: RayWorld, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded collection scored with exact_match, made inside the world (its simulator stopped after),
     with a slow verifier module beside it; the folder holds rows.jsonl, the module and out/."""
     base = tmp_path_factory.mktemp("ray-reverify")

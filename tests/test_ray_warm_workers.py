@@ -2,7 +2,7 @@
 worker processes and writes the local runner's bytes, the workers end once idle for their keep time, a
 worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
 other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); all of
-it through a Ray client address too."""
+it through a Ray client address too, and a reverify's chunks on warm workers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,16 @@ from types import SimpleNamespace
 import pytest
 from cli_runs import ROWS, run_args
 from fixtures_netns import RayWorld
-from test_ray import CLIENT_SERVER_FAILED, RAY_CLIENT_PORT, ROLLFLOW, _ray_run, _stats, _wait_for
+from test_ray import (
+    CLIENT_SERVER_FAILED,
+    RAY_CLIENT_PORT,
+    ROLLFLOW,
+    _ray_run,
+    _reverify,
+    _stats,
+    _wait_for,
+    make_reverify_source,
+)
 
 from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE
 
@@ -124,11 +133,29 @@ def test_ray_warm_workers_through_a_ray_client_address(
     sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
     out = tmp_path / "out"
     args = [ROLLFLOW, *run_args(rows_input, str(out), SimpleNamespace(url=sim)), "--runner", "ray",
-            "--ray-address", f"ray://127.0.0.1:{RAY_CLIENT_PORT}", "--ray-keep-workers-s", "5"]  # fmt: skip
+            "--ray-address", f"ray://127.0.0.1:{RAY_CLIENT_PORT}", "--ray-keep-workers-s", "60"]  # fmt: skip
     for _ in range(3):
         result = warm.wait(warm.spawn(args, env=warm.env()), timeout=240)
         if CLIENT_SERVER_FAILED not in result.stderr:  # see test_ray_client_address_runs_within_the_limit
             break
     assert result.rc == 0, result.stderr[-3000:]
     assert (out / "rollouts.jsonl").read_bytes() == reference
+    assert len(_names(warm)) == 2
+
+
+def test_ray_reverify_on_warm_workers_publishes_the_local_reverifys_rows(
+    warm: RayWorld, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`reverify --ray-keep-workers-s`: its chunks (which share no limit) on warm workers, the same bytes as
+    the local runner's reverify."""
+    base = make_reverify_source(warm, tmp_path_factory)
+    source = base / "out"
+    args = ("--verifier", "math_fast", "--chunk-size", "25")
+    local = warm.run(_reverify(source, base / "local-warm", *args), env=warm.env(), timeout=180)
+    assert local.check().rc == 0
+    extra = ("--runner", "ray", "--ray-address", warm.ray_address, "--ray-keep-workers-s", "60")
+    ray = warm.run(_reverify(source, base / "ray-warm", *args, *extra), env=warm.env(), timeout=240)
+    assert ray.rc == 0, ray.stderr[-3000:]
+    published = (base / "ray-warm" / "rollouts.jsonl").read_bytes()
+    assert published == (base / "local-warm" / "rollouts.jsonl").read_bytes()
     assert len(_names(warm)) == 2

@@ -47,6 +47,11 @@ def add_reverify_parser(sub: Any) -> None:
     p.add_argument("--dask-address", help="the Dask scheduler to send chunks to (default: a local cluster)")
     p.add_argument("--dask-workers", type=int, help="processes of the local Dask cluster (default 2)")
     p.add_argument("--ray-address", help="the Ray cluster to send chunks to (default: a local instance)")
+    p.add_argument(
+        "--ray-keep-workers-s",
+        type=float,
+        help="keep Ray chunk workers this long after their last chunk, for the next run (default 0)",
+    )
     p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
     p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
     p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")

@@ -135,11 +135,13 @@ class Board:
             if index not in self.announced:
                 self.announced.add(index)
                 self.loop.call_soon_threadsafe(self._started, index)
+            if index in self.finished:
+                continue
             owner = self._owner(index, listers)
             if owner is None:
                 continue
             entry = listers[owner]
-            if index in self.finished or self.counts.get(index) == entry:
+            if self.counts.get(index) == entry:
                 continue
             self.counts[index] = entry
             events.append(ProgressEvent("attempt", chunk=index, done=entry.done, floor=entry.floor))

@@ -1,4 +1,4 @@
-"""A warm chunk worker on Ray (`--ray-keep-workers`): a detached actor that runs chunk calls one at a time
+"""A warm chunk worker on Ray (`--ray-keep-workers-s`): a detached actor that runs chunk calls one at a time
 for run after run, and ends itself once idle for its keep time.
 
 Ray starts a job's worker processes anew for every run, and ends them with it: each start costs about
