@@ -10,19 +10,16 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from cli_runs import ROWS, run_args
+from cli_runs import ROWS
 from fixtures_netns import RayWorld
 from test_ray import (
-    CLIENT_SERVER_FAILED,
-    RAY_CLIENT_PORT,
-    ROLLFLOW,
     _ray_run,
     _reverify,
     _stats,
     _wait_for,
+    client_run,
     make_reverify_source,
 )
 
@@ -132,12 +129,7 @@ def test_ray_warm_workers_through_a_ray_client_address(
     through Ray's client server."""
     sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
     out = tmp_path / "out"
-    args = [ROLLFLOW, *run_args(rows_input, str(out), SimpleNamespace(url=sim)), "--runner", "ray",
-            "--ray-address", f"ray://127.0.0.1:{RAY_CLIENT_PORT}", "--ray-keep-workers-s", "60"]  # fmt: skip
-    for _ in range(3):
-        result = warm.wait(warm.spawn(args, env=warm.env()), timeout=240)
-        if CLIENT_SERVER_FAILED not in result.stderr:  # see test_ray_client_address_runs_within_the_limit
-            break
+    result = client_run(warm, rows_input, out, sim, "--ray-keep-workers-s", "60")
     assert result.rc == 0, result.stderr[-3000:]
     assert (out / "rollouts.jsonl").read_bytes() == reference
     assert len(_names(warm)) == 2
