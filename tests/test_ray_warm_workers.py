@@ -1,8 +1,8 @@
 """`--ray-keep-workers-s` on the two-node Ray cluster of fixtures_netns: the next run finds the first's
 worker processes and writes the local runner's bytes, the workers end once idle for their keep time, a
 worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
-other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); all of
-it through a Ray client address too, and a reverify's chunks on warm workers."""
+other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); a run
+through a Ray client address, and a reverify's chunks on warm workers."""
 
 from __future__ import annotations
 
