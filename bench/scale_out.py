@@ -11,7 +11,9 @@ drifts over minutes, so each engine is compared with the local runs just before 
 on the same workers, as a long-lived cluster serves runs; Ray is a head node
 and a second node started with `ray start --address`, one CPU each (one chunk per worker process at a
 time), also run twice (Ray starts a job's worker processes anew for each run), then twice more with
-`--ray-keep-workers-s`: the first starts the warm workers, the second finds them. Dask's and Ray's rows are
+`--ray-keep-workers-s`: the first starts the warm workers, the second finds them; last, on a fresh Ray
+cluster whose warm workers `rollflow ray-workers` started with it (not measured, as Dask's workers'
+start is not), one run that finds them. Dask's and Ray's rows are
 compared with the better of the two local runs just before them: its rate, and its CPU per rollout.
 
 Figures per row: the collect stage's rate (report.json `collect_rollouts_per_s`, which includes the
@@ -264,6 +266,22 @@ def main() -> None:
             for name, folder in (("warm workers started", "ray-warm"), ("warm workers kept", "ray-kept")):
                 args = [*common, "--output", str(work / folder), *warm]
                 results.append(run(f"ray, 2 workers, {name}", args, ray_env, work / folder)[0])
+            stop(engine)  # a fresh cluster whose warm workers start with it, as Dask's workers do
+            ray_address, engine, ray_env = ray_cluster(env, logs)
+            keep = ["--ray-keep-workers-s", str(RAY_KEEP_S)]
+            start_workers = [
+                ROLLFLOW,
+                "ray-workers",
+                "--ray-address",
+                ray_address,
+                "--keep-s",
+                str(RAY_KEEP_S),
+            ]
+            subprocess.run(start_workers, env=ray_env, check=True, capture_output=True, timeout=300)
+            args = [*common, "--output", str(work / "ray-with-cluster"), "--runner", "ray", "--ray-address",
+                    ray_address, *keep]  # fmt: skip
+            name = "ray, 2 workers, warm workers started with the cluster"
+            results.append(run(name, args, ray_env, work / "ray-with-cluster")[0])
     finally:
         stop(engine)
         for service in (sim, fast, prefect):

@@ -182,14 +182,24 @@ def _dask_slots(runner: Any) -> int:
     return sum(runner.client.nthreads().values())
 
 
+def start_warm_workers(spec: EngineSettings, timeout_s: float) -> tuple[int, int]:
+    """`rollflow ray-workers`: the cluster's warm workers started (or found), and how many are up of how
+    many there are (one per CPU)."""
+    from rollflow.flows.ray_pool import WarmWorkers
+
+    with ray_runner(spec), WarmWorkers.opened(spec.ray_keep_workers_s) as pool:
+        return pool.wait_started(timeout_s), pool.count
+
+
 @contextlib.contextmanager
 def _ray_calls(spec: EngineSettings) -> Iterator[tuple[Callable[..., Any], ...]]:
     """submit, result, watch, cancel, slots: on Ray tasks, or on warm chunk workers kept between runs."""
+    from rollflow.flows.ray_pool import WarmWorkers, end_idle_workers
+
     if not spec.ray_keep_workers_s:
+        end_idle_workers()  # an earlier run's warm workers would hold the CPUs these tasks need
         yield _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
         return
-    from rollflow.flows.ray_pool import WarmWorkers
-
     with WarmWorkers.opened(spec.ray_keep_workers_s) as pool:
         yield pool.submit, pool.result, pool.watch, pool.cancel, pool.slots
 

@@ -31,7 +31,8 @@ from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
 log = logging.getLogger(__name__)
 RESENDS = 3
-STALE_ASK_S = 5.0  # how long an idle check of another code's worker may take
+STALE_ASK_S = 5.0  # how long the idle checks of workers a run ends may take
+IDLE_END_S = 2.0  # idle this long, a worker serves no run now (a run sends a freed worker its next call)
 TICK_S = 5.0  # while calls wait, how often the cluster's CPUs are counted and dead workers started again
 
 
@@ -61,6 +62,27 @@ class Call(Future[Any]):
         self.sends = 0
         self.ref: Any = None
         self.dropped = False  # cancelled by the flow: never sent again
+
+
+def end_idle_workers(spare: str | None = None) -> None:
+    """Ends the warm workers idle for IDLE_END_S, but those whose names start with `spare` (a run's own): a
+    run on Ray's tasks, or on workers of other code, would wait for the CPUs they hold until their keep
+    time ran out. A busy one is left to end its chunk, then itself."""
+    asked = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry.get("name", "")
+        if entry.get("namespace") != NAMESPACE or not name.startswith(NAME_PREFIX):
+            continue
+        if spare is None or not name.startswith(spare):
+            with contextlib.suppress(ValueError, RayActorError):
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                asked.append((name, handle, handle.idle_s.remote()))
+    deadline = time.monotonic() + STALE_ASK_S
+    for name, handle, idle in asked:
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            if ray.get(idle, timeout=max(0.0, deadline - time.monotonic())) >= IDLE_END_S:
+                ray.kill(handle, no_restart=True)
+                log.info("ended the idle Ray chunk worker %s", name)
 
 
 class WarmWorkers:
@@ -135,26 +157,16 @@ class WarmWorkers:
                 ray.kill(self.handles[slot], no_restart=True)
 
     def end_stale(self) -> None:
-        """Ends the idle workers of other code (their CPUs would wait for their keep time to run out); a
-        busy one is left to end its chunk and then itself."""
-        mine = f"{NAME_PREFIX}-{self.generation}-"
-        asked = []
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            name = entry.get("name", "")
-            if (
-                entry.get("namespace") == NAMESPACE
-                and name.startswith(NAME_PREFIX)
-                and not name.startswith(mine)
-            ):
-                with contextlib.suppress(ValueError, RayActorError):
-                    handle = ray.get_actor(name, namespace=NAMESPACE)
-                    asked.append((name, handle, handle.idle_s.remote()))
-        deadline = time.monotonic() + STALE_ASK_S
-        for name, handle, idle in asked:
-            with contextlib.suppress(RayActorError, GetTimeoutError):
-                if ray.get(idle, timeout=max(0.0, deadline - time.monotonic())) >= 0:
-                    ray.kill(handle, no_restart=True)
-                    log.info("ended the idle Ray chunk worker %s (another rollflow's code)", name)
+        end_idle_workers(spare=f"{NAME_PREFIX}-{self.generation}-")
+
+    def wait_started(self, timeout_s: float) -> int:
+        """Every worker started, or `timeout_s` passed: how many are up."""
+        deadline = time.monotonic() + timeout_s
+        while (self.starting or None in self.handles) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return sum(
+            1 for slot, handle in enumerate(self.handles) if handle is not None and slot not in self.starting
+        )
 
     def _serve(self) -> None:
         while True:

@@ -2,7 +2,8 @@
 worker processes and writes the local runner's bytes, the workers end once idle for their keep time, a
 worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
 other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); a run
-through a Ray client address, and a reverify's chunks on warm workers."""
+through a Ray client address, a reverify's chunks on warm workers, `rollflow ray-workers` starting them
+for the first run, and a run on Ray's tasks ending the idle warm workers that hold the CPUs it needs."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 from cli_runs import ROWS
-from fixtures_netns import RayWorld
+from fixtures_netns import RayWorld, RunResult
 from test_ray import (
+    ROLLFLOW,
     _ray_run,
     _reverify,
     _stats,
@@ -151,3 +153,46 @@ def test_ray_reverify_on_warm_workers_publishes_the_local_reverifys_rows(
     published = (base / "ray-warm" / "rollouts.jsonl").read_bytes()
     assert published == (base / "local-warm" / "rollouts.jsonl").read_bytes()
     assert len(_names(warm)) == 2
+
+
+def _ray_workers(world: RayWorld, *args: str) -> RunResult:
+    cmd = [ROLLFLOW, "ray-workers", "--ray-address", world.ray_address, *args]
+    return world.run(cmd, env=world.env(), timeout=180)
+
+
+def test_ray_workers_started_with_the_cluster_serve_the_first_run(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """`rollflow ray-workers`, as `dask worker` is started before a Dask run: the first run finds them."""
+    started = _ray_workers(warm, "--keep-s", "60")
+    assert started.rc == 0, started.stderr[-3000:]
+    assert "2 of 2 warm Ray chunk workers up" in started.stdout
+    before = _workers(warm)
+    assert len(before) == 2
+    sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
+    out = tmp_path / "out"
+    result = warm.wait(_ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", "60"), 240)
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    assert _workers(warm) == before, "the run started workers of its own"
+
+
+def test_a_run_on_rays_tasks_ends_the_idle_warm_workers_holding_the_cpus(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """Warm workers hold every CPU for 600 s; a run without --ray-keep-workers-s (Ray's tasks) would wait
+    that long for a CPU."""
+    assert _ray_workers(warm, "--keep-s", "600").rc == 0
+    sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
+    out = tmp_path / "out"
+    result = warm.wait(_ray_run(warm, rows_input, str(out), sim), timeout=120)
+    assert not result.running, "the run waited for the CPUs idle warm workers held"
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+    assert _names(warm) == []
+
+
+def test_ray_workers_refuses_a_keep_time_of_zero(run_cli) -> None:
+    res = run_cli("ray-workers", "--keep-s", "0")
+    assert res.returncode == 2, res.stderr
+    assert "--keep-s" in res.stderr

@@ -247,6 +247,9 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     from rollflow.flows.cli.reverify_cmd import add_reverify_parser
 
     add_reverify_parser(sub)
+    from rollflow.flows.cli.ray_workers_cmd import add_ray_workers_parser
+
+    add_ray_workers_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
     demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
     demo.add_argument("--parallelism", type=parallelism_value, default="auto", help="N, auto or adaptive")
@@ -303,6 +306,10 @@ def _command(argv: list[str], started_at: float, fresh: bool) -> int:
         from rollflow.flows.cli.reverify_cmd import cmd_reverify
 
         return cmd_reverify(args)
+    if args.command == "ray-workers":
+        from rollflow.flows.cli.ray_workers_cmd import cmd_ray_workers
+
+        return cmd_ray_workers(args)
     if args.command == "serve":
         from rollflow.flows.cli.serve_cmd import cmd_serve
 

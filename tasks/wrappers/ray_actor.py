@@ -3,11 +3,13 @@ for run after run, and ends itself once idle for its keep time.
 
 Ray starts a job's worker processes anew for every run, and ends them with it: each start costs about
 0.5 CPU-s (Ray's worker, then rollflow's worker side) before its first chunk. A detached actor outlives the
-run that started it, so the next run on the cluster finds its process started, imported and connected.
+run that started it, so the next run on the cluster finds its process started, imported (it imports the worker
+side as it starts, as a Dask worker's preload does) and connected.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import ray
 NAMESPACE = "rollflow-workers"
 NAME_PREFIX = "rollflow-chunks"
 CHECK_S = 1.0  # how often an idle worker looks at its idle time
+WORKER_SIDE = "rollflow.tasks.wrappers.worker_chunks"
 
 
 @ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"control": 1})
@@ -26,6 +29,7 @@ class ChunkWorker:
     of its own, so it answers while a chunk runs."""
 
     def __init__(self, keep_s: float) -> None:
+        importlib.import_module(WORKER_SIDE)  # before the first chunk, as a Dask worker's preload does
         self.keep_s = keep_s
         self.running = 0
         self.since = time.monotonic()

@@ -1,0 +1,47 @@
+"""`rollflow ray-workers --keep-s S`: starts the warm Ray chunk workers with the cluster, as `dask worker`
+processes are started before a Dask run; runs with `--ray-keep-workers-s` then find them started."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rollflow.flows.cli.errors import EXIT_INCOMPLETE, EXIT_OK, UsageError
+
+START_TIMEOUT_S = 120.0
+
+
+def add_ray_workers_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "ray-workers",
+        help="start warm Ray chunk workers, one per CPU of the cluster, for runs with --ray-keep-workers-s",
+    )
+    p.add_argument("--ray-address", help="the Ray cluster (ray://head:10001 or auto; default a local one)")
+    p.add_argument(
+        "--keep-s", type=float, required=True, help="each worker ends after this many seconds without a chunk"
+    )
+    p.add_argument(
+        "--start-timeout-s", type=float, default=START_TIMEOUT_S, help="how long to wait for them to start"
+    )
+
+
+def cmd_ray_workers(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from rollflow.flows.engines import engine_problem, start_warm_workers
+    from rollflow.settings.models import EngineSettings
+
+    try:
+        spec = EngineSettings(runner="ray", ray_address=args.ray_address, ray_keep_workers_s=args.keep_s)
+    except ValidationError as exc:
+        raise UsageError(f"--keep-s: {exc.errors()[0]['msg']}") from None
+    if spec.ray_keep_workers_s <= 0 or args.start_timeout_s <= 0:
+        raise UsageError("--keep-s and --start-timeout-s must be above 0")
+    if problem := engine_problem(spec):
+        raise UsageError(problem)
+    up, count = start_warm_workers(spec, args.start_timeout_s)
+    print(
+        f"{up} of {count} warm Ray chunk workers up (one per CPU of the cluster); each ends after "
+        f"{spec.ray_keep_workers_s:g} s without a chunk"
+    )
+    return EXIT_OK if up == count else EXIT_INCOMPLETE
