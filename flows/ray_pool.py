@@ -144,17 +144,14 @@ class WarmWorkers:
         return self.count
 
     def close(self) -> None:
-        """Waiting calls end cancelled; workers that never started are ended (left, one would start once a
-        CPU or a node came, to sit idle for its keep time)."""
+        """Waiting calls end cancelled. Workers still starting are kept, as started ones are: the next run
+        finds them (one waiting for a CPU or a node starts once it comes, and ends after its keep time)."""
         with self.lock:
             left, self.waiting = list(self.waiting), deque()
         for call in left:
             call.cancel()
         self.events.put(None)
         self.thread.join(timeout=30)
-        for slot in list(self.starting):
-            with contextlib.suppress(Exception):
-                ray.kill(self.handles[slot], no_restart=True)
 
     def end_stale(self) -> None:
         end_idle_workers(spare=f"{NAME_PREFIX}-{self.generation}-")
