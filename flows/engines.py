@@ -68,6 +68,18 @@ def cluster_class(path: str) -> type:
         ) from None
 
 
+def engine_notes(spec: EngineSettings) -> list[str]:
+    """What a run's engine flags will not do (said before it starts; the run goes on)."""
+    if not spec.ray_keep_workers_s:
+        return []
+    if spec.runner != "ray":
+        return [f"--ray-keep-workers-s applies to --runner ray; --runner {spec.runner} ignores it"]
+    if not spec.ray_address:
+        return ["--ray-keep-workers-s keeps nothing on the local Ray instance this run starts and stops; "
+                "give --ray-address of a lasting cluster"]  # fmt: skip
+    return []
+
+
 def engine_problem(spec: EngineSettings) -> str | None:
     """Why `spec`'s runner cannot start here (checked before a run begins), or None."""
     try:
@@ -194,11 +206,11 @@ def start_warm_workers(spec: EngineSettings, timeout_s: float) -> tuple[int, int
 @contextlib.contextmanager
 def _ray_calls(spec: EngineSettings) -> Iterator[tuple[Callable[..., Any], ...]]:
     """submit, result, watch, cancel, slots: on Ray tasks, or on warm chunk workers kept between runs."""
-    from rollflow.flows.ray_pool import WarmWorkers, end_idle_workers
+    from rollflow.flows.ray_pool import IdleSweep, WarmWorkers
 
-    if not spec.ray_keep_workers_s:
-        end_idle_workers()  # an earlier run's warm workers would hold the CPUs these tasks need
-        yield _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
+    if not spec.ray_keep_workers_s or not spec.ray_address:
+        with IdleSweep():  # warm workers idle meanwhile would hold the CPUs these tasks need
+            yield _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
         return
     with WarmWorkers.opened(spec.ray_keep_workers_s) as pool:
         yield pool.submit, pool.result, pool.watch, pool.cancel, pool.slots

@@ -1,11 +1,13 @@
 """Chunk calls on Ray's warm chunk workers (`--ray-keep-workers-s`, tasks/wrappers/ray_actor.py): one worker
-per CPU of the cluster, found by name (started by an earlier run) or started, each given one call at a
-time; calls wait here, in submission order, for a free worker, as Ray's own queue keeps tasks.
+per CPU of the cluster, found by name (started by an earlier run or `rollflow ray-workers`) or started,
+each given one call at a time once it answered; calls wait here, in submission order, for a free worker,
+as Ray's own queue keeps tasks. Every TICK_S while calls wait, the cluster's CPUs are counted again.
 
 Workers are named by a fingerprint of this rollflow's code: a run never sends chunks to a worker that
-imported other code, and at its start it ends the idle workers of other code, which would hold their CPUs
-until their keep time ran out. A call whose worker died (killed, its node lost, or ended idle as the call
-was on its way) goes to a new worker, RESENDS times at most, as Ray retries a task whose process died.
+imported other code. While a run goes on Ray (warm or not), IdleSweep ends the warm workers it cannot use
+once they are idle, which would hold their CPUs until their keep time ran out. A call whose worker died
+(killed, its node lost, or ended idle as the call was on its way) goes to a new worker, RESENDS times at
+most, as Ray retries a task whose process died.
 """
 
 from __future__ import annotations
@@ -85,6 +87,32 @@ def end_idle_workers(spare: str | None = None) -> None:
                 log.info("ended the idle Ray chunk worker %s", name)
 
 
+class IdleSweep:
+    """`end_idle_workers(spare)` now and every TICK_S on a thread of its own, until the run ends: workers
+    that go idle mid-run (another code's, a finished run's) give their CPUs to this run then."""
+
+    def __init__(self, spare: str | None = None) -> None:
+        self.spare = spare
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rollflow-ray-sweep", daemon=True)
+
+    def __enter__(self) -> IdleSweep:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                end_idle_workers(self.spare)
+            except Exception as exc:  # the cluster unreachable for now: the next sweep tries again
+                log.debug("sweeping idle Ray chunk workers failed: %s: %s", type(exc).__name__, exc)
+            if self.stop.wait(TICK_S):
+                return
+
+
 class WarmWorkers:
     """The engine's calls (submit, result, watch, cancel, slots) on the cluster's warm workers. Every Ray
     call is made on one thread of the pool's own; Ray's done callbacks only queue an event for it."""
@@ -105,13 +133,13 @@ class WarmWorkers:
     @contextlib.contextmanager
     def opened(cls, keep_s: float) -> Iterator[WarmWorkers]:
         pool = cls(keep_s, max(1, int(ray.cluster_resources().get("CPU", 0))))
-        pool.end_stale()
-        pool.thread.start()
-        pool.events.put(pool._start_missing)
-        try:
-            yield pool
-        finally:
-            pool.close()
+        with IdleSweep(spare=f"{NAME_PREFIX}-{pool.generation}-"):
+            pool.thread.start()
+            pool.events.put(pool._start_missing)
+            try:
+                yield pool
+            finally:
+                pool.close()
 
     def submit(self, fn: Callable[..., Any], name: str, *args: Any) -> Call:
         call = Call(fn=fn, name=name, args=args)
@@ -153,9 +181,6 @@ class WarmWorkers:
         self.events.put(None)
         self.thread.join(timeout=30)
 
-    def end_stale(self) -> None:
-        end_idle_workers(spare=f"{NAME_PREFIX}-{self.generation}-")
-
     def wait_started(self, timeout_s: float) -> int:
         """Every worker started, or `timeout_s` passed: how many are up."""
         deadline = time.monotonic() + timeout_s
@@ -166,17 +191,26 @@ class WarmWorkers:
         )
 
     def _serve(self) -> None:
+        """Events as they come, and `_tick` every TICK_S whether or not they come."""
+        next_tick = time.monotonic() + TICK_S
         while True:
             try:
-                event = self.events.get(timeout=TICK_S)
+                event = self.events.get(timeout=max(0.0, next_tick - time.monotonic()))
             except queue.Empty:
-                event = self._tick
-            if event is None:
-                return
-            try:
-                event()
-            except Exception:  # the pool's thread must outlive a failed Ray call, or every chunk would hang
-                log.exception("the Ray chunk workers' pool could not handle an event; it goes on")
+                pass
+            else:
+                if event is None:
+                    return
+                self._handle(event)
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + TICK_S
+                self._handle(self._tick)
+
+    def _handle(self, event: Callable[[], None]) -> None:
+        try:
+            event()
+        except Exception:  # the pool's thread must outlive a failed Ray call, or every chunk would hang
+            log.exception("the Ray chunk workers' pool could not handle an event; it goes on")
 
     def _tick(self) -> None:
         """While calls wait: a worker for each CPU that joined the cluster (a node started, an autoscaler's),
@@ -197,15 +231,21 @@ class WarmWorkers:
     def _start(self, slot: int) -> None:
         """Found by name, or started; given calls only once it answers: one waiting for a CPU (held by other
         work) or for a node (an autoscaler's) would hold them while started workers had none."""
-        self.handles[slot] = ChunkWorker.options(
-            name=f"{NAME_PREFIX}-{self.generation}-{slot}",
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            scheduling_strategy="SPREAD",
-        ).remote(self.keep_s)
+        try:
+            handle = ChunkWorker.options(
+                name=f"{NAME_PREFIX}-{self.generation}-{slot}",
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                scheduling_strategy="SPREAD",
+            ).remote(self.keep_s)
+            ref = handle.keep.remote(self.keep_s)  # a worker found by name takes this run's keep time
+        except Exception as exc:  # e.g. the name's worker died as it was looked up: a later tick tries again
+            log.warning("a Ray chunk worker could not be started (%s: %s)", type(exc).__name__, exc)
+            self.handles[slot] = None
+            return
+        self.handles[slot] = handle
         self.starting.add(slot)
-        ref = self.handles[slot].idle_s.remote()
         self._on_end(ref, functools.partial(self._started, slot, ref))
 
     def _started(self, slot: int, ref: Any) -> None:
@@ -225,18 +265,18 @@ class WarmWorkers:
     def _dispatch(self) -> None:
         """On the pool's thread: each free worker takes the oldest waiting call."""
         while self.free:
-            with self.lock:
+            with self.lock:  # sent under it: `cancel` sees a call either waiting or with its `ref`
                 if not self.waiting:
                     return
                 call = self.waiting.popleft()
-            slot = self.free.popleft()
-            call.sends += 1
-            try:
-                call.ref = self.handles[slot].call.options(name=call.name).remote(call.fn, *call.args)
-            except Exception as exc:  # not sent (the cluster unreachable, the call's arguments do not pickle)
-                self.free.append(slot)
-                call.set_exception(exc)
-                continue
+                slot = self.free.popleft()
+                call.sends += 1
+                try:
+                    call.ref = self.handles[slot].call.options(name=call.name).remote(call.fn, *call.args)
+                except Exception as exc:  # not sent (the cluster unreachable, arguments that do not pickle)
+                    self.free.append(slot)
+                    call.set_exception(exc)
+                    continue
             self.running[slot] = call
             self._on_end(call.ref, functools.partial(self._ended, slot))
 
@@ -245,8 +285,8 @@ class WarmWorkers:
         try:
             call.set_result(ray.get(call.ref))
         except RayActorError as exc:
-            self._start(slot)  # a new worker under the same name
             self._resend(call, exc)
+            self._start(slot)  # a new worker under the same name
             self._dispatch()
             return
         except RayTaskError as exc:  # the chunk's own error, not Ray's wrapper with the worker's traceback

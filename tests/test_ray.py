@@ -108,25 +108,29 @@ def test_ray_limit_below_the_workers_holds_when_a_node_joins_mid_run(
 ) -> None:
     """--parallelism 1 over two nodes, then a third node joins: it gets chunks, the backend never sees a
     second request at once, and the report counts every worker's rollouts."""
-    sim = ray_world.simulate(["--latency-ms", "10", "--slots", "4"])
+    node_joins_mid_run(ray_world, rows_input, tmp_path)
+
+
+def node_joins_mid_run(world: RayWorld, rows_input: Path, tmp_path: Path, *extra: str) -> None:
+    sim = world.simulate(["--latency-ms", "10", "--slots", "4"])
     out = tmp_path / "out"
-    run = _ray_run(ray_world, rows_input, str(out), sim, "--parallelism", "1", "--limit", "600",
-                   "--chunk-size", "20")  # fmt: skip
+    run = _ray_run(world, rows_input, str(out), sim, "--parallelism", "1", "--limit", "600",
+                   "--chunk-size", "20", *extra)  # fmt: skip
     _wait_for(lambda: len(list(out.glob("chunks/*.json"))) >= 1, "no chunk committed")
-    node = [str(Path(sys.executable).with_name("ray")), "start", f"--address={ray_world.ray_address}",
+    node = [str(Path(sys.executable).with_name("ray")), "start", f"--address={world.ray_address}",
             "--num-cpus=1", "--object-store-memory=134217728", "--node-ip-address=127.0.0.1",
             "--disable-usage-stats", "--block"]  # fmt: skip
-    joined = ray_world.spawn(node, env=ray_world.env())
+    joined = world.spawn(node, env=world.env())
     try:
-        result = ray_world.wait(run, timeout=300)
+        result = world.wait(run, timeout=300)
     finally:
         # SIGTERM: `ray start --block` then stops its node's raylet and agents, which leave the cluster.
         # SIGKILL left them behind, a node that took tasks it could not start for the next run.
-        ray_world.kill(id=joined, signal=15)
-        if ray_world.wait(joined, timeout=30).running:
-            ray_world.kill(id=joined, signal=9)
+        world.kill(id=joined, signal=15)
+        if world.wait(joined, timeout=30).running:
+            world.kill(id=joined, signal=9)
     assert result.rc == 0, result.stderr[-3000:]
-    assert _stats(ray_world, sim)["max_in_flight_seen"] == 1
+    assert _stats(world, sim)["max_in_flight_seen"] == 1
     report = json.loads((out / "report.json").read_text())
     assert sum(w["rollouts"] for w in report["workers"]) == 1200
     assert len([w for w in report["workers"] if w["rollouts"]]) == 3, report["workers"]

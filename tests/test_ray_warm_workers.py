@@ -3,7 +3,8 @@ worker processes and writes the local runner's bytes, the workers end once idle 
 worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
 other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); a run
 through a Ray client address, a reverify's chunks on warm workers, `rollflow ray-workers` starting them
-for the first run, and a run on Ray's tasks ending the idle warm workers that hold the CPUs it needs."""
+for the first run, a run on Ray's tasks ending the idle warm workers that hold the CPUs it needs (at
+its start and as they go idle), the newest keep time holding, and a node that joins mid-run."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from test_ray import (
     _wait_for,
     client_run,
     make_reverify_source,
+    node_joins_mid_run,
 )
 
 from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE
@@ -192,7 +194,45 @@ def test_a_run_on_rays_tasks_ends_the_idle_warm_workers_holding_the_cpus(
     assert _names(warm) == []
 
 
-def test_ray_workers_refuses_a_keep_time_of_zero(run_cli) -> None:
-    res = run_cli("ray-workers", "--keep-s", "0")
+def test_ray_workers_refuses_a_keep_time_of_zero_and_a_cluster_of_its_own(run_cli) -> None:
+    res = run_cli("ray-workers", "--ray-address", "auto", "--keep-s", "0")
     assert res.returncode == 2, res.stderr
     assert "--keep-s" in res.stderr
+    res = run_cli("ray-workers", "--keep-s", "60")  # a local instance would end with the command
+    assert res.returncode == 2 and "--ray-address" in res.stderr, res.stderr
+
+
+def test_the_newest_keep_time_holds_for_workers_already_up(
+    warm: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
+    result = warm.wait(
+        _ray_run(warm, rows_input, str(tmp_path / "out"), sim, "--ray-keep-workers-s", "300"), 240
+    )
+    assert result.rc == 0, result.stderr[-3000:]
+    assert len(_workers(warm)) == 2
+    assert _ray_workers(warm, "--keep-s", "2").rc == 0
+    _wait_for(lambda: not _workers(warm), "the workers kept the first run's keep time", timeout_s=20)
+
+
+def test_a_node_that_joins_mid_run_gets_a_warm_worker(
+    warm: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    node_joins_mid_run(warm, rows_input, tmp_path, "--ray-keep-workers-s", "30")
+
+
+def test_a_run_on_rays_tasks_gets_the_cpus_warm_workers_free_mid_run(
+    warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """A warm run holds both CPUs; a run on Ray's tasks starts meanwhile: once the warm run ends, its
+    idle workers give the CPUs up (they would hold them for 300 s)."""
+    sim = warm.simulate(["--latency-ms", "20", "--slots", "16"])
+    busy = _ray_run(warm, rows_input, str(tmp_path / "warm"), sim, "--ray-keep-workers-s", "300",
+                    "--parallelism", "4")  # fmt: skip
+    _wait_for(lambda: len(warm.pids(BUSY)) == 2, "the warm run's workers never both ran a chunk")
+    plain = _ray_run(warm, rows_input, str(tmp_path / "plain"), sim)
+    assert warm.wait(busy, timeout=240).rc == 0
+    result = warm.wait(plain, timeout=120)
+    assert not result.running, "the run on Ray's tasks waited for the CPUs idle warm workers held"
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (tmp_path / "plain" / "rollouts.jsonl").read_bytes() == reference

@@ -163,11 +163,12 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
     spec = build_spec(args, extra, defaults)
-    if spec.runner != "local":
-        from rollflow.flows.engines import engine_problem
+    from rollflow.flows.engines import engine_notes, engine_problem
 
-        if problem := engine_problem(spec):
-            raise UsageError(problem)
+    if spec.runner != "local" and (problem := engine_problem(spec)):
+        raise UsageError(problem)
+    for note in engine_notes(spec):
+        print(f"rollflow: {note}", file=sys.stderr)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import command_api
     from rollflow.flows.cli.start import settle

@@ -16,7 +16,9 @@ def add_ray_workers_parser(sub: Any) -> None:
         "ray-workers",
         help="start warm Ray chunk workers, one per CPU of the cluster, for runs with --ray-keep-workers-s",
     )
-    p.add_argument("--ray-address", help="the Ray cluster (ray://head:10001 or auto; default a local one)")
+    p.add_argument(
+        "--ray-address", required=True, help="the lasting Ray cluster (auto, head:6379 or ray://head:10001)"
+    )
     p.add_argument(
         "--keep-s", type=float, required=True, help="each worker ends after this many seconds without a chunk"
     )

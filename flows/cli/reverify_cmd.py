@@ -130,11 +130,12 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 def cmd_reverify(args: argparse.Namespace) -> int:
     spec = build_reverify_spec(args)
-    if spec.runner != "local":
-        from rollflow.flows.engines import engine_problem
+    from rollflow.flows.engines import engine_notes, engine_problem
 
-        if problem := engine_problem(spec):
-            raise UsageError(problem)
+    if spec.runner != "local" and (problem := engine_problem(spec)):
+        raise UsageError(problem)
+    for note in engine_notes(spec):
+        print(f"rollflow: {note}", file=sys.stderr)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import command_api, using
     from rollflow.flows.reverify import ReverifyIncomplete, rollflow_reverify

@@ -47,6 +47,12 @@ class ChunkWorker:
                 self.since = time.monotonic()
 
     @ray.method(concurrency_group="control")
+    def keep(self, keep_s: float) -> float:
+        """The keep time of the run that found this worker (the newest run's holds), and `idle_s`."""
+        self.keep_s = keep_s
+        return self.idle_s()
+
+    @ray.method(concurrency_group="control")
     def idle_s(self) -> float:
         """Seconds since the last call ended, -1.0 while one runs."""
         with self.lock:
