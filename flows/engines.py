@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -96,6 +97,8 @@ def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -
     """`threads`: per worker of a local cluster (default: from a run's chunks in flight)."""
     from prefect_dask import DaskTaskRunner
 
+    quiet_dask()
+
     if spec.dask_address:
         return DaskTaskRunner(address=spec.dask_address)
     if spec.dask_cluster_class:
@@ -129,6 +132,17 @@ def ray_runner(spec: EngineSettings) -> Any:
     except ImportError:
         raise EngineUnavailable(RAY_MISSING) from None
     return RayTaskRunner(address=spec.ray_address, init_kwargs={"log_to_driver": False})
+
+
+def quiet_dask() -> None:
+    """Dask's INFO logs off in this process only (and only on Dask runs: importing Dask costs about 0.1
+    CPU-s): a variable would reach the workers a cluster class starts, and dask-jobqueue waits for a
+    worker's INFO line "Registered to:" to know it started."""
+    if "DASK_LOGGING__DISTRIBUTED" in os.environ:
+        return
+    import dask
+
+    dask.config.set({"logging.distributed": "warning"})
 
 
 @contextlib.contextmanager
@@ -229,18 +243,18 @@ def _ray_submit(fn: Callable[..., Any], name: str, *args: Any) -> Any:
 
 
 def _ray_result(future: Any) -> Any:
-    """The chunk's own error, not Ray's wrapper of it (whose text carries the worker's whole traceback)."""
+    """ray.get of a chunk call: a worker that died on every attempt is WorkerLost, a chunk's error its own."""
     import ray
     from ray.exceptions import NodeDiedError, OutOfMemoryError, RayTaskError, WorkerCrashedError
+
+    from rollflow.flows.ray_pool import chunk_error
 
     try:
         return ray.get(future)
     except (WorkerCrashedError, OutOfMemoryError, NodeDiedError) as exc:
         raise WorkerLost(f"the chunk's worker process died on each of Ray's attempts ({exc})") from None
     except RayTaskError as exc:
-        if isinstance(exc.cause, Exception):
-            raise exc.cause from None
-        raise
+        raise chunk_error(exc) from None
 
 
 def _ray_watch(future: Any, fn: Callable[[], None]) -> None:

@@ -55,6 +55,11 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
+def chunk_error(exc: RayTaskError) -> BaseException:
+    """The chunk's own error, not Ray's wrapper of it (whose text carries the worker's whole traceback)."""
+    return exc.cause if isinstance(exc.cause, Exception) else exc
+
+
 class Call(Future[Any]):
     """A chunk call: waiting here, then on a worker (`ref`), then ended with the call's value or error."""
 
@@ -289,8 +294,8 @@ class WarmWorkers:
             self._start(slot)  # a new worker under the same name
             self._dispatch()
             return
-        except RayTaskError as exc:  # the chunk's own error, not Ray's wrapper with the worker's traceback
-            call.set_exception(exc.cause if isinstance(exc.cause, Exception) else exc)
+        except RayTaskError as exc:
+            call.set_exception(chunk_error(exc))
         except Exception as exc:
             call.set_exception(exc)
         self.free.append(slot)

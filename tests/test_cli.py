@@ -62,3 +62,19 @@ def test_api_key_never_leaves_the_process(run_cli, fast_sim, prefect_server, tmp
     runs = urllib.request.urlopen(req).read()
     assert b'"collection"' in runs, "the flow runs and their RunSpec parameters must be on the server"
     assert secret.encode() not in runs
+
+
+def test_a_local_run_imports_no_remote_engine(run_cli, fast_sim, tmp_path: Path):
+    """Importing Dask costs a local run about 0.1 CPU-s, Dask's distributed 0.2 more, Ray 0.2."""
+    inp = write_rows(tmp_path / "rows.jsonl", 20)
+    res = run_cli(
+        "run", "--input", str(inp), "--output", str(tmp_path / "out"), "--backend-kind", "agent",
+        "--backend-url", fast_sim.url, "--parallelism", "4", "--no-progress",
+        env={"PYTHONPROFILEIMPORTTIME": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "rollflow.flows.pipeline" in imported, "the import log is read"
+    assert not imported & {"dask", "distributed", "ray", "prefect_dask", "prefect_ray"}, imported

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from rollflow.settings import RollflowSettings
+    from rollflow.settings.models import EngineSettings
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_ERROR = 0, 1, 2
 # Stopped by a signal, as shells report it (128 + the signal): Ctrl-C 130, SIGTERM 143.
@@ -148,19 +150,19 @@ def quiet_prefect(verbose: bool) -> None:
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "ERROR")
-        quiet_dask()
         # A run that ends unpublished is reported below in one paragraph, not as a flow traceback.
         os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "CRITICAL")
 
 
-def quiet_dask() -> None:
-    """Dask's INFO logs off in this process only: a variable would reach the workers a cluster class
-    starts, and dask-jobqueue waits for a worker's INFO line "Registered to:" to know it started."""
-    if "DASK_LOGGING__DISTRIBUTED" in os.environ:
-        return
-    import dask
+def check_engine(spec: EngineSettings) -> None:
+    """A remote runner that cannot start here is a usage error before anything runs; a flag the runner
+    ignores is said on stderr."""
+    from rollflow.flows.engines import engine_notes, engine_problem
 
-    dask.config.set({"logging.distributed": "warning"})
+    if spec.runner != "local" and (problem := engine_problem(spec)):
+        raise UsageError(problem)
+    for note in engine_notes(spec):
+        print(f"rollflow: {note}", file=sys.stderr)
 
 
 def _unparsable_json_settings() -> list[str]:

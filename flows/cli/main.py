@@ -19,6 +19,7 @@ from rollflow.flows.cli.errors import (
     EXIT_TERMINATED,
     Terminated,
     UsageError,
+    check_engine,
     load_settings,
     quiet_prefect,
     terminate_like_ctrl_c,
@@ -163,12 +164,7 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
     spec = build_spec(args, extra, defaults)
-    from rollflow.flows.engines import engine_notes, engine_problem
-
-    if spec.runner != "local" and (problem := engine_problem(spec)):
-        raise UsageError(problem)
-    for note in engine_notes(spec):
-        print(f"rollflow: {note}", file=sys.stderr)
+    check_engine(spec)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import command_api
     from rollflow.flows.cli.start import settle

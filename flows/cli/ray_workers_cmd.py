@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rollflow.flows.cli.errors import EXIT_INCOMPLETE, EXIT_OK, UsageError
+from rollflow.flows.cli.errors import EXIT_INCOMPLETE, EXIT_OK, UsageError, check_engine
 
 START_TIMEOUT_S = 120.0
 
@@ -30,7 +30,7 @@ def add_ray_workers_parser(sub: Any) -> None:
 def cmd_ray_workers(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from rollflow.flows.engines import engine_problem, start_warm_workers
+    from rollflow.flows.engines import start_warm_workers
     from rollflow.settings.models import EngineSettings
 
     try:
@@ -39,8 +39,7 @@ def cmd_ray_workers(args: argparse.Namespace) -> int:
         raise UsageError(f"--keep-s: {exc.errors()[0]['msg']}") from None
     if spec.ray_keep_workers_s <= 0 or args.start_timeout_s <= 0:
         raise UsageError("--keep-s and --start-timeout-s must be above 0")
-    if problem := engine_problem(spec):
-        raise UsageError(problem)
+    check_engine(spec)
     up, count = start_warm_workers(spec, args.start_timeout_s)
     print(
         f"{up} of {count} warm Ray chunk workers up (one per CPU of the cluster); each ends after "

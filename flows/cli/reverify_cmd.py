@@ -15,6 +15,7 @@ from rollflow.flows.cli.errors import (
     EXIT_INCOMPLETE,
     EXIT_OK,
     UsageError,
+    check_engine,
     known_errors_quiet,
     load_settings,
     print_error,
@@ -130,12 +131,7 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 def cmd_reverify(args: argparse.Namespace) -> int:
     spec = build_reverify_spec(args)
-    from rollflow.flows.engines import engine_notes, engine_problem
-
-    if spec.runner != "local" and (problem := engine_problem(spec)):
-        raise UsageError(problem)
-    for note in engine_notes(spec):
-        print(f"rollflow: {note}", file=sys.stderr)
+    check_engine(spec)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import command_api, using
     from rollflow.flows.reverify import ReverifyIncomplete, rollflow_reverify
