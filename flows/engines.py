@@ -95,9 +95,8 @@ def engine_problem(spec: EngineSettings) -> str | None:
 
 def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -> Any:
     """`threads`: per worker of a local cluster (default: from a run's chunks in flight)."""
+    quiet_dask()  # before Dask's distributed loads: it sets its loggers' levels as it imports
     from prefect_dask import DaskTaskRunner
-
-    quiet_dask()
 
     if spec.dask_address:
         return DaskTaskRunner(address=spec.dask_address)

@@ -215,3 +215,27 @@ def test_a_cluster_class_that_does_not_load_is_a_usage_error(run_cli, slow_sim, 
     assert res.returncode == 2
     assert "--dask-cluster-class 'dask_jobqueue.NoSuchCluster' cannot be loaded" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_local_cluster_run_shows_no_dask_info_logs(run_cli, fast_sim, rows_input, tmp_path):
+    """Dask's INFO lines (scheduler and nanny start, ~40 of them) would bury the run's own output; a user
+    who wants them sets DASK_LOGGING__DISTRIBUTED."""
+    out = tmp_path / "out"
+    args = [
+        *run_args(rows_input, str(out), fast_sim),
+        "--runner",
+        "dask",
+        "--dask-workers",
+        "1",
+        "--limit",
+        "40",
+    ]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| INFO    | distributed." not in res.stderr and "distributed.scheduler" not in res.stderr, (
+        res.stderr
+    )
+    loud = run_cli(*[a if a != str(out) else str(tmp_path / "loud") for a in args],
+                   env={"DASK_LOGGING__DISTRIBUTED": "info"})  # fmt: skip
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert "distributed.scheduler" in loud.stderr, loud.stderr[-3000:]

@@ -194,12 +194,16 @@ def test_a_run_on_rays_tasks_ends_the_idle_warm_workers_holding_the_cpus(
     assert _names(warm) == []
 
 
-def test_ray_workers_refuses_a_keep_time_of_zero_and_a_cluster_of_its_own(run_cli) -> None:
+def test_ray_workers_refuses_a_keep_time_of_zero_a_bad_timeout_and_a_cluster_of_its_own(run_cli) -> None:
     res = run_cli("ray-workers", "--ray-address", "auto", "--keep-s", "0")
     assert res.returncode == 2, res.stderr
     assert "--keep-s" in res.stderr
     res = run_cli("ray-workers", "--keep-s", "60")  # a local instance would end with the command
     assert res.returncode == 2 and "--ray-address" in res.stderr, res.stderr
+    res = run_cli("ray-workers", "--ray-address", " ", "--keep-s", "60")  # Ray would start a local instance
+    assert res.returncode == 2 and "--ray-address" in res.stderr, res.stderr
+    res = run_cli("ray-workers", "--ray-address", "auto", "--keep-s", "60", "--start-timeout-s", "nan")
+    assert res.returncode == 2 and "--start-timeout-s" in res.stderr, res.stderr
 
 
 def test_the_newest_keep_time_holds_for_workers_already_up(

@@ -4,6 +4,7 @@ processes are started before a Dask run; runs with `--ray-keep-workers-s` then f
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from rollflow.flows.cli.errors import EXIT_INCOMPLETE, EXIT_OK, UsageError, check_engine
@@ -37,8 +38,10 @@ def cmd_ray_workers(args: argparse.Namespace) -> int:
         spec = EngineSettings(runner="ray", ray_address=args.ray_address, ray_keep_workers_s=args.keep_s)
     except ValidationError as exc:
         raise UsageError(f"--keep-s: {exc.errors()[0]['msg']}") from None
-    if spec.ray_keep_workers_s <= 0 or args.start_timeout_s <= 0:
-        raise UsageError("--keep-s and --start-timeout-s must be above 0")
+    if not spec.ray_address or not spec.ray_address.strip():
+        raise UsageError("--ray-address: give the cluster's address (host:port of its head, or ray://...)")
+    if not spec.ray_keep_workers_s > 0 or not 0 < args.start_timeout_s < math.inf:
+        raise UsageError("--keep-s and --start-timeout-s must be numbers above 0")
     check_engine(spec)
     up, count = start_warm_workers(spec, args.start_timeout_s)
     print(
