@@ -12,6 +12,7 @@ import functools
 import importlib
 import os
 import secrets
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 PRELOAD = "rollflow.tasks.wrappers.preload"
 PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
 LOCAL_WORKERS_START_S = 120.0
+HEAD_PROBE_S = 5.0  # how long the address of a Ray cluster's head may take to accept a connection
 RAY_MISSING = (
     "--runner ray needs Ray and prefect-ray, which are not installed: pip install 'rollflow[ray]' "
     "(on the machine that runs the flow and on every Ray node)"
@@ -86,10 +88,30 @@ def engine_problem(spec: EngineSettings) -> str | None:
     try:
         if spec.runner == "ray":
             ray_runner(spec)
+            if problem := ray_head_unreachable(spec.ray_address):
+                return problem
         elif spec.runner == "dask" and spec.dask_cluster_class:
             cluster_class(spec.dask_cluster_class)
     except EngineUnavailable as exc:
         return str(exc)
+    return None
+
+
+def ray_head_unreachable(address: str | None, timeout_s: float = HEAD_PROBE_S) -> str | None:
+    """Why nothing answers at a Ray cluster's address (host:port or ray://host:port), or None: Ray
+    itself retries a dead address for ever, and its connect cannot be interrupted."""
+    if not address or ("://" in address and not address.startswith("ray://")):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None  # auto, local, or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return (
+            f"--ray-address {address}: nothing answers there ({exc.strerror or exc}). Start the cluster "
+            "(`ray start --head`) or give its head's address: host:port, ray://host:10001 or auto."
+        )
     return None
 
 

@@ -187,6 +187,30 @@ def test_ray_without_the_extra_says_how_to_install_it(run_cli, fast_sim, rows_in
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_ray_at_an_address_where_nothing_answers_is_a_usage_error(
+    run_cli, fast_sim, rows_input, tmp_path, scheme
+) -> None:
+    """Ray retries a dead address for ever (a run hung past SIGTERM): the address is tried first."""
+    from rollflow.infra.local import free_port
+
+    address = f"{scheme}127.0.0.1:{free_port()}"
+    args = [
+        *run_args(rows_input, str(tmp_path / "out"), fast_sim),
+        "--runner",
+        "ray",
+        "--ray-address",
+        address,
+    ]
+    started = time.monotonic()
+    res = run_cli(*args, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"--ray-address {address}: nothing answers there" in res.stderr, res.stderr[-3000:]
+    assert time.monotonic() - started < 60 and not (tmp_path / "out").exists()
+    res = run_cli("ray-workers", "--ray-address", address, "--keep-s", "60", timeout=120)
+    assert res.returncode == 2 and "nothing answers there" in res.stderr, res.stderr[-3000:]
+
+
 RESET = "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/stats/reset', method='POST'), timeout=10).read()"  # noqa: E501
 
 
