@@ -20,6 +20,7 @@ from cli_runs import ROWS, run_args
 from fixtures_netns import RayWorld, RunResult
 from test_reverify import REPEATS, TASKS, collect_args, rows, tree_digest, write_rows
 
+from rollflow.infra.local import free_port
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 from rollflow.tasks.scaleout.channels import PREFIX, RAY_NAMESPACE
 
@@ -192,8 +193,6 @@ def test_ray_at_an_address_where_nothing_answers_is_a_usage_error(
     run_cli, fast_sim, rows_input, tmp_path, scheme
 ) -> None:
     """Ray retries a dead address for ever (a run hung past SIGTERM): the address is tried first."""
-    from rollflow.infra.local import free_port
-
     address = f"{scheme}127.0.0.1:{free_port()}"
     args = [
         *run_args(rows_input, str(tmp_path / "out"), fast_sim),
