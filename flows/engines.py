@@ -71,16 +71,29 @@ def cluster_class(path: str) -> type:
         ) from None
 
 
+RUNNER_FIELDS = {
+    "dask": ("dask_address", "dask_workers", "dask_cluster_class", "dask_cluster_kwargs", "dask_adapt_min",
+             "dask_adapt_max"),
+    "ray": ("ray_address", "ray_keep_workers_s"),
+}  # fmt: skip
+
+
 def engine_notes(spec: EngineSettings) -> list[str]:
-    """What a run's engine flags will not do (said before it starts; the run goes on)."""
-    if not spec.ray_keep_workers_s:
-        return []
-    if spec.runner != "ray":
-        return [f"--ray-keep-workers-s applies to --runner ray; --runner {spec.runner} ignores it"]
-    if not spec.ray_address:
-        return ["--ray-keep-workers-s keeps nothing on the local Ray instance this run starts and stops; "
-                "give --ray-address of a lasting cluster"]  # fmt: skip
-    return []
+    """What a run's engine flags will not do (said before it starts; the run goes on): another runner's
+    flags set away from their defaults, and warm Ray workers on a Ray instance that ends with the run."""
+    notes = [
+        f"--{name.replace('_', '-')} applies to --runner {runner}; --runner {spec.runner} ignores it"
+        for runner, names in RUNNER_FIELDS.items()
+        if runner != spec.runner
+        for name in names
+        if getattr(spec, name) != EngineSettings.model_fields[name].get_default(call_default_factory=True)
+    ]
+    if spec.runner == "ray" and spec.ray_keep_workers_s and not spec.ray_address:
+        notes.append(
+            "--ray-keep-workers-s keeps nothing on the local Ray instance this run starts and stops; "
+            "give --ray-address of a lasting cluster"
+        )
+    return notes
 
 
 def engine_problem(spec: EngineSettings) -> str | None:
@@ -98,18 +111,36 @@ def engine_problem(spec: EngineSettings) -> str | None:
 
 
 def ray_head_unreachable(address: str | None, timeout_s: float = HEAD_PROBE_S) -> str | None:
-    """Why nothing answers at a Ray cluster's address (host:port or ray://host:port), or None: Ray
-    itself retries a dead address for ever, and its connect cannot be interrupted."""
+    """Why no Ray cluster answers at `address` (host:port, ray://host:port, or auto: RAY_ADDRESS, else the
+    cluster `ray start` left on this machine), or None. Ray itself waits for ever on a dead address, and
+    prefect-ray starts a throwaway local instance for auto."""
+    given = address
+    if address == "auto":
+        import ray  # its private modules expect the package loaded
+
+        try:
+            address = ray._private.services.canonicalize_bootstrap_address("auto")
+        except (ConnectionError, ValueError) as exc:
+            address, reason = None, f"{exc}".rstrip(".")
+        else:
+            reason = "no RAY_ADDRESS, and no cluster started here"
+        if address is None:
+            return (
+                f"--ray-address auto: no running Ray cluster to join ({reason}). Start one here "
+                "(`ray start --head`), set RAY_ADDRESS, or give its head's address: host:port or "
+                "ray://host:10001."
+            )
     if not address or ("://" in address and not address.startswith("ray://")):
         return None
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        return None  # auto, local, or a form Ray resolves itself
+        return None  # local, or a form Ray resolves itself
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
+        found = f" (found at {address})" if given != address else ""
         return (
-            f"--ray-address {address}: nothing answers there ({exc.strerror or exc}). Start the cluster "
+            f"--ray-address {given}{found}: nothing answers there ({exc.strerror or exc}). Start the cluster "
             "(`ray start --head`) or give its head's address: host:port, ray://host:10001 or auto."
         )
     return None
@@ -152,7 +183,10 @@ def ray_runner(spec: EngineSettings) -> Any:
         from prefect_ray import RayTaskRunner
     except ImportError:
         raise EngineUnavailable(RAY_MISSING) from None
-    return RayTaskRunner(address=spec.ray_address, init_kwargs={"log_to_driver": False})
+    init = {"log_to_driver": False}
+    if spec.ray_address == "auto":  # prefect-ray starts a local instance for "auto"; Ray's own joins one
+        return RayTaskRunner(address=None, init_kwargs={**init, "address": "auto"})
+    return RayTaskRunner(address=spec.ray_address, init_kwargs=init)
 
 
 def quiet_dask() -> None:

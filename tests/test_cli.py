@@ -64,15 +64,24 @@ def test_api_key_never_leaves_the_process(run_cli, fast_sim, prefect_server, tmp
     assert secret.encode() not in runs
 
 
-def test_a_local_run_imports_no_remote_engine(run_cli, fast_sim, tmp_path: Path):
-    """Importing Dask costs a local run about 0.1 CPU-s, Dask's distributed 0.2 more, Ray 0.2."""
+def test_a_local_run_imports_no_remote_engine_and_names_the_engine_flags_it_ignores(
+    run_cli, fast_sim, tmp_path: Path
+):
+    """Importing Dask costs a local run about 0.1 CPU-s, Dask's distributed 0.2 more, Ray 0.2. Another
+    runner's flags are said to be ignored (a user who forgot `--runner ray` learns it before the run)."""
     inp = write_rows(tmp_path / "rows.jsonl", 20)
     res = run_cli(
         "run", "--input", str(inp), "--output", str(tmp_path / "out"), "--backend-kind", "agent",
-        "--backend-url", fast_sim.url, "--parallelism", "4", "--no-progress",
+        "--backend-url", fast_sim.url, "--parallelism", "4", "--no-progress", "--ray-address", "auto",
+        "--dask-adapt-max", "4",
         env={"PYTHONPROFILEIMPORTTIME": "1"},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
+    notes = [line for line in res.stderr.splitlines() if line.startswith("rollflow: --")]
+    assert notes == [
+        "rollflow: --dask-adapt-max applies to --runner dask; --runner local ignores it",
+        "rollflow: --ray-address applies to --runner ray; --runner local ignores it",
+    ], res.stderr[-3000:]
     imported = {
         line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")
     }

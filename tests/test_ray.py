@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_runs import ROWS, run_args
-from fixtures_netns import RayWorld, RunResult
+from fixtures_netns import UNSHARE, RayWorld, RunResult, unshare_permitted
 from test_reverify import REPEATS, TASKS, collect_args, rows, tree_digest, write_rows
 
 from rollflow.infra.local import free_port
@@ -208,6 +209,42 @@ def test_ray_at_an_address_where_nothing_answers_is_a_usage_error(
     assert time.monotonic() - started < 60 and not (tmp_path / "out").exists()
     res = run_cli("ray-workers", "--ray-address", address, "--keep-s", "60", timeout=120)
     assert res.returncode == 2 and "nothing answers there" in res.stderr, res.stderr[-3000:]
+
+
+def test_ray_address_auto_with_no_cluster_to_join_is_a_usage_error(
+    cli_env: dict[str, str], rows_input: Path, tmp_path: Path
+) -> None:
+    """`auto` joins a running cluster (RAY_ADDRESS, else the last `ray start` on this machine): with none,
+    prefect-ray started a throwaway local instance (`ray-workers` said "2 of 2 up" for workers that ended
+    with it); with a stale address left by a cluster that is gone, Ray waited for ever. Both exit 2 first.
+    In a namespace of its own, so no other test's Ray processes are found."""
+    if reason := unshare_permitted():
+        pytest.skip(reason)
+    ray_tmp = tmp_path / "ray-tmp"
+    env = {k: v for k, v in cli_env.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+    dead = SimpleNamespace(url="http://127.0.0.1:9")
+    run = [ROLLFLOW, *run_args(rows_input, str(tmp_path / "out"), dead), "--runner", "ray"]
+    workers = [ROLLFLOW, "ray-workers", "--keep-s", "60"]
+
+    def in_namespace(*args: str) -> subprocess.CompletedProcess[str]:
+        script = 'ip link set lo up && exec "$@"'
+        cmd = [*UNSHARE, "sh", "-c", script, "sh", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    for args in ([*run, "--ray-address", "auto"], [*workers, "--ray-address", "auto"]):
+        res = in_namespace(*args)
+        assert res.returncode == 2, res.stdout + res.stderr[-3000:]
+        assert "--ray-address auto: no running Ray cluster to join" in res.stderr, res.stderr[-3000:]
+        assert "warm Ray chunk workers up" not in res.stdout
+    (ray_tmp / "ray").mkdir(parents=True)
+    stale = f"127.0.0.1:{free_port()}"
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(stale)
+    started = time.monotonic()
+    for args in ([*run, "--ray-address", "auto"], [*workers, "--ray-address", "auto"]):
+        res = in_namespace(*args)
+        assert res.returncode == 2, res.stdout + res.stderr[-3000:]
+        assert f"--ray-address auto (found at {stale}): nothing answers there" in res.stderr, res.stderr
+    assert time.monotonic() - started < 90 and not (tmp_path / "out").exists()
 
 
 RESET = "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/stats/reset', method='POST'), timeout=10).read()"  # noqa: E501
