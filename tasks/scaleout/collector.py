@@ -237,7 +237,7 @@ class RunSlot:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop where it is installed (not on Windows): the collector thread is most of a worker's CPU,
-    and it costs about an eighth less on uvloop (README, "Scale-out speed")."""
+    and it costs about an eighth less on uvloop (README, "Many machines: Dask and Ray")."""
     try:
         import uvloop
     except ImportError:
