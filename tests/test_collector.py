@@ -250,14 +250,3 @@ def test_a_board_gone_for_good_drops_a_running_chunks_share_after_the_lease(
     assert link.exchanges >= 2 and slot.ctx.limit.limit == 0, "the orphaned chunk kept its share"
     collector.loop.call_soon_threadsafe(slot.end, 0)
 
-
-def test_the_worker_collector_runs_on_uvloop() -> None:
-    """uvloop is a dependency (off Windows): a worker's collector thread, most of its CPU, costs about an
-    eighth less per rollout on it (README, "Many machines: Dask and Ray")."""
-    import uvloop
-
-    collector = WorkerCollector.get()
-    assert isinstance(collector.loop, uvloop.Loop)
-    assert collector.thread.is_alive()
-    done = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, result="ran"), collector.loop)
-    assert done.result(timeout=10) == "ran"

@@ -235,16 +235,6 @@ class RunSlot:
             self.ctx.pool.follow(url, state, seq)
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where it is installed (not on Windows): the collector thread is most of a worker's CPU,
-    and it costs about an eighth less on uvloop (README, "Many machines: Dask and Ray")."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class WorkerCollector:
     """The process-wide collector: a daemon thread runs its event loop; runs are keyed by output and owner."""
 
@@ -253,7 +243,7 @@ class WorkerCollector:
 
     def __init__(self) -> None:
         self.worker = worker_id()
-        self.loop = new_event_loop()
+        self.loop = asyncio.new_event_loop()
         self.slots: dict[str, RunSlot] = {}
         self.carried: dict[str, tuple[int, int, int, int, float]] = {}  # figures of runs' closed slots
         self._opening: dict[str, asyncio.Future[RunSlot]] = {}
