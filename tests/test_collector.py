@@ -249,4 +249,3 @@ def test_a_board_gone_for_good_drops_a_running_chunks_share_after_the_lease(
         time.sleep(0.02)
     assert link.exchanges >= 2 and slot.ctx.limit.limit == 0, "the orphaned chunk kept its share"
     collector.loop.call_soon_threadsafe(slot.end, 0)
-
