@@ -78,17 +78,36 @@ RUNNER_FIELDS = {
 }  # fmt: skip
 
 
+def ray_target(spec: EngineSettings) -> str | None:
+    """The address a Ray run joins: `--ray-address`, else RAY_ADDRESS (which `ray.init` reads too), else
+    None: a local instance of its own."""
+    return spec.ray_address or os.environ.get("RAY_ADDRESS", "").strip() or None
+
+
+def engine_fields_set(spec: EngineSettings) -> list[str]:
+    """The engine settings (`runner` included) set away from their defaults."""
+    return [
+        name
+        for name in EngineSettings.model_fields
+        if getattr(spec, name) != EngineSettings.model_fields[name].get_default(call_default_factory=True)
+    ]
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
 def engine_notes(spec: EngineSettings) -> list[str]:
     """What a run's engine flags will not do (said before it starts; the run goes on): another runner's
     flags set away from their defaults, and warm Ray workers on a Ray instance that ends with the run."""
     notes = [
-        f"--{name.replace('_', '-')} applies to --runner {runner}; --runner {spec.runner} ignores it"
+        f"--{flag(name)} applies to --runner {runner}; --runner {spec.runner} ignores it"
         for runner, names in RUNNER_FIELDS.items()
         if runner != spec.runner
         for name in names
-        if getattr(spec, name) != EngineSettings.model_fields[name].get_default(call_default_factory=True)
+        if name in engine_fields_set(spec)
     ]
-    if spec.runner == "ray" and spec.ray_keep_workers_s and not spec.ray_address:
+    if spec.runner == "ray" and spec.ray_keep_workers_s and ray_target(spec) in (None, "local"):
         notes.append(
             "--ray-keep-workers-s keeps nothing on the local Ray instance this run starts and stops; "
             "give --ray-address of a lasting cluster"
@@ -101,7 +120,8 @@ def engine_problem(spec: EngineSettings) -> str | None:
     try:
         if spec.runner == "ray":
             ray_runner(spec)
-            if problem := ray_head_unreachable(spec.ray_address):
+            label = "--ray-address" if spec.ray_address else "RAY_ADDRESS"
+            if problem := ray_head_unreachable(ray_target(spec), label=label):
                 return problem
         elif spec.runner == "dask" and spec.dask_cluster_class:
             cluster_class(spec.dask_cluster_class)
@@ -110,40 +130,52 @@ def engine_problem(spec: EngineSettings) -> str | None:
     return None
 
 
-def ray_head_unreachable(address: str | None, timeout_s: float = HEAD_PROBE_S) -> str | None:
+def ray_head_unreachable(
+    address: str | None, timeout_s: float = HEAD_PROBE_S, label: str = "--ray-address"
+) -> str | None:
     """Why no Ray cluster answers at `address` (host:port, ray://host:port, or auto: RAY_ADDRESS, else the
-    cluster `ray start` left on this machine), or None. Ray itself waits for ever on a dead address, and
-    prefect-ray starts a throwaway local instance for auto."""
+    cluster `ray start` recorded on this machine), or None (also for None and local: a local instance).
+    Ray itself waits for ever on a dead address; prefect-ray starts a throwaway local instance for auto."""
     given = address
     if address == "auto":
-        import ray  # its private modules expect the package loaded
-
-        try:
-            address = ray._private.services.canonicalize_bootstrap_address("auto")
-        except (ConnectionError, ValueError) as exc:
-            address, reason = None, f"{exc}".rstrip(".")
-        else:
-            reason = "no RAY_ADDRESS, and no cluster started here"
+        address = os.environ.get("RAY_ADDRESS", "").strip() or _recorded_ray_address()
         if address is None:
             return (
-                f"--ray-address auto: no running Ray cluster to join ({reason}). Start one here "
-                "(`ray start --head`), set RAY_ADDRESS, or give its head's address: host:port or "
-                "ray://host:10001."
+                f"{label} auto: no running Ray cluster to join (no RAY_ADDRESS, and no cluster started on "
+                "this machine). Start one here (`ray start --head`), set RAY_ADDRESS, or give its head's "
+                "address: host:port or ray://host:10001."
             )
-    if not address or ("://" in address and not address.startswith("ray://")):
+    if (
+        address is None
+        or address in ("local", "auto")
+        or ("://" in address and not address.startswith("ray://"))
+    ):
         return None
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    found = f" (found at {address})" if given != address else ""
     if not host or not port.isdigit():
-        return None  # local, or a form Ray resolves itself
+        return (
+            f"{label} {given}{found}: not a Ray cluster's address; give its head's host:port, "
+            "ray://host:10001, auto or local."
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        found = f" (found at {address})" if given != address else ""
         return (
-            f"--ray-address {given}{found}: nothing answers there ({exc.strerror or exc}). Start the cluster "
+            f"{label} {given}{found}: nothing answers there ({exc.strerror or exc}). Start the cluster "
             "(`ray start --head`) or give its head's address: host:port, ray://host:10001 or auto."
         )
     return None
+
+
+def _recorded_ray_address() -> str | None:
+    """The cluster `ray start` recorded on this machine (or one running here), as Ray's `auto` finds it."""
+    import ray  # its private modules expect the package loaded
+
+    try:
+        return ray._private.services.get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        return None
 
 
 def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -> Any:
@@ -277,7 +309,7 @@ def _ray_calls(spec: EngineSettings) -> Iterator[tuple[Callable[..., Any], ...]]
     """submit, result, watch, cancel, slots: on Ray tasks, or on warm chunk workers kept between runs."""
     from rollflow.flows.ray_pool import IdleSweep, WarmWorkers
 
-    if not spec.ray_keep_workers_s or not spec.ray_address:
+    if not spec.ray_keep_workers_s or ray_target(spec) in (None, "local"):
         with IdleSweep():  # warm workers idle meanwhile would hold the CPUs these tasks need
             yield _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
         return

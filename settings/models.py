@@ -307,6 +307,15 @@ class EngineSettings(Settings):
         "chunk, one per CPU, so the next run skips their start (0: Ray starts them for each run)",
     )
 
+    @field_validator("ray_address")
+    @classmethod
+    def _ray_address_words(cls, value: str | None) -> str | None:
+        """`AUTO` and ` auto` mean what `auto` does (Ray's own check would reject them mid-run)."""
+        if value is None:
+            return None
+        value = value.strip()
+        return value.lower() if value.lower() in ("auto", "local") else value
+
 
 class PipelineSettings(EngineSettings):
     """Where the run reads and writes, and what it may do to existing output."""

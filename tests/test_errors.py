@@ -79,6 +79,16 @@ def test_tuning_user_error_is_one_paragraph(run_cli, fast_sim, tmp_path):
     assert "Traceback" not in res.stderr and res.stderr.count("too few rows") == 1, res.stderr
 
 
+def test_tuning_names_the_engine_flags_it_ignores(run_cli, fast_sim, tmp_path):
+    """diagnose and tune probe from the command's own process: --runner and its flags do nothing there."""
+    inp = write_rows(tmp_path / "rows.jsonl", 60)
+    args = args_for(inp, tmp_path / "out", fast_sim.url, "--runner", "ray", "--ray-address", "auto")[1:]
+    res = run_cli("diagnose", *args)
+    assert res.returncode == 2 and "too few rows left to diagnose" in res.stderr, res.stderr[-3000:]
+    note = "rollflow: diagnose probes the backend from this process; it ignores --runner, --ray-address"
+    assert res.stderr.count(note) == 1, res.stderr[-3000:]
+
+
 def test_unexpected_error_keeps_its_traceback(run_cli, fast_sim, tmp_path):
     """A bug (here in the user's verifier module, at import) is not a known error: its traceback shows."""
     (tmp_path / "buggy_rewards.py").write_text("raise RuntimeError('bug in buggy_rewards')\n")

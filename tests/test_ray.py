@@ -226,16 +226,24 @@ def test_ray_address_auto_with_no_cluster_to_join_is_a_usage_error(
     run = [ROLLFLOW, *run_args(rows_input, str(tmp_path / "out"), dead), "--runner", "ray"]
     workers = [ROLLFLOW, "ray-workers", "--keep-s", "60"]
 
-    def in_namespace(*args: str) -> subprocess.CompletedProcess[str]:
+    def in_namespace(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         script = 'ip link set lo up && exec "$@"'
         cmd = [*UNSHARE, "sh", "-c", script, "sh", *args]
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(cmd, env=env | extra, capture_output=True, text=True, timeout=120)
 
-    for args in ([*run, "--ray-address", "auto"], [*workers, "--ray-address", "auto"]):
+    for args in ([*run, "--ray-address", " AUTO"], [*workers, "--ray-address", "auto"]):
         res = in_namespace(*args)
         assert res.returncode == 2, res.stdout + res.stderr[-3000:]
         assert "--ray-address auto: no running Ray cluster to join" in res.stderr, res.stderr[-3000:]
         assert "warm Ray chunk workers up" not in res.stdout
+    dead = f"127.0.0.1:{free_port()}"
+    for args, address, said in (
+        (run, f"ray://{dead}", f"RAY_ADDRESS ray://{dead}: nothing answers there"),  # ray.init reads it
+        ([*run, "--ray-address", "auto"], f"ray://{dead}", f"auto (found at ray://{dead}): nothing answers"),
+        ([*run, "--ray-address", "head-without-port"], "", "not a Ray cluster's address"),
+    ):
+        res = in_namespace(*args, RAY_ADDRESS=address)
+        assert res.returncode == 2 and said in res.stderr, res.stdout + res.stderr[-3000:]
     (ray_tmp / "ray").mkdir(parents=True)
     stale = f"127.0.0.1:{free_port()}"
     (ray_tmp / "ray" / "ray_current_cluster").write_text(stale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -78,7 +79,15 @@ def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
     from rollflow.flows.cli.prefect_api import command_api, using
 
     api = command_api(args.started_at)
+    from rollflow.flows.engines import engine_fields_set, flag
     from rollflow.flows.tuning import rollflow_diagnose, rollflow_tune
+
+    if ignored := engine_fields_set(spec):
+        flags = ", ".join(f"--{flag(name)}" for name in ignored)
+        print(
+            f"rollflow: {args.command} probes the backend from this process; it ignores {flags}",
+            file=sys.stderr,
+        )
 
     console = Console(stderr=True)
     flow_fn = rollflow_tune if tune_too else rollflow_diagnose
