@@ -120,14 +120,19 @@ def engine_problem(spec: EngineSettings) -> str | None:
     try:
         if spec.runner == "ray":
             ray_runner(spec)
-            label = "--ray-address" if spec.ray_address else "RAY_ADDRESS"
-            if problem := ray_head_unreachable(ray_target(spec), label=label):
+            if problem := ray_unreachable(spec):
                 return problem
         elif spec.runner == "dask" and spec.dask_cluster_class:
             cluster_class(spec.dask_cluster_class)
     except EngineUnavailable as exc:
         return str(exc)
     return None
+
+
+def ray_unreachable(spec: EngineSettings) -> str | None:
+    """Why the Ray cluster a run would join does not answer, or None (a local instance, or it answers)."""
+    label = "--ray-address" if spec.ray_address else "RAY_ADDRESS"
+    return ray_head_unreachable(ray_target(spec), label=label)
 
 
 def ray_head_unreachable(
@@ -239,6 +244,8 @@ def open_engine(
     """The engine for `spec.runner`, entered; its share book channel (unless `book` is False) is closed
     on the way out. `threads`: see dask_runner."""
     if spec.runner == "ray":
+        if problem := ray_unreachable(spec):  # a run from a deployment was never checked by the CLI
+            raise EngineUnavailable(problem)
         with ray_runner(spec) as runner, _ray_calls(spec) as calls:
             name = f"rollflow-shares-{key}"
             channel = RayChannel.start(name) if book else None

@@ -211,6 +211,20 @@ def test_ray_at_an_address_where_nothing_answers_is_a_usage_error(
     assert res.returncode == 2 and "nothing answers there" in res.stderr, res.stderr[-3000:]
 
 
+def test_a_flow_run_not_started_by_the_cli_fails_at_once_where_nothing_answers() -> None:
+    """A deployment's run (`rollflow serve`, the UI) never passes the CLI's check: the engine checks too,
+    before Ray's connect, which would wait for ever."""
+    from rollflow.flows.engines import EngineUnavailable, open_engine
+    from rollflow.settings.models import EngineSettings
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    engine = open_engine(EngineSettings(runner="ray", ray_address=address), "k", 1)
+    with pytest.raises(EngineUnavailable, match=f"--ray-address {address}: nothing answers there"), engine:
+        pass
+    assert time.monotonic() - started < 30
+
+
 def test_ray_address_auto_with_no_cluster_to_join_is_a_usage_error(
     cli_env: dict[str, str], rows_input: Path, tmp_path: Path
 ) -> None:
