@@ -100,12 +100,13 @@ def flag(name: str) -> str:
 def engine_notes(spec: EngineSettings) -> list[str]:
     """What a run's engine flags will not do (said before it starts; the run goes on): another runner's
     flags set away from their defaults, and warm Ray workers on a Ray instance that ends with the run."""
+    set_here = engine_fields_set(spec)
     notes = [
         f"--{flag(name)} applies to --runner {runner}; --runner {spec.runner} ignores it"
         for runner, names in RUNNER_FIELDS.items()
         if runner != spec.runner
         for name in names
-        if name in engine_fields_set(spec)
+        if name in set_here
     ]
     if spec.runner == "ray" and spec.ray_keep_workers_s and ray_target(spec) in (None, "local"):
         notes.append(
