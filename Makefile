@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/end_to_end.py
 	$(PY) bench/verify.py
 	$(PY) bench/scale_out.py
+	$(PY) bench/split_floor.py
 	$(PY) bench/reverify.py
 
 clean:

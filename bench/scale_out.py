@@ -45,6 +45,7 @@ import psutil
 from cpumeter import CpuMeter
 from harness import spawn_prefect_server, spawn_simulator, write_input
 from pyspy import Profiler, summary
+from timeline import Timeline
 
 from rollflow.infra.local import free_port
 
@@ -52,6 +53,8 @@ ROLLOUTS = int(os.environ.get("ROLLFLOW_BENCH_ROLLOUTS", "12000"))
 PARALLELISM, SLOTS, LATENCY_MS = 32, 32, 50.0
 PROFILE = os.environ.get("ROLLFLOW_BENCH_PROFILE")  # a folder: py-spy profiles of every run go there
 PROCESSES = os.environ.get("ROLLFLOW_BENCH_PROCESSES") == "1"  # each engine process's CPU, after each run
+TIMELINE = os.environ.get("ROLLFLOW_BENCH_TIMELINE") == "1"  # the backend's in-flight count over each run
+SIMULATOR: list[str] = []  # the simulator's URL, once started
 CHUNK_SIZE = os.environ.get("ROLLFLOW_BENCH_CHUNK_SIZE", "auto")  # --chunk-size of every run
 CAPACITY = SLOTS / (LATENCY_MS / 1000)
 RAY_KEEP_S = 600  # --ray-keep-workers-s of the last two Ray runs: the second finds the first's workers
@@ -173,14 +176,18 @@ def ray_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Proce
 def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     tag = name.split(",")[0] + ("-again" if "second" in name else "")
-    with CpuMeter(engine_kind) as meter, profiled(tag):
+    timeline = Timeline(SIMULATOR[0], PARALLELISM - 2) if TIMELINE else contextlib.nullcontext()
+    with CpuMeter(engine_kind) as meter, profiled(tag), timeline:
         proc = subprocess.run([ROLLFLOW, *args], env=env, capture_output=True, text=True, timeout=900)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)  # before py-spy's own CPU joins it
+    if isinstance(timeline, Timeline):
+        print(f"\n{name}: backend {timeline.line()}")
     if proc.returncode:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     report = json.loads((out / "report.json").read_text())
     if PROCESSES:
-        print(f"\n{name}: CPU seconds of each engine process")
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in report["stages"].items() if v)
+        print(f"\n{name}: stages (s) {stages}; CPU seconds of each engine process")
         for kind in ("worker", "daemon"):
             for title, cpu in meter.by_process(kind):
                 print(f"  {kind:6} {cpu:6.2f}  {title}")
@@ -229,6 +236,7 @@ def main() -> None:
     prefect = spawn_prefect_server(home=str(work / "prefect-home"))
     env = {**os.environ, **prefect.env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     sim = spawn_simulator("--slots", str(SLOTS), "--latency-ms", str(LATENCY_MS))
+    SIMULATOR.append(sim.url)
     fast = spawn_simulator("--latency-ms", "0", "--slots", "4096")
     rows = write_input(work / "rows.jsonl", ROLLOUTS)
     common = ["run", "--input", str(rows), "--backend-kind", "agent", "--backend-url", sim.url,
@@ -291,12 +299,48 @@ def main() -> None:
 
 
 def local_runs(common: list[str], env: dict[str, str], work: Path, when: str) -> list[Row]:
+    """The local runner twice, then split in two by hand (the floor of any two-process scheme here)."""
     rows = []
     for run_name in ("first run", "second run"):
         name = f"local, {run_name}" + (f", {when}" if when else "")
         folder = work / name.replace(", ", "-").replace(" ", "-")
         rows.append(run(name, [*common, "--output", str(folder)], env, folder)[0])
+    rows.append(split_run(common, env, work, "split by hand" + (f", {when}" if when else "")))
     return rows
+
+
+def split_run(common: list[str], env: dict[str, str], work: Path, name: str) -> Row:
+    """Two local `rollflow run` processes side by side, each with half the rows at half the parallelism:
+    the input split by index range across machines, as by hand. Its CPU per rollout over the local
+    runner's is what splitting the same load over two processes costs on this machine, with no engine."""
+    halves = [write_input(work / f"half-{i}.jsonl", ROLLOUTS // 2, seed=i + 1) for i in range(2)]
+    args = list(common)
+    args[args.index("--parallelism") + 1] = str(PARALLELISM // 2)
+    folders = [work / f"{name.replace(', ', '-').replace(' ', '-')}-{i}" for i in range(2)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    timeline = Timeline(SIMULATOR[0], PARALLELISM - 2) if TIMELINE else contextlib.nullcontext()
+    with timeline:
+        procs = [
+            subprocess.Popen(
+                [ROLLFLOW, *args, "--input", str(half), "--output", str(folder)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for half, folder in zip(halves, folders, strict=True)
+        ]
+        errors = [proc.communicate(timeout=900)[1] for proc in procs]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    for proc, err in zip(procs, errors, strict=True):
+        if proc.returncode:
+            raise SystemExit(f"{name}: exit {proc.returncode}\n{err.decode(errors='replace')[-3000:]}")
+    if isinstance(timeline, Timeline):
+        print(f"\n{name}: backend {timeline.line()}")
+    reports = [json.loads((folder / "report.json").read_text()) for folder in folders]
+    rollouts = sum(r["rows_written"] for r in reports)
+    collect_s = max(r["stages"]["collect"] for r in reports)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Row(name, rollouts, collect_s, rollouts / collect_s, cpu, 0.0, 0.0)
 
 
 def stop(roots: list[psutil.Process]) -> None:
@@ -329,8 +373,12 @@ def report(results: list[Row], ceiling: dict | None) -> None:
     for row in results:
         print(row.line())
     baseline: list[Row] = []  # each engine is compared with the local runs measured just before it
+    split: Row | None = None  # and with the local runner split in two by hand just before it
     after_local = False
     for row in results:
+        if row.name.startswith("split"):
+            split = row
+            continue
         is_local = row.name.startswith("local")
         if is_local:
             baseline = [*baseline, row] if after_local else [row]
@@ -338,9 +386,17 @@ def report(results: list[Row], ceiling: dict | None) -> None:
             best_rate = max(r.rate for r in baseline)
             best_cpu = min(r.cpu_per_rollout for r in baseline)
             rate, cpu = row.rate / best_rate, row.cpu_per_rollout / best_cpu
+            by_hand = (
+                ""
+                if split is None
+                else (
+                    f"; {row.cpu_per_rollout / split.cpu_per_rollout:.2f}x the CPU per rollout of the "
+                    f"split by hand, which is {split.cpu_per_rollout / best_cpu:.2f}x the local runner's"
+                )
+            )
             print(f"{row.name}: {rate:.2f} of the local runner's rate (goal >= 0.9), {cpu:.2f}x its CPU "
                   f"per rollout (goal <= 1.3); the local runs just before: {best_rate:,.0f}/s, "
-                  f"{1000 * best_cpu:.2f} ms")  # fmt: skip
+                  f"{1000 * best_cpu:.2f} ms{by_hand}")  # fmt: skip
         after_local = is_local
     if ceiling is None:
         return
