@@ -1,6 +1,6 @@
 """Chunk calls on Ray's warm chunk workers (`--ray-keep-workers-s`, tasks/wrappers/ray_actor.py): one worker
 per CPU of the cluster, found by name (started by an earlier run or `rollflow ray-workers`) or started,
-each given one call at a time once it answered; calls wait here, in submission order, for a free worker,
+each given SEATS calls at a time once it answered; calls wait here, in submission order, for a free seat,
 as Ray's own queue keeps tasks. Every TICK_S while calls wait, the cluster's CPUs are counted again.
 
 Workers are named by a fingerprint of this rollflow's code: a run never sends chunks to a worker that
@@ -28,7 +28,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE, ChunkWorker
+from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE, SEATS, ChunkWorker
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,8 @@ class WarmWorkers:
         self.keep_s, self.count = keep_s, count
         self.generation = code_fingerprint()
         self.handles: list[Any] = [None] * count
-        self.free: deque[int] = deque()  # started workers with no call
+        self.seats: dict[int, int] = {}  # started workers: calls running on each
         self.starting: set[int] = set()
-        self.running: dict[int, Call] = {}
         self.waiting: deque[Call] = deque()
         self.events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.lock = threading.Lock()  # `waiting`, between submit/cancel and the pool's thread
@@ -174,7 +173,7 @@ class WarmWorkers:
                     ray.cancel(call.ref)
 
     def slots(self) -> int:
-        return self.count
+        return self.count * SEATS
 
     def close(self) -> None:
         """Waiting calls end cancelled. Workers still starting are kept, as started ones are: the next run
@@ -261,44 +260,50 @@ class WarmWorkers:
             log.warning("a Ray chunk worker did not start (%s: %s); tried again", type(exc).__name__, exc)
             self.handles[slot] = None  # started again at a later tick
             return
-        self.free.append(slot)
+        self.seats[slot] = 0
         self._dispatch()
 
     def _on_end(self, ref: Any, event: Callable[[], None]) -> None:
         ref.future().add_done_callback(lambda _: self.events.put(event))
 
     def _dispatch(self) -> None:
-        """On the pool's thread: each free worker takes the oldest waiting call."""
-        while self.free:
+        """On the pool's thread: the least busy started worker with a free seat takes the oldest waiting
+        call, until no call waits or no seat is free."""
+        while self.seats:
+            busy, slot = min((busy, slot) for slot, busy in self.seats.items())
+            if busy >= SEATS:
+                return
+            handle = self.handles[slot]
             with self.lock:  # sent under it: `cancel` sees a call either waiting or with its `ref`
                 if not self.waiting:
                     return
                 call = self.waiting.popleft()
-                slot = self.free.popleft()
                 call.sends += 1
                 try:
-                    call.ref = self.handles[slot].call.options(name=call.name).remote(call.fn, *call.args)
+                    call.ref = handle.call.options(name=call.name).remote(call.fn, *call.args)
                 except Exception as exc:  # not sent (the cluster unreachable, arguments that do not pickle)
-                    self.free.append(slot)
                     call.set_exception(exc)
                     continue
-            self.running[slot] = call
-            self._on_end(call.ref, functools.partial(self._ended, slot))
+            self.seats[slot] += 1
+            self._on_end(call.ref, functools.partial(self._ended, slot, handle, call))
 
-    def _ended(self, slot: int) -> None:
-        call = self.running.pop(slot)
+    def _ended(self, slot: int, handle: Any, call: Call) -> None:
+        """A call's end; its worker's seat is free again, unless the worker died: the first of its calls
+        to see that starts a new worker under its name, and each call goes to a new worker."""
+        live = self.handles[slot] is handle and slot in self.seats
+        if live:
+            self.seats[slot] -= 1
         try:
             call.set_result(ray.get(call.ref))
         except RayActorError as exc:
             self._resend(call, exc)
-            self._start(slot)  # a new worker under the same name
-            self._dispatch()
-            return
+            if live:
+                del self.seats[slot]
+                self._start(slot)
         except RayTaskError as exc:
             call.set_exception(chunk_error(exc))
         except Exception as exc:
             call.set_exception(exc)
-        self.free.append(slot)
         self._dispatch()
 
     def _resend(self, call: Call, exc: Exception) -> None:

@@ -4,7 +4,8 @@ worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once),
 other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); a run
 through a Ray client address, a reverify's chunks on warm workers, `rollflow ray-workers` starting them
 for the first run, a run on Ray's tasks ending the idle warm workers that hold the CPUs it needs (at
-its start and as they go idle), the newest keep time holding, and a node that joins mid-run."""
+its start and as they go idle), the newest keep time holding, a node that joins mid-run, and a worker
+running two chunk calls at once."""
 
 from __future__ import annotations
 
@@ -46,6 +47,20 @@ if sys.argv[2] == "end":
     for name in names:
         ray.kill(ray.get_actor(name, namespace="{NAMESPACE}"), no_restart=True)
 print(json.dumps(sorted(names)))
+"""
+
+
+HOLD = """
+import json, os, sys, time, ray
+from rollflow.flows.ray_pool import WarmWorkers
+ray.init(address=sys.argv[1], log_to_driver=False)
+def hold(seconds):
+    start = time.time()
+    time.sleep(seconds)
+    return os.getpid(), start, time.time()
+with WarmWorkers.opened(30) as pool:
+    calls = [pool.submit(hold, f"hold-{i}", 2.0) for i in range(4)]
+    print(json.dumps([call.result(timeout=120) for call in calls]))
 """
 
 
@@ -108,6 +123,21 @@ def test_ray_a_warm_worker_killed_mid_chunk_has_its_chunk_sent_to_a_new_one(
     assert len(list(out.glob("chunks/*.json"))) == -(-ROWS // 40)
     assert "goes to a new worker" in result.stderr
     assert _stats(warm, sim)["max_in_flight_seen"] <= 16
+
+
+def test_a_warm_worker_runs_two_chunk_calls_at_once(warm: RayWorld) -> None:
+    """As a Dask worker's two threads: the second call takes the slots the first one's tail frees, where
+    one call at a time left them idle from a chunk's tail to the next chunk's start."""
+    args = [sys.executable, "-c", HOLD, warm.ray_address]
+    out = warm.run(args, env=warm.env(), timeout=180).check().stdout.strip().splitlines()[-1]
+    by_pid: dict[int, list[tuple[float, float]]] = {}
+    for pid, start, end in json.loads(out):
+        by_pid.setdefault(pid, []).append((start, end))
+    assert len(by_pid) == 2, by_pid  # one worker per CPU
+    for spans in by_pid.values():
+        assert len(spans) == 2, by_pid
+        (a0, a1), (b0, b1) = spans
+        assert max(a0, b0) < min(a1, b1), f"one worker ran its two calls one after the other: {by_pid}"
 
 
 def test_ray_an_idle_worker_of_other_code_is_ended_at_a_runs_start(

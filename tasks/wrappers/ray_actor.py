@@ -1,5 +1,5 @@
-"""A warm chunk worker on Ray (`--ray-keep-workers-s`): a detached actor that runs chunk calls one at a time
-for run after run, and ends itself once idle for its keep time.
+"""A warm chunk worker on Ray (`--ray-keep-workers-s`): a detached actor that runs chunk calls, SEATS at a
+time, for run after run, and ends itself once idle for its keep time.
 
 Ray starts a job's worker processes anew for every run, and ends them with it: each start costs about
 0.5 CPU-s (Ray's worker, then rollflow's worker side) before its first chunk. A detached actor outlives the
@@ -21,12 +21,15 @@ NAMESPACE = "rollflow-workers"
 NAME_PREFIX = "rollflow-chunks"
 CHECK_S = 1.0  # how often an idle worker looks at its idle time
 WORKER_SIDE = "rollflow.tasks.wrappers.worker_chunks"
+# Chunk calls a worker runs at once, as a Dask worker's two threads: the second chunk takes the slots the
+# first one's tail frees, where one at a time left them idle from its tail to the next chunk's start.
+SEATS = 2
 
 
-@ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"control": 1})
+@ray.remote(num_cpus=1, max_restarts=0, max_concurrency=SEATS, concurrency_groups={"control": 1})
 class ChunkWorker:
-    """Runs `fn(*args)` calls one at a time (the default group holds one); `idle_s` answers from a group
-    of its own, so it answers while a chunk runs."""
+    """Runs `fn(*args)` calls, SEATS at a time (the default group's threads), on the process's one collector;
+    `idle_s` answers from a group of its own, so it answers while chunks run."""
 
     def __init__(self, keep_s: float) -> None:
         importlib.import_module(WORKER_SIDE)  # before the first chunk, as a Dask worker's preload does
