@@ -334,57 +334,12 @@ def start_warm_workers(spec: EngineSettings, timeout_s: float) -> tuple[int, int
 
 @contextlib.contextmanager
 def _ray_calls(spec: EngineSettings) -> Iterator[tuple[Callable[..., Any], ...]]:
-    """submit, result, watch, cancel, slots: on Ray tasks, or on warm chunk workers kept between runs."""
-    from rollflow.flows.ray_pool import IdleSweep, WarmWorkers
+    """submit, result, watch, cancel, slots: on chunk workers of the run's own (ending with it), or on warm
+    ones kept between runs. Either runs two chunks at a time per worker process: the second takes the
+    slots the first one's tail frees (Ray's tasks, one at a time per process, left them idle)."""
+    from rollflow.flows.ray_pool import RUN_KEEP_S, WarmWorkers
 
-    if not spec.ray_keep_workers_s or ray_target(spec) in (None, "local"):
-        with IdleSweep():  # warm workers idle meanwhile would hold the CPUs these tasks need
-            yield _ray_submit, _ray_result, _ray_watch, _ray_cancel, _ray_slots
-        return
-    with WarmWorkers.opened(spec.ray_keep_workers_s) as pool:
+    lasting = bool(spec.ray_keep_workers_s) and ray_target(spec) not in (None, "local")
+    keep_s = spec.ray_keep_workers_s if lasting else RUN_KEEP_S
+    with WarmWorkers.opened(keep_s, lasting) as pool:
         yield pool.submit, pool.result, pool.watch, pool.cancel, pool.slots
-
-
-@functools.cache
-def _ray_remote(fn: Callable[..., Any], name: str) -> Any:
-    """One Ray remote function per worker function and name: Ray exports each to the cluster once."""
-    import ray
-
-    return ray.remote(fn).options(name=name)
-
-
-def _ray_submit(fn: Callable[..., Any], name: str, *args: Any) -> Any:
-    return _ray_remote(fn, name).remote(*args)
-
-
-def _ray_result(future: Any) -> Any:
-    """ray.get of a chunk call: a worker that died on every attempt is WorkerLost, a chunk's error its own."""
-    import ray
-    from ray.exceptions import NodeDiedError, OutOfMemoryError, RayTaskError, WorkerCrashedError
-
-    from rollflow.flows.ray_pool import chunk_error
-
-    try:
-        return ray.get(future)
-    except (WorkerCrashedError, OutOfMemoryError, NodeDiedError) as exc:
-        raise WorkerLost(f"the chunk's worker process died on each of Ray's attempts ({exc})") from None
-    except RayTaskError as exc:
-        raise chunk_error(exc) from None
-
-
-def _ray_watch(future: Any, fn: Callable[[], None]) -> None:
-    future.future().add_done_callback(lambda _: fn())
-
-
-def _ray_cancel(futures: list[Any]) -> None:
-    import ray
-
-    for future in futures:
-        with contextlib.suppress(Exception):
-            ray.cancel(future)
-
-
-def _ray_slots() -> int:
-    import ray
-
-    return int(ray.cluster_resources().get("CPU", 0))

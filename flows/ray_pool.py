@@ -1,7 +1,8 @@
-"""Chunk calls on Ray's warm chunk workers (`--ray-keep-workers-s`, tasks/wrappers/ray_actor.py): one worker
-per CPU of the cluster, found by name (started by an earlier run or `rollflow ray-workers`) or started,
+"""Chunk calls on Ray's chunk workers (tasks/wrappers/ray_actor.py): one worker per CPU of the cluster,
 each given SEATS calls at a time once it answered; calls wait here, in submission order, for a free seat,
-as Ray's own queue keeps tasks. Every TICK_S while calls wait, the cluster's CPUs are counted again.
+as Ray's own queue keeps tasks. Warm workers (`--ray-keep-workers-s`) are found by name (started by an
+earlier run or `rollflow ray-workers`) or started, and kept; a run without them starts workers of its own,
+which end with it. Every TICK_S while calls wait, the cluster's CPUs are counted again.
 
 Workers are named by a fingerprint of this rollflow's code: a run never sends chunks to a worker that
 imported other code. While a run goes on Ray (warm or not), IdleSweep ends the warm workers it cannot use
@@ -36,6 +37,7 @@ RESENDS = 3
 STALE_ASK_S = 5.0  # how long the idle checks of workers a run ends may take
 IDLE_END_S = 2.0  # idle this long, a worker serves no run now (a run sends a freed worker its next call)
 TICK_S = 5.0  # while calls wait, how often the cluster's CPUs are counted and dead workers started again
+RUN_KEEP_S = 3600.0  # a run's own workers end with it; this only bounds one a lost flow would leave
 
 
 @functools.cache
@@ -119,11 +121,12 @@ class IdleSweep:
 
 
 class WarmWorkers:
-    """The engine's calls (submit, result, watch, cancel, slots) on the cluster's warm workers. Every Ray
-    call is made on one thread of the pool's own; Ray's done callbacks only queue an event for it."""
+    """The engine's calls (submit, result, watch, cancel, slots) on chunk workers: the cluster's warm ones
+    (`lasting`: detached, named, kept between runs) or the run's own, which end with it. Every Ray call is
+    made on one thread of the pool's own; Ray's done callbacks only queue an event for it."""
 
-    def __init__(self, keep_s: float, count: int) -> None:
-        self.keep_s, self.count = keep_s, count
+    def __init__(self, keep_s: float, count: int, lasting: bool = True) -> None:
+        self.keep_s, self.count, self.lasting = keep_s, count, lasting
         self.generation = code_fingerprint()
         self.handles: list[Any] = [None] * count
         self.seats: dict[int, int] = {}  # started workers: calls running on each
@@ -135,9 +138,10 @@ class WarmWorkers:
 
     @classmethod
     @contextlib.contextmanager
-    def opened(cls, keep_s: float) -> Iterator[WarmWorkers]:
-        pool = cls(keep_s, max(1, int(ray.cluster_resources().get("CPU", 0))))
-        with IdleSweep(spare=f"{NAME_PREFIX}-{pool.generation}-"):
+    def opened(cls, keep_s: float, lasting: bool = True) -> Iterator[WarmWorkers]:
+        """A run's own workers (not `lasting`) spare no warm worker: idle ones hold the CPUs they need."""
+        pool = cls(keep_s, max(1, int(ray.cluster_resources().get("CPU", 0))), lasting)
+        with IdleSweep(spare=f"{NAME_PREFIX}-{pool.generation}-" if lasting else None):
             pool.thread.start()
             pool.events.put(pool._start_missing)
             try:
@@ -176,14 +180,20 @@ class WarmWorkers:
         return self.count * SEATS
 
     def close(self) -> None:
-        """Waiting calls end cancelled. Workers still starting are kept, as started ones are: the next run
-        finds them (one waiting for a CPU or a node starts once it comes, and ends after its keep time)."""
+        """Waiting calls end cancelled. Warm workers still starting are kept, as started ones are: the next
+        run finds them (one waiting for a CPU or a node starts once it comes, and ends after its keep
+        time). A run's own workers are ended, as Ray ends a job's task workers with it."""
         with self.lock:
             left, self.waiting = list(self.waiting), deque()
         for call in left:
             call.cancel()
         self.events.put(None)
         self.thread.join(timeout=30)
+        if not self.lasting:
+            for handle in self.handles:
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(handle, no_restart=True)
 
     def wait_started(self, timeout_s: float) -> int:
         """Every worker started, or `timeout_s` passed: how many are up."""
@@ -235,14 +245,12 @@ class WarmWorkers:
     def _start(self, slot: int) -> None:
         """Found by name, or started; given calls only once it answers: one waiting for a CPU (held by other
         work) or for a node (an autoscaler's) would hold them while started workers had none."""
+        options: dict[str, Any] = {"scheduling_strategy": "SPREAD"}
+        if self.lasting:
+            name = f"{NAME_PREFIX}-{self.generation}-{slot}"
+            options |= {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True}
         try:
-            handle = ChunkWorker.options(
-                name=f"{NAME_PREFIX}-{self.generation}-{slot}",
-                namespace=NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                scheduling_strategy="SPREAD",
-            ).remote(self.keep_s)
+            handle = ChunkWorker.options(**options).remote(self.keep_s)
             ref = handle.keep.remote(self.keep_s)  # a worker found by name takes this run's keep time
         except Exception as exc:  # e.g. the name's worker died as it was looked up: a later tick tries again
             log.warning("a Ray chunk worker could not be started (%s: %s)", type(exc).__name__, exc)

@@ -59,6 +59,12 @@ def _share_keys(world: RayWorld, plant: bool = False) -> list[str]:
     return json.loads(world.run(args, env=world.env(), timeout=120).check().stdout.strip().splitlines()[-1])
 
 
+def _chunk_workers(world: RayWorld) -> list[int]:
+    """A run's chunk worker processes: a worker's title names one of its chunks, or none (it runs two at a
+    time, and Ray titles a process by its newest call, or by its class again when a call ends)."""
+    return sorted(set(world.pids("ray::ChunkWorker") + world.pids("ray::collect-chunk")))
+
+
 def _stats(world: RayWorld, url: str) -> dict:
     return json.loads(world.run([sys.executable, "-c", STATS, url], timeout=30).check().stdout)
 
@@ -90,9 +96,8 @@ def test_ray_publishes_the_local_bytes_on_s3_when_a_worker_process_is_killed(
     sim = ray_world.simulate(["--latency-ms", "20", "--slots", "16"])
     url = f"{ray_world.bucket(f'rf-{secrets.token_hex(4)}')}/out"
     run = _ray_run(ray_world, rows_input, url, sim)
-    _wait_for(lambda: ray_world.pids("ray::collect-chunk"), "no chunk started on a Ray worker")
     _wait_for(lambda: _stats(ray_world, sim)["completed"] >= 600, "the run made no progress")
-    victim = ray_world.pids("ray::collect-chunk")[0]
+    victim = _chunk_workers(ray_world)[0]
     assert ray_world.kill(pid=victim, signal=9)
     result = ray_world.wait(run, timeout=300)
     assert result.rc == 0, result.stderr[-3000:]

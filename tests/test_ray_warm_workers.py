@@ -114,7 +114,7 @@ def test_ray_a_warm_worker_killed_mid_chunk_has_its_chunk_sent_to_a_new_one(
     out = tmp_path / "out"
     run = _ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", "30")
     _wait_for(lambda: _stats(warm, sim)["completed"] >= 600, "the run made no progress", world=warm, run=run)
-    victims = warm.pids(BUSY)
+    victims = _workers(warm)  # each runs chunks mid-run (two at a time, its title names one or none)
     assert victims, warm.procs("ray::")
     assert warm.kill(pid=victims[0], signal=9)
     result = warm.wait(run, timeout=300)
@@ -263,7 +263,10 @@ def test_a_run_on_rays_tasks_gets_the_cpus_warm_workers_free_mid_run(
     sim = warm.simulate(["--latency-ms", "20", "--slots", "16"])
     busy = _ray_run(warm, rows_input, str(tmp_path / "warm"), sim, "--ray-keep-workers-s", "300",
                     "--parallelism", "4")  # fmt: skip
-    _wait_for(lambda: len(warm.pids(BUSY)) == 2, "the warm run's workers never both ran a chunk")
+    _wait_for(
+        lambda: len(_workers(warm)) == 2 and _stats(warm, sim)["completed"] > 0,
+        "the warm run's two workers never started",
+    )
     plain = _ray_run(warm, rows_input, str(tmp_path / "plain"), sim)
     assert warm.wait(busy, timeout=240).rc == 0
     result = warm.wait(plain, timeout=120)

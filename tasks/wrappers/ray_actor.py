@@ -1,5 +1,6 @@
-"""A warm chunk worker on Ray (`--ray-keep-workers-s`): a detached actor that runs chunk calls, SEATS at a
-time, for run after run, and ends itself once idle for its keep time.
+"""A chunk worker on Ray: an actor that runs chunk calls, SEATS at a time, and ends itself once idle for its
+keep time. Warm (`--ray-keep-workers-s`), it is detached and serves run after run; otherwise it is a run's
+own and ends with it.
 
 Ray starts a job's worker processes anew for every run, and ends them with it: each start costs about
 0.5 CPU-s (Ray's worker, then rollflow's worker side) before its first chunk. A detached actor outlives the
