@@ -81,7 +81,8 @@ RUNNER_FIELDS = {
 def ray_target(spec: EngineSettings) -> str | None:
     """The address a Ray run joins: `--ray-address`, else RAY_ADDRESS (which `ray.init` reads too), else
     None: a local instance of its own."""
-    return spec.ray_address or os.environ.get("RAY_ADDRESS", "").strip() or None
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    return spec.ray_address or (env.lower() if env.lower() in ("auto", "local") else env) or None
 
 
 def engine_fields_set(spec: EngineSettings) -> list[str]:
@@ -144,22 +145,19 @@ def ray_head_unreachable(
     Ray itself waits for ever on a dead address; prefect-ray starts a throwaway local instance for auto."""
     given = address
     if address == "auto":
-        address = os.environ.get("RAY_ADDRESS", "").strip() or _recorded_ray_address()
+        env = os.environ.get("RAY_ADDRESS", "").strip()
+        address = env if env.lower() not in ("", "auto") else _recorded_ray_address()
         if address is None:
             return (
                 f"{label} auto: no running Ray cluster to join (no RAY_ADDRESS, and no cluster started on "
                 "this machine). Start one here (`ray start --head`), set RAY_ADDRESS, or give its head's "
                 "address: host:port or ray://host:10001."
             )
-    if (
-        address is None
-        or address in ("local", "auto")
-        or ("://" in address and not address.startswith("ray://"))
-    ):
+    if address is None or address.lower() in ("local", "auto"):
         return None
     host, _, port = address.removeprefix("ray://").rpartition(":")
     found = f" (found at {address})" if given != address else ""
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or "://" in host:  # http://, tcp://: Ray has no such address
         return (
             f"{label} {given}{found}: not a Ray cluster's address; give its head's host:port, "
             "ray://host:10001, auto or local."
@@ -173,22 +171,23 @@ def ray_head_unreachable(
 
 
 def _silent(host: str, port: int, client: bool, timeout_s: float) -> str | None:
-    """Why nothing answers at host:port, or None. Ray's client server gets a gRPC handshake, as its own
-    clients do: after bare TCP connects there, the next client's server failed to start (one client in
-    three after two connects, two in two after five; none in three after five gRPC handshakes)."""
+    """Why no Ray server answers at host:port, or None. Both Ray's GCS and its client server speak gRPC: a
+    port that only accepts a connection (a web server, the dashboard) made Ray retry for 13 minutes. The
+    GCS gets a TCP connect first, whose error names the cause; the client server only the handshake, as
+    its own clients do: after bare TCP connects there, the next client's server failed to start (one
+    client in three after two connects, two in two after five; none in three after five handshakes)."""
     if not client:
         try:
             socket.create_connection((host.strip("[]"), port), timeout=timeout_s).close()
         except OSError as exc:
             return exc.strerror or str(exc)
-        return None
     import grpc  # Ray's own dependency
 
     channel = grpc.insecure_channel(f"{host}:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
-        return f"no gRPC answer within {timeout_s:g} s"
+        return f"no Ray server: no gRPC answer within {timeout_s:g} s"
     finally:
         channel.close()
     return None
@@ -241,10 +240,23 @@ def ray_runner(spec: EngineSettings) -> Any:
         from prefect_ray import RayTaskRunner
     except ImportError:
         raise EngineUnavailable(RAY_MISSING) from None
+    _normalise_ray_env()
     init = {"log_to_driver": False}
     if spec.ray_address == "auto":  # prefect-ray starts a local instance for "auto"; Ray's own joins one
         return RayTaskRunner(address=None, init_kwargs={**init, "address": "auto"})
     return RayTaskRunner(address=spec.ray_address, init_kwargs=init)
+
+
+def _normalise_ray_env() -> None:
+    """`ray.init` reads RAY_ADDRESS as it is (` auto` failed mid-run); rollflow's checks read it stripped,
+    with auto and local in any case. A blank one is none."""
+    value = os.environ.get("RAY_ADDRESS", "").strip()
+    if value.lower() in ("auto", "local"):
+        value = value.lower()
+    if value:
+        os.environ["RAY_ADDRESS"] = value
+    else:
+        os.environ.pop("RAY_ADDRESS", None)
 
 
 def quiet_dask() -> None:

@@ -254,6 +254,27 @@ def test_ray_at_an_address_where_nothing_answers_is_a_usage_error(
     assert res.returncode == 2 and "nothing answers there" in res.stderr, res.stderr[-3000:]
 
 
+def test_ray_at_a_port_that_is_not_rays_or_an_address_of_another_scheme_is_a_usage_error(
+    run_cli, fast_sim, rows_input, tmp_path
+) -> None:
+    """A web server's port passed the TCP check and Ray retried it for 13 minutes, past SIGTERM; http://
+    and tcp:// reached Ray, which raised mid-run."""
+    web = fast_sim.url.removeprefix("http://").rstrip("/")
+    out = tmp_path / "out"
+    for address, said in (
+        (web, f"--ray-address {web}: nothing answers there (no Ray server"),
+        (f"ray://{web}", f"--ray-address ray://{web}: nothing answers there (no Ray server"),
+        ("http://127.0.0.1:6379", "not a Ray cluster's address"),
+        ("tcp://127.0.0.1:6379", "not a Ray cluster's address"),
+    ):
+        started = time.monotonic()
+        res = run_cli(*run_args(rows_input, str(out), fast_sim), "--runner", "ray", "--ray-address", address)
+        assert res.returncode == 2 and said in res.stderr, res.stderr[-3000:]
+        assert time.monotonic() - started < 60 and not out.exists()
+    res = run_cli("ray-workers", "--ray-address", "http://127.0.0.1:6379", "--keep-s", "60")
+    assert res.returncode == 2 and "not a Ray cluster's address" in res.stderr, res.stderr[-3000:]
+
+
 def test_a_flow_run_not_started_by_the_cli_fails_at_once_where_nothing_answers() -> None:
     """A deployment's run (`rollflow serve`, the UI) never passes the CLI's check: the engine checks too,
     before Ray's connect, which would wait for ever."""
@@ -295,6 +316,8 @@ def test_ray_address_auto_with_no_cluster_to_join_is_a_usage_error(
         assert "warm Ray chunk workers up" not in res.stdout
     dead = f"127.0.0.1:{free_port()}"
     for args, address, said in (
+        (run, " Auto ", "RAY_ADDRESS auto: no running Ray cluster to join"),
+        ([*run, "--ray-address", "auto"], "auto", "--ray-address auto: no running Ray cluster to join"),
         (run, f"ray://{dead}", f"RAY_ADDRESS ray://{dead}: nothing answers there"),  # ray.init reads it
         ([*run, "--ray-address", "auto"], f"ray://{dead}", f"auto (found at ray://{dead}): nothing answers"),
         ([*run, "--ray-address", "head-without-port"], "", "not a Ray cluster's address"),
