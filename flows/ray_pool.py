@@ -2,7 +2,7 @@
 each given SEATS calls at a time once it answered; calls wait here, in submission order, for a free seat,
 as Ray's own queue keeps tasks. Warm workers (`--ray-keep-workers-s`) are found by name (started by an
 earlier run or `rollflow ray-workers`) or started, and kept; a run without them starts workers of its own,
-which end with it. Every TICK_S while calls wait, the cluster's CPUs are counted again.
+which end with it. Every COUNT_S while calls wait, the cluster's CPUs are counted again.
 
 Workers are named by a fingerprint of this rollflow's code: a run never sends chunks to a worker that
 imported other code. While a run goes on Ray (warm or not), IdleSweep ends the warm workers it cannot use
@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 RESENDS = 3
 STALE_ASK_S = 5.0  # how long the idle checks of workers a run ends may take
 IDLE_END_S = 2.0  # idle this long, a worker serves no run now (a run sends a freed worker its next call)
-TICK_S = 5.0  # while calls wait, how often the cluster's CPUs are counted and dead workers started again
+TICK_S = 5.0  # how often idle warm workers are looked for
+# While calls wait, how often the cluster's CPUs are counted and dead workers started again: a node that
+# joins gets its worker within about a second (Ray's tasks went there as it joined). One GCS call.
+COUNT_S = 1.0
 RUN_KEEP_S = 3600.0  # a run's own workers end with it; this only bounds one a lost flow would leave
 
 
@@ -205,8 +208,8 @@ class WarmWorkers:
         )
 
     def _serve(self) -> None:
-        """Events as they come, and `_tick` every TICK_S whether or not they come."""
-        next_tick = time.monotonic() + TICK_S
+        """Events as they come, and `_tick` every COUNT_S whether or not they come."""
+        next_tick = time.monotonic() + COUNT_S
         while True:
             try:
                 event = self.events.get(timeout=max(0.0, next_tick - time.monotonic()))
@@ -217,7 +220,7 @@ class WarmWorkers:
                     return
                 self._handle(event)
             if time.monotonic() >= next_tick:
-                next_tick = time.monotonic() + TICK_S
+                next_tick = time.monotonic() + COUNT_S
                 self._handle(self._tick)
 
     def _handle(self, event: Callable[[], None]) -> None:
