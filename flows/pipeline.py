@@ -52,7 +52,7 @@ from rollflow.tasks.publish.concat import PublishFailed
 from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, embedded_images, render_markdown, write_report
-from rollflow.tasks.publish.story import run_story
+from rollflow.tasks.publish.story import run_story, scrubbed
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.storage.ledger import IdentityMismatch
 from rollflow.tasks.tuning.adaptive import adaptive_control
@@ -307,7 +307,7 @@ async def report_step(
             "ignored_parts": ignored[:20],
             "parts_not_deleted": [o.parts_left for o in result.outcomes if o.parts_left][:20],
             "run_id": handles.ledger.run_id,
-            "spec": spec.parameters(),
+            "spec": scrubbed(spec.parameters()),  # an address's credentials (tcp://user:pw@host) masked
             "chunk_size": plan.identity.chunk_size,
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(

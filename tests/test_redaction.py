@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import orjson
+from cli_runs import run_args
 from key_server import KeyServer
 from prefect_api import flow_runs_of, post
 
@@ -94,3 +95,16 @@ def test_log_records_and_tracebacks_are_redacted_in_process() -> None:
     assert str(error) == "RuntimeError: *** expired"
     plain = OSError("no secret here")
     assert redact.redacted_error(plain) is plain
+
+
+def test_an_addresss_credentials_are_written_nowhere(run_cli, fast_sim, rows_input, tmp_path: Path) -> None:
+    """report.json kept the run's spec as given: `tcp://user:pw@host` in clear beside its masked copy."""
+    out = tmp_path / "out"
+    password = "pw-9c1e0b7d"
+    res = run_cli(*run_args(rows_input, str(out), fast_sim), "--dask-address", f"tcp://user:{password}@h:1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["spec"]["engine"]["dask_address"] == "tcp://***@h:1"
+    texts = {"stderr": res.stderr, "stdout": res.stdout}
+    texts |= {str(p): p.read_bytes().decode(errors="replace") for p in out.rglob("*") if p.is_file()}
+    assert not [where for where, text in texts.items() if password in text]
