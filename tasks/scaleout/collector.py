@@ -33,7 +33,7 @@ from rollflow.tasks.scaleout.book import SHARE_LEASE_S
 from rollflow.tasks.scaleout.channels import EXCHANGE_TIMEOUT_S
 from rollflow.tasks.scaleout.node import node_sharers
 from rollflow.tasks.scaleout.scope import SettingsResolver, WorkerScope
-from rollflow.tasks.storage.lease import follow, owner_fence, run_guarded
+from rollflow.tasks.storage.lease import LeaseLost, OutputGone, follow, owner_fence, run_guarded
 from rollflow.tasks.verify.pool import close_pools
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,10 @@ class RemoteRun:
 def run_key(run: RemoteRun) -> str:
     """A run as this process knows it: its output and the lease owner it writes for."""
     return f"{run.spec.output}|{run.scope.owner}"
+
+
+def _past(stop_at: float | None) -> bool:
+    return stop_at is not None and time.time() >= stop_at
 
 
 def worker_id() -> str:
@@ -281,6 +285,13 @@ class WorkerCollector:
             outcome.worker = slot.snapshot(self.worker)
             outcome.endpoints = outcome.worker["endpoints"]
             return outcome
+        except (LeaseLost, OutputGone, TimeoutError) as exc:
+            # The run is over (its lease gone, or its deadline passed), and so is its share here: another
+            # chunk of it in this process would take the slots this one's cut requests freed, while the
+            # backend still serves them (12 in flight of 8 seen after a stop, warm Ray workers).
+            if not isinstance(exc, TimeoutError) or _past(scope.stop_at):
+                slot.ctx.pool.set_share(0, slot.run_limits)
+            raise
         finally:
             slot.end(chunk.index)
             slot.last_active = time.monotonic()
