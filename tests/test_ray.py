@@ -59,15 +59,19 @@ def _share_keys(world: RayWorld, plant: bool = False) -> list[str]:
     return json.loads(world.run(args, env=world.env(), timeout=120).check().stdout.strip().splitlines()[-1])
 
 
-RUN_OWN = """
+HOLD = """
 import json, os, sys, time, psutil, ray
-from rollflow.flows.engines import _ray_calls
-from rollflow.settings.models import EngineSettings
 ray.init(address=sys.argv[1], log_to_driver=False)
 def hold(seconds):
     start = time.time()
     time.sleep(seconds)
     return os.getpid(), start, time.time()
+"""
+RUN_OWN = (
+    HOLD
+    + """
+from rollflow.flows.engines import _ray_calls
+from rollflow.settings.models import EngineSettings
 def workers():
     titles = ("ray::ChunkWorker", "ray::hold")
     return [p.pid for p in psutil.process_iter() if " ".join(p.cmdline() or []).startswith(titles)]
@@ -79,6 +83,19 @@ while workers() and time.monotonic() < deadline:
     time.sleep(0.2)
 print(json.dumps({"spans": spans, "left": workers()}))
 """
+)
+
+
+def two_calls_at_once(spans: list[list[float]]) -> None:
+    """Each of the two workers ran two of the four (pid, start, end) calls, and ran them at once."""
+    by_pid: dict[int, list[tuple[float, float]]] = {}
+    for pid, start, end in spans:
+        by_pid.setdefault(int(pid), []).append((start, end))
+    assert len(by_pid) == 2, by_pid  # one worker per CPU
+    for calls in by_pid.values():
+        assert len(calls) == 2, by_pid
+        (a0, a1), (b0, b1) = calls
+        assert max(a0, b0) < min(a1, b1), f"one worker ran its two calls one after the other: {by_pid}"
 
 
 def test_a_runs_own_ray_workers_run_two_chunk_calls_at_once_and_end_with_it(ray_world: RayWorld) -> None:
@@ -86,14 +103,7 @@ def test_a_runs_own_ray_workers_run_two_chunk_calls_at_once_and_end_with_it(ray_
     the next chunk's start. A run's own workers run two, as a Dask worker's two threads, and end with it."""
     args = [sys.executable, "-c", RUN_OWN, ray_world.ray_address]
     out = json.loads(ray_world.run(args, env=ray_world.env(), timeout=180).check().stdout.splitlines()[-1])
-    by_pid: dict[int, list[tuple[float, float]]] = {}
-    for pid, start, end in out["spans"]:
-        by_pid.setdefault(pid, []).append((start, end))
-    assert len(by_pid) == 2, by_pid  # one worker per CPU
-    for spans in by_pid.values():
-        assert len(spans) == 2, by_pid
-        (a0, a1), (b0, b1) = spans
-        assert max(a0, b0) < min(a1, b1), f"one worker ran its two calls one after the other: {by_pid}"
+    two_calls_at_once(out["spans"])
     assert out["left"] == [], "the run's own workers outlived it"
 
 

@@ -18,6 +18,7 @@ import pytest
 from cli_runs import ROWS
 from fixtures_netns import RayWorld, RunResult
 from test_ray import (
+    HOLD,
     ROLLFLOW,
     _ray_run,
     _reverify,
@@ -26,6 +27,7 @@ from test_ray import (
     client_run,
     make_reverify_source,
     node_joins_mid_run,
+    two_calls_at_once,
 )
 
 from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE
@@ -50,18 +52,15 @@ print(json.dumps(sorted(names)))
 """
 
 
-HOLD = """
-import json, os, sys, time, ray
+WARM_HOLD = (
+    HOLD
+    + """
 from rollflow.flows.ray_pool import WarmWorkers
-ray.init(address=sys.argv[1], log_to_driver=False)
-def hold(seconds):
-    start = time.time()
-    time.sleep(seconds)
-    return os.getpid(), start, time.time()
 with WarmWorkers.opened(30) as pool:
     calls = [pool.submit(hold, f"hold-{i}", 2.0) for i in range(4)]
     print(json.dumps([call.result(timeout=120) for call in calls]))
 """
+)
 
 
 def _names(world: RayWorld, what: str = "list") -> list[str]:
@@ -128,16 +127,9 @@ def test_ray_a_warm_worker_killed_mid_chunk_has_its_chunk_sent_to_a_new_one(
 def test_a_warm_worker_runs_two_chunk_calls_at_once(warm: RayWorld) -> None:
     """As a Dask worker's two threads: the second call takes the slots the first one's tail frees, where
     one call at a time left them idle from a chunk's tail to the next chunk's start."""
-    args = [sys.executable, "-c", HOLD, warm.ray_address]
+    args = [sys.executable, "-c", WARM_HOLD, warm.ray_address]
     out = warm.run(args, env=warm.env(), timeout=180).check().stdout.strip().splitlines()[-1]
-    by_pid: dict[int, list[tuple[float, float]]] = {}
-    for pid, start, end in json.loads(out):
-        by_pid.setdefault(pid, []).append((start, end))
-    assert len(by_pid) == 2, by_pid  # one worker per CPU
-    for spans in by_pid.values():
-        assert len(spans) == 2, by_pid
-        (a0, a1), (b0, b1) = spans
-        assert max(a0, b0) < min(a1, b1), f"one worker ran its two calls one after the other: {by_pid}"
+    two_calls_at_once(json.loads(out))
 
 
 def test_ray_an_idle_worker_of_other_code_is_ended_at_a_runs_start(
