@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollflow.settings import RunSpec
-from rollflow.settings.models import EngineSettings
+from rollflow.settings.models import EngineSettings, ray_address_words
 from rollflow.tasks.collect.runtime import default_chunks_in_flight
 from rollflow.tasks.scaleout.channels import DaskChannel, DaskLink, RayChannel, RayLink
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
@@ -81,8 +81,18 @@ RUNNER_FIELDS = {
 def ray_target(spec: EngineSettings) -> str | None:
     """The address a Ray run joins: `--ray-address`, else RAY_ADDRESS (which `ray.init` reads too), else
     None: a local instance of its own."""
-    env = os.environ.get("RAY_ADDRESS", "").strip()
-    return spec.ray_address or (env.lower() if env.lower() in ("auto", "local") else env) or None
+    return spec.ray_address or _ray_address_env() or None
+
+
+def _ray_address_env() -> str:
+    """RAY_ADDRESS as the flag is read ("" when unset or blank)."""
+    return ray_address_words(os.environ.get("RAY_ADDRESS", ""))
+
+
+def keeps_warm_workers(spec: EngineSettings) -> bool:
+    """Whether a Ray run keeps its chunk workers: `--ray-keep-workers-s` on a lasting cluster (on a local
+    instance, which ends with the run, it keeps nothing)."""
+    return bool(spec.ray_keep_workers_s) and ray_target(spec) not in (None, "local")
 
 
 def engine_fields_set(spec: EngineSettings) -> list[str]:
@@ -109,7 +119,7 @@ def engine_notes(spec: EngineSettings) -> list[str]:
         for name in names
         if name in set_here
     ]
-    if spec.runner == "ray" and spec.ray_keep_workers_s and ray_target(spec) in (None, "local"):
+    if spec.runner == "ray" and spec.ray_keep_workers_s and not keeps_warm_workers(spec):
         notes.append(
             "--ray-keep-workers-s keeps nothing on the local Ray instance this run starts and stops; "
             "give --ray-address of a lasting cluster"
@@ -145,8 +155,8 @@ def ray_head_unreachable(
     Ray itself waits for ever on a dead address; prefect-ray starts a throwaway local instance for auto."""
     given = address
     if address == "auto":
-        env = os.environ.get("RAY_ADDRESS", "").strip()
-        address = env if env.lower() not in ("", "auto") else _recorded_ray_address()
+        env = _ray_address_env()
+        address = env if env not in ("", "auto") else _recorded_ray_address()
         if address is None:
             return (
                 f"{label} auto: no running Ray cluster to join (no RAY_ADDRESS, and no cluster started on "
@@ -248,12 +258,9 @@ def ray_runner(spec: EngineSettings) -> Any:
 
 
 def _normalise_ray_env() -> None:
-    """`ray.init` reads RAY_ADDRESS as it is (` auto` failed mid-run); rollflow's checks read it stripped,
-    with auto and local in any case. A blank one is none."""
-    value = os.environ.get("RAY_ADDRESS", "").strip()
-    if value.lower() in ("auto", "local"):
-        value = value.lower()
-    if value:
+    """`ray.init` reads RAY_ADDRESS as it is (` auto` failed mid-run): it gets it as rollflow's checks read
+    it. A blank one is none."""
+    if value := _ray_address_env():
         os.environ["RAY_ADDRESS"] = value
     else:
         os.environ.pop("RAY_ADDRESS", None)
@@ -279,13 +286,14 @@ def open_engine(
     if spec.runner == "ray":
         if problem := ray_unreachable(spec):  # a run from a deployment was never checked by the CLI
             raise EngineUnavailable(problem)
-        with ray_runner(spec) as runner, _ray_calls(spec) as calls:
+        with ray_runner(spec) as runner:
             name = f"rollflow-shares-{key}"
             channel = RayChannel.start(name) if book else None
             try:
                 link = RayLink(name) if book else None
-                yield Engine(runner, channel, link, *calls)
-            finally:
+                with _ray_calls(spec) as calls:
+                    yield Engine(runner, channel, link, *calls)
+            finally:  # after the run's own workers ended: none of them writes a report after this
                 if channel is not None:
                     with contextlib.suppress(Exception):
                         channel.close()
@@ -338,9 +346,9 @@ def _dask_slots(runner: Any) -> int:
 def start_warm_workers(spec: EngineSettings, timeout_s: float) -> tuple[int, int]:
     """`rollflow ray-workers`: the cluster's warm workers started (or found), and how many are up of how
     many there are (one per CPU)."""
-    from rollflow.flows.ray_pool import WarmWorkers
+    from rollflow.flows.ray_pool import ChunkWorkers
 
-    with ray_runner(spec), WarmWorkers.opened(spec.ray_keep_workers_s) as pool:
+    with ray_runner(spec), ChunkWorkers.opened(spec.ray_keep_workers_s) as pool:
         return pool.wait_started(timeout_s), pool.count
 
 
@@ -349,9 +357,9 @@ def _ray_calls(spec: EngineSettings) -> Iterator[tuple[Callable[..., Any], ...]]
     """submit, result, watch, cancel, slots: on chunk workers of the run's own (ending with it), or on warm
     ones kept between runs. Either runs two chunks at a time per worker process: the second takes the
     slots the first one's tail frees (Ray's tasks, one at a time per process, left them idle)."""
-    from rollflow.flows.ray_pool import RUN_KEEP_S, WarmWorkers
+    from rollflow.flows.ray_pool import RUN_KEEP_S, ChunkWorkers
 
-    lasting = bool(spec.ray_keep_workers_s) and ray_target(spec) not in (None, "local")
+    lasting = keeps_warm_workers(spec)
     keep_s = spec.ray_keep_workers_s if lasting else RUN_KEEP_S
-    with WarmWorkers.opened(keep_s, lasting) as pool:
+    with ChunkWorkers.opened(keep_s, lasting) as pool:
         yield pool.submit, pool.result, pool.watch, pool.cancel, pool.slots

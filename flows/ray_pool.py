@@ -41,6 +41,7 @@ TICK_S = 5.0  # how often idle warm workers are looked for
 # joins gets its worker within about a second (Ray's tasks went there as it joined). One GCS call.
 COUNT_S = 1.0
 RUN_KEEP_S = 3600.0  # a run's own workers end with it; this only bounds one a lost flow would leave
+END_WAIT_S = 5.0  # how long a run waits for its own workers to be gone
 
 
 @functools.cache
@@ -123,7 +124,7 @@ class IdleSweep:
                 return
 
 
-class WarmWorkers:
+class ChunkWorkers:
     """The engine's calls (submit, result, watch, cancel, slots) on chunk workers: the cluster's warm ones
     (`lasting`: detached, named, kept between runs) or the run's own, which end with it. Every Ray call is
     made on one thread of the pool's own; Ray's done callbacks only queue an event for it."""
@@ -141,7 +142,7 @@ class WarmWorkers:
 
     @classmethod
     @contextlib.contextmanager
-    def opened(cls, keep_s: float, lasting: bool = True) -> Iterator[WarmWorkers]:
+    def opened(cls, keep_s: float, lasting: bool = True) -> Iterator[ChunkWorkers]:
         """A run's own workers (not `lasting`) spare no warm worker: idle ones hold the CPUs they need."""
         pool = cls(keep_s, max(1, int(ray.cluster_resources().get("CPU", 0))), lasting)
         with IdleSweep(spare=f"{NAME_PREFIX}-{pool.generation}-" if lasting else None):
@@ -193,10 +194,25 @@ class WarmWorkers:
         self.events.put(None)
         self.thread.join(timeout=30)
         if not self.lasting:
-            for handle in self.handles:
-                if handle is not None:
-                    with contextlib.suppress(Exception):
-                        ray.kill(handle, no_restart=True)
+            self._end_own()
+
+    def _end_own(self) -> None:
+        """Ends the run's own workers and waits (END_WAIT_S at most) until each is gone: `ray.kill` only
+        asks, and a worker still alive could write its share report after the flow deleted the run's."""
+        handles = [handle for handle in self.handles if handle is not None]
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + END_WAIT_S
+        for handle in handles:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(handle.idle_s.remote(), timeout=max(0.01, deadline - time.monotonic()))
+                except (RayActorError, GetTimeoutError):
+                    break
+                except Exception:  # the cluster unreachable: nothing more to wait for
+                    return
+                time.sleep(0.02)
 
     def wait_started(self, timeout_s: float) -> int:
         """Every worker started, or `timeout_s` passed: how many are up."""

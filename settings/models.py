@@ -310,11 +310,14 @@ class EngineSettings(Settings):
     @field_validator("ray_address")
     @classmethod
     def _ray_address_words(cls, value: str | None) -> str | None:
-        """`AUTO` and ` auto` mean what `auto` does (Ray's own check would reject them mid-run)."""
-        if value is None:
-            return None
-        value = value.strip()
-        return value.lower() if value.lower() in ("auto", "local") else value
+        return None if value is None else ray_address_words(value)
+
+
+def ray_address_words(value: str) -> str:
+    """A Ray address as given (the flag, or RAY_ADDRESS): stripped, `AUTO` and ` auto` meaning what `auto`
+    does, as `local` (Ray's own check would reject them mid-run)."""
+    value = value.strip()
+    return value.lower() if value.lower() in ("auto", "local") else value
 
 
 class PipelineSettings(EngineSettings):

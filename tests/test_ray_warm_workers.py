@@ -20,6 +20,7 @@ from fixtures_netns import RayWorld, RunResult
 from test_ray import (
     HOLD,
     ROLLFLOW,
+    _chunk_workers,
     _ray_run,
     _reverify,
     _stats,
@@ -33,7 +34,6 @@ from test_ray import (
 from rollflow.tasks.wrappers.ray_actor import NAME_PREFIX, NAMESPACE
 
 WORKER = "ray::ChunkWorker"  # an idle warm worker's process title
-BUSY = "ray::collect-chunk"  # a warm worker's (or Ray task's) while it runs a chunk
 OTHER_CODE = f"{NAME_PREFIX}-0123456789ab-0"
 NAMES = f"""
 import json, sys, ray
@@ -55,8 +55,8 @@ print(json.dumps(sorted(names)))
 WARM_HOLD = (
     HOLD
     + """
-from rollflow.flows.ray_pool import WarmWorkers
-with WarmWorkers.opened(30) as pool:
+from rollflow.flows.ray_pool import ChunkWorkers
+with ChunkWorkers.opened(30) as pool:
     calls = [pool.submit(hold, f"hold-{i}", 2.0) for i in range(4)]
     print(json.dumps([call.result(timeout=120) for call in calls]))
 """
@@ -69,10 +69,6 @@ def _names(world: RayWorld, what: str = "list") -> list[str]:
     return json.loads(world.run(args, env=world.env(), timeout=120).check().stdout.strip().splitlines()[-1])
 
 
-def _workers(world: RayWorld) -> list[int]:
-    return sorted(world.pids(WORKER) + world.pids(BUSY))
-
-
 @pytest.fixture
 def warm(ray_world: RayWorld) -> Iterator[RayWorld]:
     """The world, with no warm worker left at the end: they hold the CPUs other tests' tasks need."""
@@ -80,7 +76,7 @@ def warm(ray_world: RayWorld) -> Iterator[RayWorld]:
         yield ray_world
     finally:
         _names(ray_world, "end")
-        _wait_for(lambda: not _workers(ray_world), "warm workers still running", timeout_s=60)
+        _wait_for(lambda: not _chunk_workers(ray_world), "warm workers still running", timeout_s=60)
 
 
 def test_ray_warm_workers_serve_the_next_run_then_end_when_idle(
@@ -102,7 +98,9 @@ def test_ray_warm_workers_serve_the_next_run_then_end_when_idle(
     assert len(seen[0]) == 2, seen  # one per CPU of the cluster
     assert seen[1] == seen[0], "the second run started workers of its own"
     assert len(_names(warm)) == 2
-    _wait_for(lambda: not _workers(warm), "idle workers outlived their keep time", timeout_s=keep_s + 20)
+    _wait_for(
+        lambda: not _chunk_workers(warm), "idle workers outlived their keep time", timeout_s=keep_s + 20
+    )
     assert _names(warm) == []
 
 
@@ -113,7 +111,7 @@ def test_ray_a_warm_worker_killed_mid_chunk_has_its_chunk_sent_to_a_new_one(
     out = tmp_path / "out"
     run = _ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", "30")
     _wait_for(lambda: _stats(warm, sim)["completed"] >= 600, "the run made no progress", world=warm, run=run)
-    victims = _workers(warm)  # each runs chunks mid-run (two at a time, its title names one or none)
+    victims = _chunk_workers(warm)  # each runs chunks mid-run (two at a time, its title names one or none)
     assert victims, warm.procs("ray::")
     assert warm.kill(pid=victims[0], signal=9)
     result = warm.wait(run, timeout=300)
@@ -191,14 +189,14 @@ def test_ray_workers_started_with_the_cluster_serve_the_first_run(
     started = _ray_workers(warm, "--keep-s", "60")
     assert started.rc == 0, started.stderr[-3000:]
     assert "2 of 2 warm Ray chunk workers up" in started.stdout
-    before = _workers(warm)
+    before = _chunk_workers(warm)
     assert len(before) == 2
     sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
     out = tmp_path / "out"
     result = warm.wait(_ray_run(warm, rows_input, str(out), sim, "--ray-keep-workers-s", "60"), 240)
     assert result.rc == 0, result.stderr[-3000:]
     assert (out / "rollouts.jsonl").read_bytes() == reference
-    assert _workers(warm) == before, "the run started workers of its own"
+    assert _chunk_workers(warm) == before, "the run started workers of its own"
 
 
 def test_a_run_on_rays_tasks_ends_the_idle_warm_workers_holding_the_cpus(
@@ -236,9 +234,9 @@ def test_the_newest_keep_time_holds_for_workers_already_up(
         _ray_run(warm, rows_input, str(tmp_path / "out"), sim, "--ray-keep-workers-s", "300"), 240
     )
     assert result.rc == 0, result.stderr[-3000:]
-    assert len(_workers(warm)) == 2
+    assert len(_chunk_workers(warm)) == 2
     assert _ray_workers(warm, "--keep-s", "2").rc == 0
-    _wait_for(lambda: not _workers(warm), "the workers kept the first run's keep time", timeout_s=20)
+    _wait_for(lambda: not _chunk_workers(warm), "the workers kept the first run's keep time", timeout_s=20)
 
 
 def test_a_node_that_joins_mid_run_gets_a_warm_worker(
@@ -256,7 +254,7 @@ def test_a_run_on_rays_tasks_gets_the_cpus_warm_workers_free_mid_run(
     busy = _ray_run(warm, rows_input, str(tmp_path / "warm"), sim, "--ray-keep-workers-s", "300",
                     "--parallelism", "4")  # fmt: skip
     _wait_for(
-        lambda: len(_workers(warm)) == 2 and _stats(warm, sim)["completed"] > 0,
+        lambda: len(_chunk_workers(warm)) == 2 and _stats(warm, sim)["completed"] > 0,
         "the warm run's two workers never started",
     )
     plain = _ray_run(warm, rows_input, str(tmp_path / "plain"), sim)
