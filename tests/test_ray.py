@@ -74,7 +74,8 @@ from rollflow.flows.engines import _ray_calls
 from rollflow.settings.models import EngineSettings
 def workers():
     titles = ("ray::ChunkWorker", "ray::hold")
-    return [p.pid for p in psutil.process_iter() if " ".join(p.cmdline() or []).startswith(titles)]
+    procs = psutil.process_iter(["cmdline"])  # a zombie's cmdline is None here, not an error
+    return [p.pid for p in procs if " ".join(p.info["cmdline"] or []).startswith(titles)]
 with _ray_calls(EngineSettings(runner="ray", ray_address=sys.argv[1])) as (submit, result, *_):
     calls = [submit(hold, f"hold-{i}", 2.0) for i in range(4)]
     spans = [result(call) for call in calls]
