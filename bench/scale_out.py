@@ -176,12 +176,9 @@ def ray_cluster(env: dict[str, str], logs: Path) -> tuple[str, list[psutil.Proce
 def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     tag = name.split(",")[0] + ("-again" if "second" in name else "")
-    timeline = Timeline(SIMULATOR[0], PARALLELISM - 2) if TIMELINE else contextlib.nullcontext()
-    with CpuMeter(engine_kind) as meter, profiled(tag), timeline:
+    with CpuMeter(engine_kind) as meter, profiled(tag), backend_timeline(name):
         proc = subprocess.run([ROLLFLOW, *args], env=env, capture_output=True, text=True, timeout=900)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)  # before py-spy's own CPU joins it
-    if isinstance(timeline, Timeline):
-        print(f"\n{name}: backend {timeline.line()}")
     if proc.returncode:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     report = json.loads((out / "report.json").read_text())
@@ -202,6 +199,25 @@ def run(name: str, args: list[str], env: dict[str, str], out: Path) -> tuple[Row
         meter.seconds("daemon"),
     )
     return row, report
+
+
+def half_of(common: list[str], rows: Path) -> list[str]:
+    """`common` with `rows` for its input and half its parallelism."""
+    args = list(common)
+    args[args.index("--input") + 1] = str(rows)
+    args[args.index("--parallelism") + 1] = str(PARALLELISM // 2)
+    return args
+
+
+@contextlib.contextmanager
+def backend_timeline(name: str) -> Iterator[None]:
+    """With ROLLFLOW_BENCH_TIMELINE: the backend's in-flight count over the block, said after it."""
+    if not TIMELINE:
+        yield
+        return
+    with Timeline(SIMULATOR[0], PARALLELISM - 2) as timeline:
+        yield
+    print(f"\n{name}: backend {timeline.line()}")
 
 
 def profiled_kind(proc: psutil.Process) -> str | None:
@@ -313,16 +329,16 @@ def split_run(common: list[str], env: dict[str, str], work: Path, name: str) -> 
     """Two local `rollflow run` processes side by side, each with half the rows at half the parallelism:
     the input split by index range across machines, as by hand. Its CPU per rollout over the local
     runner's is what splitting the same load over two processes costs on this machine, with no engine."""
-    halves = [write_input(work / f"half-{i}.jsonl", ROLLOUTS // 2, seed=i + 1) for i in range(2)]
-    args = list(common)
-    args[args.index("--parallelism") + 1] = str(PARALLELISM // 2)
+    halves = [work / f"half-{i}.jsonl" for i in range(2)]
+    for i, half in enumerate(halves):
+        if not half.exists():  # written once, for every split run of the bench
+            write_input(half, ROLLOUTS // 2, seed=i + 1)
     folders = [work / f"{name.replace(', ', '-').replace(' ', '-')}-{i}" for i in range(2)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    timeline = Timeline(SIMULATOR[0], PARALLELISM - 2) if TIMELINE else contextlib.nullcontext()
-    with timeline:
+    with backend_timeline(name):
         procs = [
             subprocess.Popen(
-                [ROLLFLOW, *args, "--input", str(half), "--output", str(folder)],
+                [ROLLFLOW, *half_of(common, half), "--output", str(folder)],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -334,8 +350,6 @@ def split_run(common: list[str], env: dict[str, str], work: Path, name: str) -> 
     for proc, err in zip(procs, errors, strict=True):
         if proc.returncode:
             raise SystemExit(f"{name}: exit {proc.returncode}\n{err.decode(errors='replace')[-3000:]}")
-    if isinstance(timeline, Timeline):
-        print(f"\n{name}: backend {timeline.line()}")
     reports = [json.loads((folder / "report.json").read_text()) for folder in folders]
     rollouts = sum(r["rows_written"] for r in reports)
     collect_s = max(r["stages"]["collect"] for r in reports)
