@@ -156,3 +156,22 @@ async def test_a_verification_limit_is_not_taken_for_the_backends(tmp_path, proc
     assert figures["verify_processes"] == processes, figures
     assert figures["verify_capacity_per_s"] > 0, figures
     assert any("--verify-processes" in note for note in t.notes), t.notes
+
+
+async def test_a_search_cut_by_its_step_budget_still_checks_its_choice(tmp_path) -> None:
+    """The step budget bounds the search; the choice still runs its stability stretch (it was skipped, and
+    a tuning that had spent its steps on extensions reported itself unstable)."""
+    sim = spawn_simulator("--slots", "32", "--latency-ms", "20")
+    try:
+        s = setup_run(tmp_path, sim.url, rows=3000, backoff_base_s=0.01, backoff_max_s=0.05)
+        feed = ProbeFeed(s.ctx, s.plan)
+        d = await diagnose(s.ctx, s.plan, feed=feed)
+        t = await tune(s.ctx, s.plan, TuneOptions(max_steps=1), feed=feed, seeds=[d.low, d.high])
+        feed.close()
+        phases = [x.phase for x in t.steps]
+        assert phases.count("search") == 1 and t.stop_reason == "step or time budget", t.as_dict()
+        stretch = t.steps[-1]
+        assert stretch.phase == "stability" and stretch.parallelism == t.chosen_parallelism, t.as_dict()
+        assert t.stable and not t.notes, t.as_dict()
+    finally:
+        sim.stop()
