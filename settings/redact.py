@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import threading
 import traceback
 from typing import Any
@@ -19,6 +20,8 @@ from pydantic import BaseModel, SecretStr
 MASK = "***"
 # Credentials the storage and HTTP clients read from the environment themselves.
 ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
+# user:password@ in any URL (an engine's address, a backend's, a store's): masked without registering it
+USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
 _lock = threading.Lock()
 _installed = False
 
@@ -34,6 +37,8 @@ class _Secrets:
         self.values: frozenset[str] = frozenset()
 
     def redact(self, text: str) -> str:
+        if "@" in text:
+            text = USERINFO.sub(rf"\1{self.mask}@", text)
         for secret in sorted(self.values, key=len, reverse=True):
             if secret in text:
                 text = text.replace(secret, self.mask)
@@ -88,7 +93,8 @@ class RedactedStream(io.TextIOBase):
 
 
 def redact(text: str) -> str:
-    """`text` with every registered secret replaced by ***, longest first (a key inside another)."""
+    """`text` with every registered secret replaced by ***, longest first (a key inside another), and every
+    URL's user:password@ by ***@."""
     return _SECRETS.redact(text)
 
 

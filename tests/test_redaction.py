@@ -13,6 +13,7 @@ from cli_runs import run_args
 from key_server import KeyServer
 from prefect_api import flow_runs_of, post
 
+from rollflow.infra.local import free_port
 from rollflow.settings import redact
 
 API_KEY = "sk-live-8f3a9c2d71e04b5a"
@@ -108,3 +109,20 @@ def test_an_addresss_credentials_are_written_nowhere(run_cli, fast_sim, rows_inp
     texts = {"stderr": res.stderr, "stdout": res.stdout}
     texts |= {str(p): p.read_bytes().decode(errors="replace") for p in out.rglob("*") if p.is_file()}
     assert not [where for where, text in texts.items() if password in text]
+
+
+def test_an_engine_addresss_credentials_stay_out_of_its_usage_error(
+    run_cli, fast_sim, rows_input, tmp_path: Path
+) -> None:
+    """The line saying nothing answers at `ray://alice:pw@host` printed the password (any URL's
+    user:password@ is masked wherever a text is redacted, as report.json's copy was)."""
+    password = "pw-51d0c3e2"
+    port = free_port()
+    for runner, address in (
+        ("ray", f"ray://alice:{password}@127.0.0.1:{port}"),
+        ("dask", f"tcp://alice:{password}@127.0.0.1:{port}"),
+    ):
+        flags = ("--runner", runner, f"--{runner}-address", address)
+        res = run_cli(*run_args(rows_input, str(tmp_path / "out"), fast_sim), *flags)
+        assert res.returncode == 2 and "127.0.0.1" in res.stderr, res.stderr[-3000:]
+        assert password not in res.stderr + res.stdout, res.stderr[-3000:]

@@ -158,11 +158,12 @@ def check_engine(spec: EngineSettings) -> None:
     """A remote runner that cannot start here is a usage error before anything runs; a flag the runner
     ignores is said on stderr."""
     from rollflow.flows.engines import engine_notes, engine_problem
+    from rollflow.settings import redact
 
     if spec.runner != "local" and (problem := engine_problem(spec)):
         raise UsageError(problem)
     for note in engine_notes(spec):
-        print(f"rollflow: {note}", file=sys.stderr)
+        print(f"rollflow: {redact.redact(note)}", file=sys.stderr)
 
 
 def _unparsable_json_settings() -> list[str]:

@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # from the first import on: a stop while the parser loads is one line too
         return _command(argv, started_at, fresh)
     except UsageError as exc:
-        print(f"rollflow: {exc}", file=sys.stderr)
+        from rollflow.settings import redact  # a flag's text can hold an address's user:password
+
+        print(f"rollflow: {redact.redact(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt as exc:
         term = isinstance(exc, Terminated)

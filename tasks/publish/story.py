@@ -7,7 +7,6 @@ most), so p50 and p95 are exact (nearest rank) without holding a value per rollo
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -23,7 +22,6 @@ OTHER = "(other)"
 NOT_SAMPLING = frozenset({"input", "tools", "instructions", "metadata", "tool_choice", "text"})
 TRUNCATING = frozenset({"length", "max_output_tokens", "max_tokens"})
 LIBRARIES = {"math": "math-verify"}
-_USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
 
 
 def _count(value: Any) -> int | None:
@@ -189,7 +187,7 @@ def verifier_story(verify: VerifySettings, scored: bool = True) -> dict[str, Any
 
 def scrub_url(url: str) -> str:
     """A URL without user:password@ and with every registered secret masked."""
-    return redact.redact(_USERINFO.sub(r"\1***@", url))
+    return redact.redact(url)
 
 
 def scrubbed(value: Any) -> Any:
