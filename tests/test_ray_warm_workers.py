@@ -3,7 +3,7 @@ worker processes and writes the local runner's bytes, the workers end once idle 
 worker SIGKILLed mid-chunk has its chunk sent to a new one (every rollout once), and an idle worker of
 other code, which holds a CPU, is ended at a run's start (or the run would have one worker fewer); a run
 through a Ray client address, a reverify's chunks on warm workers, `rollflow ray-workers` starting them
-for the first run, a run on Ray's tasks ending the idle warm workers that hold the CPUs it needs (at
+for the first run, a run on workers of its own ending the idle warm workers that hold the CPUs it needs (at
 its start and as they go idle), the newest keep time holding, a node that joins mid-run, and a worker
 running two chunk calls at once."""
 
@@ -199,11 +199,11 @@ def test_ray_workers_started_with_the_cluster_serve_the_first_run(
     assert _chunk_workers(warm) == before, "the run started workers of its own"
 
 
-def test_a_run_on_rays_tasks_ends_the_idle_warm_workers_holding_the_cpus(
+def test_a_run_on_its_own_workers_ends_the_idle_warm_workers_holding_the_cpus(
     warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    """Warm workers hold every CPU for 600 s; a run without --ray-keep-workers-s (Ray's tasks) would wait
-    that long for a CPU."""
+    """Warm workers hold every CPU for 600 s; a run without --ray-keep-workers-s (on workers of its own)
+    would wait that long for a CPU."""
     assert _ray_workers(warm, "--keep-s", "600").rc == 0
     sim = warm.simulate(["--latency-ms", "5", "--slots", "16"])
     out = tmp_path / "out"
@@ -245,10 +245,10 @@ def test_a_node_that_joins_mid_run_gets_a_warm_worker(
     node_joins_mid_run(warm, rows_input, tmp_path, "--ray-keep-workers-s", "30")
 
 
-def test_a_run_on_rays_tasks_gets_the_cpus_warm_workers_free_mid_run(
+def test_a_run_on_its_own_workers_gets_the_cpus_warm_workers_free_mid_run(
     warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    """A warm run holds both CPUs; a run on Ray's tasks starts meanwhile: once the warm run ends, its
+    """A warm run holds both CPUs; a run on workers of its own starts meanwhile: once the warm run ends, its
     idle workers give the CPUs up (they would hold them for 300 s)."""
     sim = warm.simulate(["--latency-ms", "20", "--slots", "16"])
     busy = _ray_run(warm, rows_input, str(tmp_path / "warm"), sim, "--ray-keep-workers-s", "300",
@@ -260,6 +260,6 @@ def test_a_run_on_rays_tasks_gets_the_cpus_warm_workers_free_mid_run(
     plain = _ray_run(warm, rows_input, str(tmp_path / "plain"), sim)
     assert warm.wait(busy, timeout=240).rc == 0
     result = warm.wait(plain, timeout=120)
-    assert not result.running, "the run on Ray's tasks waited for the CPUs idle warm workers held"
+    assert not result.running, "the run on workers of its own waited for the CPUs idle warm workers held"
     assert result.rc == 0, result.stderr[-3000:]
     assert (tmp_path / "plain" / "rollouts.jsonl").read_bytes() == reference
