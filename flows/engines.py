@@ -12,13 +12,13 @@ import functools
 import importlib
 import os
 import secrets
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rollflow.flows.engine_addresses import dask_unreachable, ray_address_env, ray_head_unreachable
 from rollflow.settings import RunSpec
-from rollflow.settings.models import EngineSettings, ray_address_words
+from rollflow.settings.models import EngineSettings
 from rollflow.tasks.collect.runtime import default_chunks_in_flight
 from rollflow.tasks.scaleout.channels import DaskChannel, DaskLink, RayChannel, RayLink
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
@@ -26,7 +26,6 @@ from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 PRELOAD = "rollflow.tasks.wrappers.preload"
 PRELOAD_NANNY = "rollflow.tasks.wrappers.preload_nanny"
 LOCAL_WORKERS_START_S = 120.0
-HEAD_PROBE_S = 5.0  # how long the address of a Ray cluster's head may take to accept a connection
 RAY_MISSING = (
     "--runner ray needs Ray and prefect-ray, which are not installed: pip install 'rollflow[ray]' "
     "(on the machine that runs the flow and on every Ray node)"
@@ -81,12 +80,7 @@ RUNNER_FIELDS = {
 def ray_target(spec: EngineSettings) -> str | None:
     """The address a Ray run joins: `--ray-address`, else RAY_ADDRESS (which `ray.init` reads too), else
     None: a local instance of its own."""
-    return spec.ray_address or _ray_address_env() or None
-
-
-def _ray_address_env() -> str:
-    """RAY_ADDRESS as the flag is read ("" when unset or blank)."""
-    return ray_address_words(os.environ.get("RAY_ADDRESS", ""))
+    return spec.ray_address or ray_address_env() or None
 
 
 def keeps_warm_workers(spec: EngineSettings) -> bool:
@@ -136,6 +130,8 @@ def engine_problem(spec: EngineSettings) -> str | None:
                 return problem
         elif spec.runner == "dask" and spec.dask_cluster_class:
             cluster_class(spec.dask_cluster_class)
+        elif spec.runner == "dask" and spec.dask_address:
+            return dask_unreachable(spec.dask_address)
     except EngineUnavailable as exc:
         return str(exc)
     return None
@@ -145,72 +141,6 @@ def ray_unreachable(spec: EngineSettings) -> str | None:
     """Why the Ray cluster a run would join does not answer, or None (a local instance, or it answers)."""
     label = "--ray-address" if spec.ray_address else "RAY_ADDRESS"
     return ray_head_unreachable(ray_target(spec), label=label)
-
-
-def ray_head_unreachable(
-    address: str | None, timeout_s: float = HEAD_PROBE_S, label: str = "--ray-address"
-) -> str | None:
-    """Why no Ray cluster answers at `address` (host:port, ray://host:port, or auto: RAY_ADDRESS, else the
-    cluster `ray start` recorded on this machine), or None (also for None and local: a local instance).
-    Ray itself waits for ever on a dead address; prefect-ray starts a throwaway local instance for auto."""
-    given = address
-    if address == "auto":
-        env = _ray_address_env()
-        address = env if env not in ("", "auto") else _recorded_ray_address()
-        if address is None:
-            return (
-                f"{label} auto: no running Ray cluster to join (no RAY_ADDRESS, and no cluster started on "
-                "this machine). Start one here (`ray start --head`), set RAY_ADDRESS, or give its head's "
-                "address: host:port or ray://host:10001."
-            )
-    if address is None or address.lower() in ("local", "auto"):
-        return None
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    found = f" (found at {address})" if given != address else ""
-    if not host or not port.isdigit() or "://" in host:  # http://, tcp://: Ray has no such address
-        return (
-            f"{label} {given}{found}: not a Ray cluster's address; give its head's host:port, "
-            "ray://host:10001, auto or local."
-        )
-    if reason := _silent(host, int(port), address.startswith("ray://"), timeout_s):
-        return (
-            f"{label} {given}{found}: nothing answers there ({reason}). Start the cluster "
-            "(`ray start --head`) or give its head's address: host:port, ray://host:10001 or auto."
-        )
-    return None
-
-
-def _silent(host: str, port: int, client: bool, timeout_s: float) -> str | None:
-    """Why no Ray server answers at host:port, or None. Both Ray's GCS and its client server speak gRPC: a
-    port that only accepts a connection (a web server, the dashboard) made Ray retry for 13 minutes. The
-    GCS gets a TCP connect first, whose error names the cause; the client server only the handshake, as
-    its own clients do: after bare TCP connects there, the next client's server failed to start (one
-    client in three after two connects, two in two after five; none in three after five handshakes)."""
-    if not client:
-        try:
-            socket.create_connection((host.strip("[]"), port), timeout=timeout_s).close()
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    import grpc  # Ray's own dependency
-
-    channel = grpc.insecure_channel(f"{host}:{port}")
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        return f"no Ray server: no gRPC answer within {timeout_s:g} s"
-    finally:
-        channel.close()
-    return None
-
-
-def _recorded_ray_address() -> str | None:
-    """The cluster `ray start` recorded on this machine (or one running here), as Ray's `auto` finds it."""
-    import ray  # its private modules expect the package loaded
-
-    try:
-        return ray._private.services.get_ray_address_from_environment("auto", None)
-    except ConnectionError:
-        return None
 
 
 def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -> Any:
@@ -260,7 +190,7 @@ def ray_runner(spec: EngineSettings) -> Any:
 def _normalise_ray_env() -> None:
     """`ray.init` reads RAY_ADDRESS as it is (` auto` failed mid-run): it gets it as rollflow's checks read
     it. A blank one is none."""
-    if value := _ray_address_env():
+    if value := ray_address_env():
         os.environ["RAY_ADDRESS"] = value
     else:
         os.environ.pop("RAY_ADDRESS", None)
@@ -298,6 +228,8 @@ def open_engine(
                     with contextlib.suppress(Exception):
                         channel.close()
         return
+    if spec.dask_address and (problem := dask_unreachable(spec.dask_address)):  # as Ray's, above
+        raise EngineUnavailable(problem)
     with dask_runner(spec, chunks, threads) as runner:
         if not spec.dask_address and not spec.dask_cluster_class:
             # A local cluster's workers all count themselves when sizing their verifier pools: a chunk on

@@ -13,7 +13,7 @@ import pytest
 from cli_runs import ROWS, run_args, spawn, wait_until
 from fixtures_dask import PRELOAD, PRELOAD_NANNY, reset_stats, set_latency, sim_stats
 
-from rollflow.infra.local import spawn_simulator
+from rollflow.infra.local import free_port, spawn_simulator
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
 
 
@@ -239,3 +239,26 @@ def test_a_local_cluster_run_shows_no_dask_info_logs(run_cli, fast_sim, rows_inp
                    env={"DASK_LOGGING__DISTRIBUTED": "info"})  # fmt: skip
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert "distributed.scheduler" in loud.stderr, loud.stderr[-3000:]
+
+
+def test_a_dask_address_nothing_answers_or_not_dasks_is_a_usage_error(
+    run_cli, fast_sim, rows_input, tmp_path
+) -> None:
+    """A scheduler address was only tried mid-run: a closed port failed after Dask's connect timeout with
+    a traceback, a web server's port waited on Dask's handshake, and `alice:pw@` or http:// raised
+    Dask's ValueError with the address in it."""
+    web = fast_sim.url.removeprefix("http://").rstrip("/")
+    closed = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "out"
+    for address, said in (
+        (f"tcp://{closed}", f"--dask-address tcp://{closed}: nothing answers there"),
+        (f"tcp://{web}", f"--dask-address tcp://{web}: no Dask scheduler answers there"),
+        (f"http://{web}", "not a Dask scheduler's address"),
+        (f"tcp://alice:pw-7d2e@{closed}", "not a Dask scheduler's address"),
+    ):
+        started = time.monotonic()
+        flags = ("--runner", "dask", "--dask-address", address)
+        res = run_cli(*run_args(rows_input, str(out), fast_sim), *flags)
+        assert res.returncode == 2 and said in res.stderr, (address, res.stderr[-3000:])
+        assert "pw-7d2e" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+        assert time.monotonic() - started < 40 and not out.exists(), address

@@ -399,6 +399,32 @@ def test_ray_client_address_runs_within_the_limit(
     assert set(_share_keys(ray_world)) <= {LIVE_BOARD}, "the run's share channel was left on the cluster"
 
 
+def test_rays_client_port_as_a_gcs_address_or_its_gcs_port_as_ray_client_is_a_usage_error(
+    ray_world: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    """Both ports answer gRPC, so both passed the check and failed after 22-32 s with Ray's own error
+    (exit 1); they are named for what they are, before anything runs."""
+    gcs = ray_world.ray_address
+    host = gcs.rpartition(":")[0]
+    for address, said in (
+        (f"{host}:{RAY_CLIENT_PORT}", "Ray's client server, not the head's GCS port"),
+        (f"ray://{gcs}", "the head's GCS port, not Ray's client server"),
+    ):
+        args = [
+            ROLLFLOW,
+            *run_args(rows_input, str(tmp_path / "out"), SimpleNamespace(url="http://127.0.0.1:9")),
+        ]
+        started = time.monotonic()
+        result = ray_world.run(
+            [*args, "--runner", "ray", "--ray-address", address], env=ray_world.env(), timeout=120
+        )
+        assert result.rc == 2 and f"--ray-address {address}: {said}" in result.stderr, result.stderr[-3000:]
+        assert time.monotonic() - started < 30 and not (tmp_path / "out").exists()
+    workers = [ROLLFLOW, "ray-workers", "--ray-address", "local", "--keep-s", "60"]
+    result = ray_world.run(workers, env=ray_world.env(), timeout=120)
+    assert result.rc == 2 and "warm workers would end with the local instance" in result.stderr, result.stderr
+
+
 SLOW_VERIFIER = """
 import asyncio, os, pathlib
 

@@ -31,7 +31,7 @@ def add_ray_workers_parser(sub: Any) -> None:
 def cmd_ray_workers(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from rollflow.flows.engines import start_warm_workers
+    from rollflow.flows.engines import keeps_warm_workers, start_warm_workers
     from rollflow.settings.models import EngineSettings
 
     try:
@@ -42,6 +42,11 @@ def cmd_ray_workers(args: argparse.Namespace) -> int:
         raise UsageError("--ray-address: give the cluster's address (host:port of its head, or ray://...)")
     if not spec.ray_keep_workers_s > 0 or not 0 < args.start_timeout_s < math.inf:
         raise UsageError("--keep-s and --start-timeout-s must be numbers above 0")
+    if not keeps_warm_workers(spec):
+        raise UsageError(
+            "--ray-address local: warm workers would end with the local instance this command starts; "
+            "give the lasting cluster's address (auto, head:6379 or ray://head:10001)"
+        )
     check_engine(spec)
     up, count = start_warm_workers(spec, args.start_timeout_s)
     print(
