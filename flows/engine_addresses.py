@@ -41,9 +41,11 @@ def ray_head_unreachable(
             )
     if address is None or address.lower() in ("local", "auto"):
         return None
+    if "@" in address:  # RAY_ADDRESS (the flag's value was refused as it was read); never echoed
+        return f"{label}: carries a user:password@; Ray's addresses take none: host:port or ray://host:port."
     host, _, port = address.removeprefix("ray://").rpartition(":")
     found = f" (found at {address})" if given != address else ""
-    if not host or not port.isdigit() or "://" in host:  # http://, tcp://: Ray has no such address
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "://" in host:  # http://, tcp://
         return (
             f"{label} {given}{found}: not a Ray cluster's address; give its head's host:port, "
             "ray://host:10001, auto or local."
@@ -85,7 +87,7 @@ def _silent(host: str, port: int, client: bool, timeout_s: float) -> str | None:
 def _other_ray_port(host: str, port: int, client: bool, timeout_s: float) -> str | None:
     """Why a Ray server answers there but not the kind the address names, or None. Ray's client port given
     as a GCS address, or the GCS port as ray://, failed after 22-32 s with Ray's own error. Only the GCS
-    serves GetClusterId (read-only); the client server answers it UNIMPLEMENTED."""
+    serves GetClusterId (read-only); the client server, as any other gRPC server, answers it UNIMPLEMENTED."""
     import grpc
 
     try:
@@ -99,7 +101,10 @@ def _other_ray_port(host: str, port: int, client: bool, timeout_s: float) -> str
     if client and gcs:
         return "the head's GCS port, not Ray's client server: give it without ray://, or ray://host:10001"
     if not client and not gcs:
-        return "Ray's client server, not the head's GCS port: give it as ray://host:port, or host:6379"
+        return (
+            "a gRPC server, but not Ray's GCS (Ray's client port? give that as ray://host:port; the GCS "
+            "is the head's host:6379)"
+        )
     return None
 
 
@@ -115,7 +120,8 @@ def _recorded_ray_address() -> str | None:
 
 def dask_unreachable(address: str, timeout_s: float = HEAD_PROBE_S) -> str | None:
     """Why no Dask scheduler answers at `address` (tcp://host:port, tls://..., or host:port), or None: an
-    address Dask cannot parse, a port nothing listens on, or one that does not answer Dask's handshake."""
+    address Dask cannot parse, a port nothing listens on, or one that does not answer Dask's handshake
+    (made with Dask's configured security, as the run's client makes it)."""
     from distributed.comm.addressing import parse_address, parse_host_port
     from distributed.comm.registry import get_backend
 
@@ -123,9 +129,11 @@ def dask_unreachable(address: str, timeout_s: float = HEAD_PROBE_S) -> str | Non
     try:
         scheme, location = parse_address(address)
         get_backend(scheme)  # http:// and the like: Dask has no such comm
-        host, port = parse_host_port(location) if scheme in ("tcp", "tls") else (None, None)
+        host, port = parse_host_port(location) if scheme in ("tcp", "tls") else (None, 1)
+        if not 0 < port < 65536:
+            raise ValueError(port)
     except ValueError:
-        return f"{label}: not a Dask scheduler's address; give tcp://host:8786 (no user:password)"
+        return f"{label}: not a Dask scheduler's address; give tcp://host:8786 (port 1 to 65535)"
     if host is not None:
         try:
             socket.create_connection((host, port), timeout=timeout_s).close()
@@ -135,21 +143,25 @@ def dask_unreachable(address: str, timeout_s: float = HEAD_PROBE_S) -> str | Non
                 "(`dask scheduler`) or give its address, tcp://host:8786."
             )
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the caller may be on an event loop
-        if pool.submit(asyncio.run, _dask_handshake(address, timeout_s)).result():
+        if (failed := pool.submit(asyncio.run, _dask_handshake(address, timeout_s)).result()) is None:
             return None
     return (
-        f"{label}: no Dask scheduler answers there (no Dask handshake within {timeout_s:g} s); give "
-        "the scheduler's address, tcp://host:8786."
+        f"{label}: no Dask scheduler answers there ({failed}); give the scheduler's address, "
+        "tcp://host:8786 (tls:// with Dask's TLS settings)."
     )
 
 
-async def _dask_handshake(address: str, timeout_s: float) -> bool:
-    """Whether Dask's comm handshake completes in time (Dask's own connect waits on it unbounded)."""
+async def _dask_handshake(address: str, timeout_s: float) -> str | None:
+    """Why Dask's comm handshake failed, or None (Dask's own connect waits on it unbounded)."""
     from distributed.comm import connect
+    from distributed.security import Security
 
     try:
-        comm = await asyncio.wait_for(connect(address, timeout=timeout_s), timeout_s)
-    except Exception:  # a web server's reply read as a frame length raised MemoryError, for one
-        return False
+        args = Security().get_connection_args("client")
+        comm = await asyncio.wait_for(connect(address, timeout=timeout_s, **args), timeout_s)
+    except TimeoutError:
+        return f"no Dask handshake within {timeout_s:g} s"
+    except Exception as exc:  # a web server's reply read as a frame length raised MemoryError, for one
+        return f"{type(exc).__name__}: {exc}"[:300]
     await comm.close()
-    return True
+    return None

@@ -30,9 +30,19 @@ class BackendKind(StrEnum):
     chat = "chat"
 
 
+def no_userinfo(value: str, what: str, instead: str) -> str:
+    """`value` unless it carries a user:password@ (any "@": a URL's or an address's), which would be
+    written into Prefect's parameters and the report with it; the error does not echo it."""
+    if "@" in value:  # anywhere: a password holding "/" moved the userinfo past the host's end
+        raise ValueError(f"{what} carries a user:password@, which rollflow does not take there; {instead}")
+    return value
+
+
 def split_urls(value: str) -> list[str]:
     """A comma-separated list of http(s) base URLs, stripped; a bad item is named in the error."""
     urls = [item.strip() for item in value.split(",")]
+    for n, url in enumerate(urls, 1):  # before any message echoes the list
+        no_userinfo(url, f"backend URL {n}", "give the backend's key as ROLLFLOW_BACKEND__API_KEY")
     seen: set[str] = set()
     for n, url in enumerate(urls, 1):
         where = f"item {n} of the backend URL list {value!r}" if len(urls) > 1 else f"backend URL {url!r}"
@@ -270,6 +280,13 @@ class VerifySettings(Settings):
         "tasks) when its reward is at least this",
     )
 
+    @field_validator("url")
+    @classmethod
+    def _url_plain(cls, value: str | None) -> str | None:
+        if value is not None:
+            no_userinfo(value, "the verifier URL", "the resources server is reached without one")
+        return value
+
     def verifier_for(self, backend_kind: str) -> str:
         """The verifier a backend of `backend_kind` gets: the one set, else its default."""
         if self.verifier is not None:
@@ -310,7 +327,16 @@ class EngineSettings(Settings):
     @field_validator("ray_address")
     @classmethod
     def _ray_address_words(cls, value: str | None) -> str | None:
+        if value is not None:
+            no_userinfo(value, "the Ray address", "Ray's take none: host:port or ray://host:port")
         return None if value is None else ray_address_words(value)
+
+    @field_validator("dask_address")
+    @classmethod
+    def _dask_address_plain(cls, value: str | None) -> str | None:
+        if value is not None:
+            no_userinfo(value, "the Dask address", "Dask's take none: tcp://host:port")
+        return value
 
 
 def ray_address_words(value: str) -> str:

@@ -407,7 +407,7 @@ def test_rays_client_port_as_a_gcs_address_or_its_gcs_port_as_ray_client_is_a_us
     gcs = ray_world.ray_address
     host = gcs.rpartition(":")[0]
     for address, said in (
-        (f"{host}:{RAY_CLIENT_PORT}", "Ray's client server, not the head's GCS port"),
+        (f"{host}:{RAY_CLIENT_PORT}", "a gRPC server, but not Ray's GCS (Ray's client port?"),
         (f"ray://{gcs}", "the head's GCS port, not Ray's client server"),
     ):
         args = [

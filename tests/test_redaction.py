@@ -98,31 +98,32 @@ def test_log_records_and_tracebacks_are_redacted_in_process() -> None:
     assert redact.redacted_error(plain) is plain
 
 
-def test_an_addresss_credentials_are_written_nowhere(run_cli, fast_sim, rows_input, tmp_path: Path) -> None:
-    """report.json kept the run's spec as given: `tcp://user:pw@host` in clear beside its masked copy."""
-    out = tmp_path / "out"
-    password = "pw-9c1e0b7d"
-    res = run_cli(*run_args(rows_input, str(out), fast_sim), "--dask-address", f"tcp://user:{password}@h:1")
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = orjson.loads((out / "report.json").read_bytes())
-    assert report["spec"]["engine"]["dask_address"] == "tcp://***@h:1"
-    texts = {"stderr": res.stderr, "stdout": res.stdout}
-    texts |= {str(p): p.read_bytes().decode(errors="replace") for p in out.rglob("*") if p.is_file()}
-    assert not [where for where, text in texts.items() if password in text]
-
-
-def test_an_engine_addresss_credentials_stay_out_of_its_usage_error(
+def test_credentials_in_an_address_or_url_are_refused_without_echoing_them(
     run_cli, fast_sim, rows_input, tmp_path: Path
 ) -> None:
-    """The line saying nothing answers at `ray://alice:pw@host` printed the password (any URL's
-    user:password@ is masked wherever a text is redacted, as report.json's copy was)."""
+    """A user:password@ in a backend URL went into Prefect's parameters, report.json and report.md; in an
+    engine address it was printed by usage errors (ray://, or no scheme at all, which no mask matched) or
+    raised mid-run by Dask. Each is refused before anything runs, and the refusal does not echo it."""
     password = "pw-51d0c3e2"
-    port = free_port()
-    for runner, address in (
-        ("ray", f"ray://alice:{password}@127.0.0.1:{port}"),
-        ("dask", f"tcp://alice:{password}@127.0.0.1:{port}"),
+    closed = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "out"
+    for flags, env in (
+        (("--runner", "ray", "--ray-address", f"ray://alice:{password}@{closed}"), {}),
+        (("--runner", "ray", "--ray-address", f"alice:{password}@{closed}"), {}),
+        (("--runner", "ray"), {"RAY_ADDRESS": f"alice:{password}@{closed}"}),
+        (("--runner", "dask", "--dask-address", f"tcp://alice:{password}@{closed}"), {}),
+        (("--runner", "dask", "--dask-address", f"tcp://alice:pa/{password}@{closed}"), {}),
+        (("--dask-address", f"tcp://alice:{password}@{closed}"), {}),  # ignored by the local runner, refused
+        (("--backend-url", f"{fast_sim.url},http://bob:{password}@{closed}"), {}),
     ):
-        flags = ("--runner", runner, f"--{runner}-address", address)
-        res = run_cli(*run_args(rows_input, str(tmp_path / "out"), fast_sim), *flags)
-        assert res.returncode == 2 and "127.0.0.1" in res.stderr, res.stderr[-3000:]
-        assert password not in res.stderr + res.stdout, res.stderr[-3000:]
+        res = run_cli(*run_args(rows_input, str(out), fast_sim), *flags, env=env)
+        assert res.returncode == 2 and "carries a user:password@" in res.stderr, (flags, res.stderr[-3000:])
+        assert password not in res.stderr + res.stdout and not out.exists(), (flags, res.stderr[-3000:])
+    res = run_cli("ray-workers", "--ray-address", f"alice:{password}@{closed}", "--keep-s", "60")
+    assert res.returncode == 2 and password not in res.stderr + res.stdout, res.stderr[-3000:]
+
+
+def test_a_urls_credentials_are_masked_in_any_redacted_text() -> None:
+    """Error texts from libraries (a connect error naming the URL) reach logs and failures files."""
+    text = "cannot connect to ray://alice:pw-0a9e@10.0.0.1:10001 or http://bob:x@h/v1"
+    assert redact.redact(text) == "cannot connect to ray://***@10.0.0.1:10001 or http://***@h/v1"

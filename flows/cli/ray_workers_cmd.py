@@ -37,7 +37,9 @@ def cmd_ray_workers(args: argparse.Namespace) -> int:
     try:
         spec = EngineSettings(runner="ray", ray_address=args.ray_address, ray_keep_workers_s=args.keep_s)
     except ValidationError as exc:
-        raise UsageError(f"--keep-s: {exc.errors()[0]['msg']}") from None
+        error = exc.errors()[0]
+        flag = "--ray-address" if error["loc"][:1] == ("ray_address",) else "--keep-s"
+        raise UsageError(f"{flag}: {error['msg']}") from None
     if not spec.ray_address or not spec.ray_address.strip():
         raise UsageError("--ray-address: give the cluster's address (host:port of its head, or ray://...)")
     if not spec.ray_keep_workers_s > 0 or not 0 < args.start_timeout_s < math.inf:
