@@ -12,7 +12,7 @@ import concurrent.futures
 import os
 import socket
 
-from rollflow.settings.models import ray_address_words
+from rollflow.settings.models import RAY_TAKES_NONE, no_userinfo, ray_address_words
 
 HEAD_PROBE_S = 5.0  # how long a cluster's head may take to answer
 GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # served by Ray's GCS, not by its client server
@@ -41,8 +41,10 @@ def ray_head_unreachable(
             )
     if address is None or address.lower() in ("local", "auto"):
         return None
-    if "@" in address:  # RAY_ADDRESS (the flag's value was refused as it was read); never echoed
-        return f"{label}: carries a user:password@; Ray's addresses take none: host:port or ray://host:port."
+    try:  # RAY_ADDRESS: the flag's value was refused as the settings read it
+        no_userinfo(address, label, RAY_TAKES_NONE)
+    except ValueError as exc:
+        return str(exc)
     host, _, port = address.removeprefix("ray://").rpartition(":")
     found = f" (found at {address})" if given != address else ""
     if not host or not port.isdigit() or not 0 < int(port) < 65536 or "://" in host:  # http://, tcp://

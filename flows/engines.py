@@ -128,10 +128,10 @@ def engine_problem(spec: EngineSettings) -> str | None:
             ray_runner(spec)
             if problem := ray_unreachable(spec):
                 return problem
+        elif spec.runner == "dask" and spec.dask_address:  # before the class, as dask_runner reads them
+            return dask_unreachable(spec.dask_address)
         elif spec.runner == "dask" and spec.dask_cluster_class:
             cluster_class(spec.dask_cluster_class)
-        elif spec.runner == "dask" and spec.dask_address:
-            return dask_unreachable(spec.dask_address)
     except EngineUnavailable as exc:
         return str(exc)
     return None

@@ -30,10 +30,15 @@ class BackendKind(StrEnum):
     chat = "chat"
 
 
-def no_userinfo(value: str, what: str, instead: str) -> str:
+RAY_TAKES_NONE = "Ray's take none: host:port or ray://host:port"
+
+
+def no_userinfo(value: str | None, what: str, instead: str) -> str | None:
     """`value` unless it carries a user:password@ (any "@": a URL's or an address's), which would be
     written into Prefect's parameters and the report with it; the error does not echo it."""
-    if "@" in value:  # anywhere: a password holding "/" moved the userinfo past the host's end
+    if (
+        value is not None and "@" in value
+    ):  # anywhere: a password holding "/" moved the userinfo past the host's end
         raise ValueError(f"{what} carries a user:password@, which rollflow does not take there; {instead}")
     return value
 
@@ -283,9 +288,7 @@ class VerifySettings(Settings):
     @field_validator("url")
     @classmethod
     def _url_plain(cls, value: str | None) -> str | None:
-        if value is not None:
-            no_userinfo(value, "the verifier URL", "the resources server is reached without one")
-        return value
+        return no_userinfo(value, "the verifier URL", "the resources server is reached without one")
 
     def verifier_for(self, backend_kind: str) -> str:
         """The verifier a backend of `backend_kind` gets: the one set, else its default."""
@@ -327,16 +330,13 @@ class EngineSettings(Settings):
     @field_validator("ray_address")
     @classmethod
     def _ray_address_words(cls, value: str | None) -> str | None:
-        if value is not None:
-            no_userinfo(value, "the Ray address", "Ray's take none: host:port or ray://host:port")
+        value = no_userinfo(value, "the Ray address", RAY_TAKES_NONE)
         return None if value is None else ray_address_words(value)
 
     @field_validator("dask_address")
     @classmethod
     def _dask_address_plain(cls, value: str | None) -> str | None:
-        if value is not None:
-            no_userinfo(value, "the Dask address", "Dask's take none: tcp://host:port")
-        return value
+        return no_userinfo(value, "the Dask address", "Dask's take none: tcp://host:port")
 
 
 def ray_address_words(value: str) -> str:
