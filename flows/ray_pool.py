@@ -42,6 +42,7 @@ TICK_S = 5.0  # how often idle warm workers are looked for
 COUNT_S = 1.0
 RUN_KEEP_S = 3600.0  # a run's own workers end with it; this only bounds one a lost flow would leave
 END_WAIT_S = 5.0  # how long a run waits for its own workers to be gone
+NO_WORKER_NOTE_S = 20.0  # calls waiting this long with no worker up: say why, once
 
 
 @functools.cache
@@ -138,6 +139,7 @@ class ChunkWorkers:
         self.waiting: deque[Call] = deque()
         self.events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.lock = threading.Lock()  # `waiting`, between submit/cancel and the pool's thread
+        self.opened_at, self.said_no_worker = time.monotonic(), False
         self.thread = threading.Thread(target=self._serve, name="rollflow-ray-workers", daemon=True)
 
     @classmethod
@@ -255,6 +257,20 @@ class ChunkWorkers:
             self.handles += [None] * (cpus - self.count)
             self.count = cpus
         self._start_missing()
+        waited_s = time.monotonic() - self.opened_at
+        if not self.seats and not self.said_no_worker and waited_s > NO_WORKER_NOTE_S:
+            self._say_no_worker(cpus)
+
+    def _say_no_worker(self, cpus: int) -> None:
+        """Once: why a run whose calls wait has no worker (it would wait without a word otherwise)."""
+        self.said_no_worker = True
+        free = ray.available_resources().get("CPU", 0)
+        log.warning(
+            "no Ray chunk worker has started in %.0f s: the cluster has %d CPUs, %g of them free; "
+            "chunks wait until a CPU is free (another run's workers or other Ray work hold them) "
+            "or a node joins",
+            NO_WORKER_NOTE_S, cpus, free,
+        )  # fmt: skip
 
     def _start_missing(self) -> None:
         for slot, handle in enumerate(self.handles):

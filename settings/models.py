@@ -331,12 +331,22 @@ class EngineSettings(Settings):
     @classmethod
     def _ray_address_words(cls, value: str | None) -> str | None:
         value = no_userinfo(value, "the Ray address", RAY_TAKES_NONE)
+        value = not_blank(value, "the Ray address", "host:port, ray://host:port or auto", "a local instance")
         return None if value is None else ray_address_words(value)
 
     @field_validator("dask_address")
     @classmethod
     def _dask_address_plain(cls, value: str | None) -> str | None:
-        return no_userinfo(value, "the Dask address", "Dask's take none: tcp://host:port")
+        value = no_userinfo(value, "the Dask address", "Dask's take none: tcp://host:port")
+        return not_blank(value, "the Dask address", "tcp://host:port", "a local cluster")
+
+
+def not_blank(value: str | None, what: str, form: str, otherwise: str) -> str | None:
+    """`value` unless it is empty or spaces: `--ray-address "$HEAD"` with HEAD unset would otherwise run
+    the whole job on this machine instead of the cluster meant."""
+    if value is not None and not value.strip():
+        raise ValueError(f"{what} is empty; give {form}, or leave it out for {otherwise}")
+    return value
 
 
 def ray_address_words(value: str) -> str:

@@ -40,6 +40,47 @@ def test_invalid_flags(run_cli, tmp_path: Path):
     assert res.returncode == 2 and "No input" in res.stderr
 
 
+def test_an_empty_engine_address_is_a_usage_error_and_reverify_reads_the_engine_settings(
+    run_cli, tmp_path: Path
+):
+    """`--ray-address "$HEAD"` with HEAD unset ran the whole job on this machine, not the cluster meant."""
+    inp = write_rows(tmp_path / "rows.jsonl", 4)
+    run = (
+        "run",
+        "--input",
+        str(inp),
+        "--output",
+        str(tmp_path / "out"),
+        "--backend-url",
+        "http://127.0.0.1:9",
+    )
+    cases = [
+        (("--runner", "ray", "--ray-address", ""), {}, "--ray-address: the Ray address is empty"),
+        (("--runner", "dask", "--dask-address", " "), {}, "--dask-address: the Dask address is empty"),
+        (("--runner", "ray"), {"ROLLFLOW_PIPELINE__RAY_ADDRESS": ""}, "the Ray address is empty"),
+    ]
+    for flags, env, said in cases:
+        res = run_cli(*run, *flags, env=env, timeout=60)
+        assert res.returncode == 2 and said in res.stderr, (flags, env, res.stderr[-800:])
+        assert not (tmp_path / "out").exists(), "nothing ran"
+    res = run_cli("reverify", str(tmp_path), "--output", str(tmp_path / "re"), "--runner", "ray",
+                  "--ray-address", "", timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "--ray-address: the Ray address is empty" in res.stderr, res.stderr[-800:]
+    # reverify reads the engine's ROLLFLOW_PIPELINE__* settings as `run` does (it ran locally instead)
+    engine = {"ROLLFLOW_PIPELINE__RUNNER": "dask", "ROLLFLOW_PIPELINE__DASK_ADDRESS": "tcp://127.0.0.1:9"}
+    res = run_cli("reverify", str(tmp_path), "--output", str(tmp_path / "re"), env=engine, timeout=60)
+    assert res.returncode == 2 and "tcp://127.0.0.1:9: nothing answers there" in res.stderr, res.stderr[-800:]
+
+
+def test_a_reverify_source_that_does_not_exist_is_named_without_a_traceback(run_cli, tmp_path: Path):
+    res = run_cli("reverify", str(tmp_path / "nosuch.jsonl"), "--output", str(tmp_path / "re"), timeout=60)
+    assert res.returncode == 2, res.stderr[-800:]
+    assert (
+        f"Source {tmp_path / 'nosuch.jsonl'} does not exist" in res.stderr and "Traceback" not in res.stderr
+    )
+    assert not list((tmp_path / "re").glob("*.json*")), "nothing published"
+
+
 def test_api_key_never_leaves_the_process(run_cli, fast_sim, prefect_server, tmp_path: Path):
     secret = "sk-rollflow-test-4f1d9c"
     inp = write_rows(tmp_path / "rows.jsonl", 30)

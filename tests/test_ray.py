@@ -399,6 +399,46 @@ def test_ray_client_address_runs_within_the_limit(
     assert set(_share_keys(ray_world)) <= {LIVE_BOARD}, "the run's share channel was left on the cluster"
 
 
+HOLD_CPUS = """
+import sys, time, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+@ray.remote(num_cpus=1)
+class Holder:
+    def up(self):
+        return True
+holders = [Holder.remote() for _ in range(int(ray.cluster_resources()["CPU"]))]
+ray.get([h.up.remote() for h in holders])
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_run_with_no_cpu_free_for_its_workers_says_so_and_starts_once_one_is(
+    ray_world: RayWorld, rows_input: Path, tmp_path: Path
+) -> None:
+    """Every CPU held by other Ray work: the run waited without a word; it says why, then runs."""
+    holder = ray_world.spawn([sys.executable, "-c", HOLD_CPUS, ray_world.ray_address], env=ray_world.env())
+    try:
+        _wait_for(lambda: "held" in ray_world.wait(holder, timeout=0.01).stdout, "the CPUs were not held")
+        sim = ray_world.simulate(["--latency-ms", "5", "--slots", "16"])
+        out = tmp_path / "out"
+        run = _ray_run(ray_world, rows_input, str(out), sim, "--limit", "200")
+        said = "no Ray chunk worker has started in 20 s: the cluster has 2 CPUs, 0 of them free"
+        _wait_for(
+            lambda: said in ray_world.wait(run, timeout=0.01).stderr,
+            "no word of the wait",
+            90,
+            ray_world,
+            run,
+        )
+        assert not list(out.glob("chunks/*.json")), "a chunk ran with no CPU free"
+    finally:
+        ray_world.kill(id=holder, signal=9)
+    result = ray_world.wait(run, timeout=300)
+    assert result.rc == 0, result.stderr[-3000:]
+    assert json.loads((out / "report.json").read_text())["rows_written"] == 2 * 200
+
+
 def test_rays_client_port_as_a_gcs_address_or_its_gcs_port_as_ray_client_is_a_usage_error(
     ray_world: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:

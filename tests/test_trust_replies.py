@@ -12,6 +12,7 @@ from rollout_data import write_rows
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.settings import BackendSettings, CollectionSettings, VerifySettings
+from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.rollouts import CollectContext, RolloutBatch, run_rollouts
 from rollflow.tasks.storage.ledger import Ledger
@@ -98,7 +99,10 @@ async def test_a_rollout_whose_request_cannot_be_built_is_a_failure_and_workers_
     good = {"responses_create_params": {"input": "What is 2 + 2?"}, "expected_answer": "4"}
     items = [(i, row, 0) for i, row in enumerate(bad)] + [(100 + i, good, 0) for i in range(40)]
     batch = RolloutBatch()
-    await asyncio.wait_for(run_rollouts(ctx, items, batch), 30)
+    try:
+        await asyncio.wait_for(run_rollouts(ctx, items, batch), 30)
+    finally:
+        await close_loop_session()  # the loop's session holds its connections until closed
     assert len(batch.results) == 40 and len(batch.failures) == 8
     for key, line in batch.failures.items():
         error = orjson.loads(line)["error"]

@@ -229,7 +229,7 @@ def validation_problems(exc: ValidationError, name: Callable[[list[str]], str]) 
     by_field: dict[tuple[str, ...], list[str]] = {}
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"] if not _is_member_tag(part))
-        by_field.setdefault(loc, []).append(error["msg"])
+        by_field.setdefault(loc, []).append(error["msg"].removeprefix("Value error, "))
     return "; ".join(
         f"{name(list(loc))}: "
         + ", or ".join(m if i == 0 else m[:1].lower() + m[1:] for i, m in enumerate(msgs))

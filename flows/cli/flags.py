@@ -149,3 +149,10 @@ def given_flags(
                 if value is not None:
                     found.setdefault(group, {})[field] = value
     return found
+
+
+def flag_label(loc: list[str]) -> str:
+    """A settings error's location as the user knows it: its flag (`--ray-address`), else its dotted path."""
+    key = tuple(loc) if len(loc) > 1 and loc[0] in GROUPS else ("", *loc)
+    flags = {(g, f): n for table in (RUN_FLAGS, TUNING_FLAGS) for rows in table.values() for n, g, f in rows}
+    return f"--{flags[key]}" if key in flags else ".".join(loc)

@@ -147,6 +147,7 @@ def _json_overrides(raw: str) -> dict[str, Any]:
 def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
     from pydantic import ValidationError
 
+    from rollflow.flows.cli.flags import flag_label
     from rollflow.settings import RunSpec
 
     top = groups[""]
@@ -157,7 +158,7 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
     try:
         return RunSpec.model_validate({**top, **{k: v for k, v in groups.items() if k}})
     except ValidationError as exc:
-        problems = validation_problems(exc, ".".join)
+        problems = validation_problems(exc, flag_label)
         raise UsageError(f"Invalid settings: {problems}.") from exc
 
 

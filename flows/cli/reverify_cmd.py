@@ -79,13 +79,25 @@ TOP_FLAGS = (
 )
 
 
+def _reverify_label(loc: list[str]) -> str:
+    """A reverify settings error's location as its flag, else its dotted path."""
+    if loc[:1] == ["verify"] and len(loc) == 2 and loc[1] in VERIFY_FLAGS.values():
+        return "--" + next(f for f, v in VERIFY_FLAGS.items() if v == loc[1]).replace("_", "-")
+    if len(loc) == 1 and loc[0] in TOP_FLAGS:
+        return "--" + loc[0].replace("_", "-")
+    return ".".join(loc)
+
+
 def build_reverify_spec(args: argparse.Namespace) -> Any:
-    """The verifier settings from env/.env (ROLLFLOW_VERIFY__*), then the flags."""
+    """The verifier and engine settings from env/.env (ROLLFLOW_VERIFY__*, ROLLFLOW_PIPELINE__RUNNER and the
+    other engine settings), then the flags."""
     from pydantic import ValidationError
 
+    from rollflow.settings.models import EngineSettings
     from rollflow.settings.reverify import ReverifySpec
 
-    verify = load_settings().verify.model_dump()
+    settings = load_settings()
+    verify = settings.verify.model_dump()
     verify.update(
         {
             field: getattr(args, flag)
@@ -94,12 +106,14 @@ def build_reverify_spec(args: argparse.Namespace) -> Any:
         }
     )
     fields: dict[str, Any] = {"source": args.source, "output": args.output, "verify": verify}
+    engine = set(EngineSettings.model_fields) & settings.pipeline.model_fields_set  # as `run` reads them
+    fields.update(settings.pipeline.model_dump(include=engine))
     fields.update({k: getattr(args, k) for k in TOP_FLAGS if getattr(args, k) is not None})
     fields.update(failed_only=args.failed_only, restart=args.restart, allow_incomplete=args.allow_incomplete)
     try:
         return ReverifySpec.model_validate(fields)
     except ValidationError as exc:
-        problems = validation_problems(exc, ".".join)
+        problems = validation_problems(exc, _reverify_label)
         raise UsageError(f"Invalid settings: {problems}.") from exc
 
 

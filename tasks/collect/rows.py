@@ -102,16 +102,20 @@ def _bad_input(url: str, line: int, problem: str) -> InputError:
     )
 
 
-def _open(url: str, storage_options: dict[str, Any] | None, offset: int = 0):
+def open_checked(
+    url: str, storage_options: dict[str, Any] | None, offset: int = 0, what: str = "Input",
+    after: str = "No request was sent.",
+):  # fmt: skip
+    """`open_input`, with a missing or unreadable file an InputError that names it and says what to do."""
     try:
         return open_input(url, storage_options, offset)
     except FileNotFoundError as exc:
         raise InputError(
-            f"Input {url} does not exist. Check the path (or the bucket and key, and the credentials for "
-            f"s3:// URLs). No request was sent."
+            f"{what} {url} does not exist. Check the path (or the bucket and key, and the credentials for "
+            f"s3:// URLs). {after}"
         ) from exc
     except Exception as exc:
-        raise InputError(f"Input {url} cannot be opened: {describe_error(url, exc)}.") from exc
+        raise InputError(f"{what} {url} cannot be opened: {describe_error(url, exc)}. {after}") from exc
 
 
 @dataclass
@@ -178,7 +182,7 @@ def scan_input(
     digest = hashlib.sha256()
     cutter = _ChunkCutter(chunk_size)
     tasks = good = bad = offset = 0
-    with _open(url, storage_options) as fh:
+    with open_checked(url, storage_options) as fh:
         for lineno, line in enumerate(fh, start=1):
             line_offset, offset = offset, offset + len(line)
             if limit is not None and tasks >= limit:
@@ -226,7 +230,7 @@ def iter_chunk_rows(
     """(task_index, row) for the chunk's valid rows, in order, reading from the chunk's byte offset."""
     task = chunk.first_task
     end = chunk.first_task + chunk.num_tasks
-    with _open(url, storage_options, chunk.byte_offset) as fh:
+    with open_checked(url, storage_options, chunk.byte_offset) as fh:
         for line in fh:
             if task >= end:
                 return

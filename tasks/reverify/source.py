@@ -13,7 +13,7 @@ import fsspec
 import orjson
 
 from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
-from rollflow.tasks.collect.rows import InputError, ScanStopped, scan_checkpoint
+from rollflow.tasks.collect.rows import InputError, ScanStopped, open_checked, scan_checkpoint
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store, open_input, storage_options_for
@@ -105,7 +105,7 @@ def scan_dataset(
     cutter = _Cutter(chunk_size, [])
     offset = rows = tasks = max_k = run = 0
     last: RolloutKey = (-1, -1)
-    with open_input(url, options) as fh:
+    with open_checked(url, options, what="Source", after="Nothing was rescored.") as fh:
         for lineno, line in enumerate(fh, start=1):
             scan_checkpoint(lineno, stopped, url)
             line_offset, offset = offset, offset + len(line)
