@@ -8,14 +8,14 @@ from test_errors import args_for, one_paragraph
 
 CASES = {
     "limit beyond 2**53": ((f"--limit={2**63 + 1}",), {}, None, "limit"),
-    "timeout inf": (("--timeout-s", "inf"), {}, None, "timeout_s"),
+    "timeout inf": (("--timeout-s", "inf"), {}, None, "--timeout-s: Input should be a finite number"),
     "connect timeout inf (env)": (
         (),
         {"ROLLFLOW_BACKEND__CONNECT_TIMEOUT_S": "inf"},
         None,
         "CONNECT_TIMEOUT_S",
     ),
-    "deadline nan": (("--deadline-s", "nan"), {}, None, "deadline_s"),
+    "deadline nan": (("--deadline-s", "nan"), {}, None, "--deadline-s: Input should be a finite number"),
     "port out of range": ((), {}, "http://127.0.0.1:99999", "invalid port"),
     "overrides not JSON (env)": (
         (),
