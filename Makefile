@@ -27,7 +27,7 @@ lint: $(STAMP)
 
 # Tests that check no rate, duration or deadline run two at a time; the rest then run alone.
 test: lint
-	$(PY) -m pytest -q -ra -m concurrent -n 2 --dist loadfile --durations=10; side=$$?; \
+	$(PY) -m pytest -q -ra -m concurrent -n 3 --dist loadfile --durations=10; side=$$?; \
 	$(PY) -m pytest -q -ra -m "not concurrent" --durations=15; alone=$$?; \
 	test $$side -eq 0 && test $$alone -eq 0
 
