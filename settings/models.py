@@ -340,6 +340,11 @@ class EngineSettings(Settings):
         value = no_userinfo(value, "the Dask address", "Dask's take none: tcp://host:port")
         return not_blank(value, "the Dask address", "tcp://host:port", "a local cluster")
 
+    @field_validator("dask_cluster_class")
+    @classmethod
+    def _cluster_class_given(cls, value: str | None) -> str | None:
+        return not_blank(value, "the Dask cluster class", "module.Class", "a local cluster")
+
 
 def not_blank(value: str | None, what: str, form: str, otherwise: str) -> str | None:
     """`value` unless it is empty or spaces: `--ray-address "$HEAD"` with HEAD unset would otherwise run

@@ -57,6 +57,11 @@ def test_an_empty_engine_address_is_a_usage_error_and_reverify_reads_the_engine_
     cases = [
         (("--runner", "ray", "--ray-address", ""), {}, "--ray-address: the Ray address is empty"),
         (("--runner", "dask", "--dask-address", " "), {}, "--dask-address: the Dask address is empty"),
+        (
+            ("--runner", "dask", "--dask-cluster-class", ""),
+            {},
+            "--dask-cluster-class: the Dask cluster class is empty",
+        ),
         (("--runner", "ray"), {"ROLLFLOW_PIPELINE__RAY_ADDRESS": ""}, "the Ray address is empty"),
     ]
     for flags, env, said in cases:
