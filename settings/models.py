@@ -39,7 +39,10 @@ def no_userinfo(value: str | None, what: str, instead: str) -> str | None:
     if (
         value is not None and "@" in value
     ):  # anywhere: a password holding "/" moved the userinfo past the host's end
-        raise ValueError(f"{what} carries a user:password@, which rollflow does not take there; {instead}")
+        raise ValueError(
+            f'{what} carries a user and password (before its "@"), which rollflow does not take there; '
+            f"{instead}"
+        )
     return value
 
 

@@ -22,6 +22,10 @@ MASK = "***"
 ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
 # user:password@ in any URL (an engine's address, a backend's, a store's): masked without registering it
 USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
+# the same with no scheme (`alice:pw@host:10001`, as Ray and Dask addresses may be written)
+BARE_USERINFO = re.compile(r"(?<![\w.%+:/-])[\w.%+-]+:(?!//)[^\s@'\"]+@")
+# A secret shorter than this is masked only where it stands alone (not inside a longer word)
+WHOLE_BELOW = 8
 _lock = threading.Lock()
 _installed = False
 
@@ -38,9 +42,13 @@ class _Secrets:
 
     def redact(self, text: str) -> str:
         if "@" in text:
-            text = USERINFO.sub(rf"\1{self.mask}@", text)
+            text = BARE_USERINFO.sub(f"{self.mask}@", USERINFO.sub(rf"\1{self.mask}@", text))
         for secret in sorted(self.values, key=len, reverse=True):
-            if secret in text:
+            if secret not in text:
+                continue
+            if len(secret) < WHOLE_BELOW:  # `s` masked inside every word left nothing readable
+                text = re.sub(rf"(?<!\w){re.escape(secret)}(?!\w)", self.mask, text)
+            else:
                 text = text.replace(secret, self.mask)
         return text
 

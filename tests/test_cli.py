@@ -84,6 +84,11 @@ def test_a_reverify_source_that_does_not_exist_is_named_without_a_traceback(run_
         f"Source {tmp_path / 'nosuch.jsonl'} does not exist" in res.stderr and "Traceback" not in res.stderr
     )
     assert not list((tmp_path / "re").glob("*.json*")), "nothing published"
+    store = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    for source, env in (("s3://b/x.jsonl", store), ("http://127.0.0.1:9/x.jsonl", {})):
+        res = run_cli("reverify", source, "--output", str(tmp_path / "re2"), env=env, timeout=120)
+        assert res.returncode == 2 and f"Source {source} cannot be read" in res.stderr, res.stderr[-800:]
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def test_api_key_never_leaves_the_process(run_cli, fast_sim, prefect_server, tmp_path: Path):

@@ -254,7 +254,7 @@ def test_a_dask_address_nothing_answers_or_not_dasks_is_a_usage_error(
         (f"tcp://{closed}", f"--dask-address tcp://{closed}: nothing answers there"),
         (f"tcp://{web}", f"--dask-address tcp://{web}: no Dask scheduler answers there"),
         (f"http://{web}", "not a Dask scheduler's address"),
-        (f"tcp://alice:pw-7d2e@{closed}", "carries a user:password@"),
+        (f"tcp://alice:pw-7d2e@{closed}", "carries a user and password"),
     ):
         started = time.monotonic()
         flags = ("--runner", "dask", "--dask-address", address)

@@ -76,6 +76,13 @@ def test_secrets_in_a_verifiers_errors_and_logs_are_written_nowhere(run_cli, cli
         assert not leaked, f"{secret} written to {leaked}"
 
 
+def test_a_short_secret_is_masked_where_it_stands_alone_not_inside_every_word() -> None:
+    """AWS_SECRET_ACCESS_KEY=s masked every `s` of every message (`***3://b/x.j***onl`)."""
+    redact.register(None, "s", "y2")
+    text = "Source s3://b/x.jsonl: key=s, token y2; python3.11"
+    assert redact.redact(text) == "Source s3://b/x.jsonl: key=***, token ***; python3.11"
+
+
 def test_log_records_and_tracebacks_are_redacted_in_process() -> None:
     redact.register(None, "tok-unit-5521")
     stream = io.StringIO()
@@ -117,7 +124,8 @@ def test_credentials_in_an_address_or_url_are_refused_without_echoing_them(
         (("--backend-url", f"{fast_sim.url},http://bob:{password}@{closed}"), {}),
     ):
         res = run_cli(*run_args(rows_input, str(out), fast_sim), *flags, env=env)
-        assert res.returncode == 2 and "carries a user:password@" in res.stderr, (flags, res.stderr[-3000:])
+        said = "carries a user and password"
+        assert res.returncode == 2 and said in res.stderr, (flags, res.stderr[-3000:])
         assert password not in res.stderr + res.stdout and not out.exists(), (flags, res.stderr[-3000:])
     res = run_cli("ray-workers", "--ray-address", f"alice:{password}@{closed}", "--keep-s", "60")
     assert res.returncode == 2 and password not in res.stderr + res.stdout, res.stderr[-3000:]
@@ -127,3 +135,6 @@ def test_a_urls_credentials_are_masked_in_any_redacted_text() -> None:
     """Error texts from libraries (a connect error naming the URL) reach logs and failures files."""
     text = "cannot connect to ray://alice:pw-0a9e@10.0.0.1:10001 or http://bob:x@h/v1"
     assert redact.redact(text) == "cannot connect to ray://***@10.0.0.1:10001 or http://***@h/v1"
+    # with no scheme, as Prefect logs a served run's parameters that failed validation
+    text = "'ray_address': 'alice:pw-0a9e@10.0.0.1:10001', mail a@b.c, path http://h/a@b"
+    assert redact.redact(text) == "'ray_address': '***@10.0.0.1:10001', mail a@b.c, path http://h/a@b"

@@ -231,7 +231,7 @@ def validation_problems(exc: ValidationError, name: Callable[[list[str]], str]) 
         loc = tuple(str(part) for part in error["loc"] if not _is_member_tag(part))
         by_field.setdefault(loc, []).append(error["msg"].removeprefix("Value error, "))
     return "; ".join(
-        f"{name(list(loc))}: "
+        "".join(f"{label}: " for label in [name(list(loc))] if label)  # none for a rule over two fields
         + ", or ".join(m if i == 0 else m[:1].lower() + m[1:] for i, m in enumerate(msgs))
         for loc, msgs in by_field.items()
     )

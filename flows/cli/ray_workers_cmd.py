@@ -34,14 +34,14 @@ def cmd_ray_workers(args: argparse.Namespace) -> int:
     from rollflow.flows.engines import keeps_warm_workers, start_warm_workers
     from rollflow.settings.models import EngineSettings
 
+    if not (args.ray_address or "").strip():
+        raise UsageError("--ray-address: give the cluster's address (host:port of its head, or ray://...)")
     try:
         spec = EngineSettings(runner="ray", ray_address=args.ray_address, ray_keep_workers_s=args.keep_s)
     except ValidationError as exc:
         error = exc.errors()[0]
         flag = "--ray-address" if error["loc"][:1] == ("ray_address",) else "--keep-s"
-        raise UsageError(f"{flag}: {error['msg']}") from None
-    if not spec.ray_address or not spec.ray_address.strip():
-        raise UsageError("--ray-address: give the cluster's address (host:port of its head, or ray://...)")
+        raise UsageError(f"{flag}: {error['msg'].removeprefix('Value error, ')}") from None
     if not spec.ray_keep_workers_s > 0 or not 0 < args.start_timeout_s < math.inf:
         raise UsageError("--keep-s and --start-timeout-s must be numbers above 0")
     if not keeps_warm_workers(spec):

@@ -40,8 +40,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from prefect import serve
 
     from rollflow.flows.serve import default_parameters, deployments
+    from rollflow.settings import redact
 
-    params = default_parameters(load_settings())
+    settings = load_settings()
+    redact.register(settings)  # Prefect logs a run's parameters when they fail validation, before its flow
+    params = default_parameters(settings)
     schedule = schedule_of(args, params)
     serve(*deployments(args.name, params, schedule), pause_on_shutdown=False, limit=args.limit)
     return 0

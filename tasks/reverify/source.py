@@ -16,7 +16,7 @@ from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
 from rollflow.tasks.collect.rows import InputError, ScanStopped, open_checked, scan_checkpoint
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
-from rollflow.tasks.storage.store import Store, open_input, storage_options_for
+from rollflow.tasks.storage.store import Store, describe_error, open_input, storage_options_for
 
 DATASET_NAME = "rollouts.jsonl"
 _KEY = re.compile(rb'"_ng_task_index":(\d+),"_ng_rollout_index":(\d+)')
@@ -68,10 +68,16 @@ def _is_dir(url: str, options: dict[str, Any]) -> bool:
 
 def dataset_file(url: str, options: dict[str, Any]) -> str:
     """The dataset a SOURCE names: the file itself, or a folder's rollouts.jsonl."""
-    if not _is_dir(url, options):
+    try:
+        folder = _is_dir(url, options)
+        found = folder and Store(url, options).exists(DATASET_NAME)
+    except Exception as exc:  # a store that cannot be reached or refuses the credentials
+        problem = describe_error(url, exc)
+        raise InputError(f"Source {url} cannot be read: {problem}. Nothing was rescored.") from exc
+    if not folder:
         return url
     inner = f"{url.rstrip('/')}/{DATASET_NAME}"
-    if not Store(url, options).exists(DATASET_NAME):
+    if not found:
         raise InputError(
             f"Source {url} is a folder without {DATASET_NAME}: its run published no dataset. Pass the "
             f"dataset file itself, or --failed-only to complete the run from its committed chunks."
