@@ -62,7 +62,11 @@ async def test_real_simulator_short_step(tmp_path) -> None:
     finally:
         sim.stop()
     capacity = 16 / 0.04
-    assert 0.8 * 8 / 0.04 <= below.rollouts_per_s <= 1.05 * 8 / 0.04
+    # Below the knee a step runs at parallelism / latency, and the latency is this host's: a 40-ms reply
+    # took 42.5 to 54 ms over loopback here from hour to hour, which the nominal 40 ms left out.
+    latency_s = below.measure.p50_s
+    assert latency_s is not None and 0.04 <= latency_s < 0.08, latency_s
+    assert 0.8 * 8 / latency_s <= below.rollouts_per_s <= 1.05 * 8 / latency_s, (below.measure, latency_s)
     assert 0.8 * capacity <= above.rollouts_per_s <= 1.1 * capacity
     assert below.saved == 120 and above.saved == 160
 
