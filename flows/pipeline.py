@@ -43,6 +43,7 @@ from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan, with_chunk_rows
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.routing import used_agents, with_agents
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 from rollflow.tasks.collect.scheduler import run_chunks
@@ -62,6 +63,7 @@ from rollflow.tasks.wrappers.prefect_tasks import (
     collect_chunk_task,
     concatenate_task,
     lease_task,
+    nemo_gym_files_task,
     parquet_task,
     plan_task,
     preflight_task,
@@ -137,7 +139,7 @@ async def _collect_verify_publish(
     mode = spec.collection.parallelism
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
     asked, spec = spec, with_chunk_rows(spec, plan.identity.chunk_size)  # the report keeps what was asked
-    handles.spec = spec
+    spec = handles.spec = used_agents(spec, plan.scan.agents)
     clock.mark("startup")
     left = None if spec.deadline_s is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
     rejected: BackendRejects | None = None
@@ -164,6 +166,8 @@ async def _collect_verify_publish(
     except PublishFailed as exc:  # a full disk: the report says so, then the one-paragraph error
         published, failed = False, exc
         collected.extra["publish_error"] = str(exc)
+    if published and nemo_gym_style(spec):
+        collected.extra["nemo_gym_files"] = await nemo_gym_files_task(handles, plan)
     clock.mark("publish")
     try:
         report = await report_step(asked, handles, plan, summary, collected, published)
@@ -179,6 +183,12 @@ async def _collect_verify_publish(
     if not published:
         raise RunIncomplete(incomplete_message(summary, spec, collected.result.errors), report)
     return report
+
+
+def nemo_gym_style(spec: RunSpec) -> bool:
+    """An agent run whose servers the head server named, published as JSONL: NeMo Gym's files too."""
+    servers = spec.backend.agents.values()
+    return spec.format == "jsonl" and any(server.server is not None for server in servers)
 
 
 async def choose_step(
@@ -348,6 +358,7 @@ async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, An
     clock = StageClock() if started_at is None else StageClock(start=started_at)
     clock.flow_started = time.time()
     settings = await resolve_secret_blocks(RollflowSettings())
+    spec = await with_agents(spec)
     handles = open_run(spec, settings)
     handles.clock = clock
     try:

@@ -39,6 +39,7 @@ from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan, with_chunk_rows
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.routing import used_agents, with_agents
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, open_run
 from rollflow.tasks.publish.plot import (
     data_uri,
@@ -136,17 +137,21 @@ async def _per_endpoint(
         if waiting == 0:
             clock.mark("diagnose")
 
+    # Rows routed by agent go each to their agent's server: the pool is tuned as one, its total split.
+    routed = ctx.pool.routed and len(live) > 1
+    if routed:
+        waiting = 1
     try:
         runs = await for_each_endpoint(
-            live,
+            [",".join(live)] if routed else live,
             lambda url: _diagnose_and_tune_one(
-                endpoint_context(ctx, url), plan, params, feed, tune_too, diagnosed
+                ctx if routed else endpoint_context(ctx, url), plan, params, feed, tune_too, diagnosed
             ),
         )
     finally:
         feed.close()
         await close_loop_session()
-    if len(urls) == 1:
+    if len(runs) == 1:
         found = runs[0].value
         return found.pop("chosen"), found
     return combine_endpoints(runs, down)
@@ -185,6 +190,7 @@ async def choose_parallelism(
 async def _stage(spec: RunSpec, tune_too: bool) -> dict[str, Any]:
     """Probes write parts (and --restart discards chunks), so the stage holds the output's lease."""
     settings = await resolve_secret_blocks(RollflowSettings())
+    spec = await with_agents(spec)
     handles = open_run(spec, settings)
     lease = Lease(handles.store, settings.pipeline.lease_ttl_s)
     await lease_task(handles, lease)
@@ -202,7 +208,7 @@ async def _diagnose_and_tune(
     tune_too: bool,
 ) -> dict[str, Any]:
     plan = await plan_task(handles, None)
-    spec = handles.spec = with_chunk_rows(spec, plan.identity.chunk_size)
+    spec = handles.spec = used_agents(with_chunk_rows(spec, plan.identity.chunk_size), plan.scan.agents)
     chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too)
     name = "tuning.json" if tune_too else "diagnosis.json"
     await asyncio.to_thread(

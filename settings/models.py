@@ -6,7 +6,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The largest count a setting takes: what a JSON number holds exactly everywhere it travels (Prefect's
@@ -77,6 +77,23 @@ def split_urls(value: str) -> list[str]:
     return urls
 
 
+class AgentServer(Settings):
+    """Where one NeMo Gym agent's rows go: the server that runs its `/run`, and what NeMo Gym calls it."""
+
+    url: str = Field(..., description="Base URL of the server that answers this agent's /run")
+    server: str | None = Field(None, description="NeMo Gym's name for that server (_ng_environment_server)")
+    server_type: str | None = Field(None, description="Its implementation (_ng_result_type)")
+
+    @field_validator("url")
+    @classmethod
+    def _one_url(cls, value: str) -> str:
+        split_urls(value)
+        return value
+
+
+DEFAULT_HEAD_SERVER = "http://127.0.0.1:11000"  # NeMo Gym's own default (head_server.port 11000)
+
+
 class BackendParams(Settings):
     """Where rollouts come from and how hard to try for each one (no secrets: safe as a flow parameter)."""
 
@@ -95,6 +112,16 @@ class BackendParams(Settings):
     backoff_max_s: float = Field(
         30.0, ge=0, le=MAX_SECONDS, description="Largest backoff, also caps Retry-After"
     )
+    head_server: str | None = Field(
+        None,
+        description="NeMo Gym head server that names each agent's server (agent backends; "
+        f"{DEFAULT_HEAD_SERVER} when an agent run gives no --backend-url)",
+    )
+    agents: dict[str, AgentServer] = Field(
+        default_factory=dict,
+        description="Agent name -> its server, for rows routed by agent_ref.name (read from the head "
+        "server when one is set); each agent's rows go to its own server only",
+    )
 
     @field_validator("url")
     @classmethod
@@ -102,10 +129,38 @@ class BackendParams(Settings):
         split_urls(value)
         return value
 
+    @field_validator("head_server")
+    @classmethod
+    def _head_server_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            no_userinfo(value, "the head server URL", "NeMo Gym's head server takes none")
+            split_urls(value)
+        return value
+
     @property
     def urls(self) -> list[str]:
-        """The endpoints of `url`, one per replica, in the order given."""
+        """The endpoints, one per replica, in the order given: each agent's when rows route by agent."""
+        if self.agents:
+            seen: dict[str, None] = {}
+            for server in self.agents.values():
+                seen.update(dict.fromkeys(u.rstrip("/") for u in split_urls(server.url)))
+            return list(seen)
         return split_urls(self.url)
+
+    @model_validator(mode="after")
+    def _url_of_agents(self) -> BackendParams:
+        """With agents, `url` lists their servers, so everything that reads the URL list reads them."""
+        if self.agents:
+            self.__dict__["url"] = ",".join(self.urls)
+        return self
+
+    def groups(self) -> dict[str, frozenset[str]]:
+        """URL -> the agents whose rows it may answer (empty when rows are not routed by agent)."""
+        found: dict[str, set[str]] = {}
+        for name, server in self.agents.items():
+            for url in split_urls(server.url):
+                found.setdefault(url.rstrip("/"), set()).add(name)
+        return {url: frozenset(names) for url, names in found.items()}
 
 
 class BackendSettings(BackendParams):
@@ -124,7 +179,7 @@ class BackendSettings(BackendParams):
         urls = split_urls(url)
         if len(urls) != 1:
             raise ValueError(f"for_url takes one endpoint, got {len(urls)}: {url!r}")
-        return self.model_copy(update={"url": urls[0]})
+        return self.model_copy(update={"url": urls[0], "agents": {}})
 
 
 class StorageSettings(Settings):
@@ -179,7 +234,26 @@ class CollectionSettings(Settings):
     )
     chunk_retries: int = Field(3, ge=0, le=100, description="Prefect retries of a whole chunk task")
     skip_bad_rows: bool = Field(False, description="Record malformed input rows in bad_rows.jsonl and go on")
-    agent_name: str | None = Field(None, description="Fills a missing agent_ref.name")
+    agent_name: str | None = Field(
+        None,
+        description="Routes every row to this agent, overriding the row's agent_ref (NeMo Gym's "
+        "+agent_name; an agent the head server does not know is refused)",
+    )
+    agent_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="Re-routing by the row's agent_ref.name or task_source: {old: new}; '_default' "
+        "applies to every row without an entry (NeMo Gym's +agent_map)",
+    )
+    aggregate_metrics: bool = Field(
+        True,
+        description="Agent runs through a head server: write <dataset stem>_aggregate_metrics.json from "
+        "each environment server's /aggregate_metrics (NeMo Gym's +disable_aggregation turns it off)",
+    )
+    repeat_seed: bool = Field(
+        False,
+        description="Send each rollout's index as its sampling seed in metadata.extra_body (NeMo Gym's "
+        "+num_repeats_add_seed; vLLM model servers honour it)",
+    )
     seed: int | None = Field(
         None,
         ge=0,
@@ -201,6 +275,15 @@ class CollectionSettings(Settings):
     record_latency: bool = Field(
         False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
     )
+
+    @model_validator(mode="after")
+    def _one_default_agent(self) -> CollectionSettings:
+        default = self.agent_map.get("_default")
+        if self.agent_name is not None and default is not None and default != self.agent_name:
+            raise ValueError(
+                f"agent_name {self.agent_name!r} conflicts with agent_map._default {default!r}; set only one"
+            )
+        return self
 
 
 class TuningSettings(Settings):

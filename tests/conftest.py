@@ -7,6 +7,7 @@ import pytest
 pytest_plugins = [
     "fixtures_dask",
     "fixtures_net",
+    "fixtures_nemo_gym",
     "fixtures_netns",
     "fixtures_prefect",
     "fixtures_runs",

@@ -21,6 +21,10 @@ def rows_of(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
+def extra_seed(row: dict) -> object:
+    return orjson.loads(row["responses_create_params"]["metadata"]["extra_body"])["seed"]
+
+
 def answers(path: Path) -> list[str]:
     return [row["response"]["output"][0]["content"][0]["text"] for row in rows_of(path)]
 
@@ -48,8 +52,9 @@ def test_the_same_seed_gives_the_same_dataset_and_another_seed_other_answers(
     seeds = [row["_rf"]["seed"] for row in rows]
     assert seeds == [rollout_seed(7, r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows]
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**31 for s in seeds)
-    # the agent was sent the seed inside responses_create_params, and echoed it
-    assert all(row["responses_create_params"]["seed"] == row["_rf"]["seed"] for row in rows)
+    # the agent was sent the seed where NeMo Gym's agents take one (metadata.extra_body), and echoed it
+    assert all(extra_seed(row) == row["_rf"]["seed"] for row in rows)
+    assert all("seed" not in row["responses_create_params"] for row in rows)
     changed = sum(
         a != b
         for a, b in zip(answers(first / "rollouts.jsonl"), answers(other / "rollouts.jsonl"), strict=True)

@@ -76,6 +76,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """
     from rollflow.flows.cli.local_server import LocalServerError
     from rollflow.flows.secrets import SecretBlockError
+    from rollflow.tasks.backends.head_server import HeadServerError
     from rollflow.tasks.backends.preflight import BackendUnreachable
     from rollflow.tasks.collect.rows import InputError
     from rollflow.tasks.storage.lease import LeaseHeld, LeaseLost
@@ -89,6 +90,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         StorageError,
         IdentityMismatch,
         BackendUnreachable,
+        HeadServerError,
         VerifierError,
         SecretBlockError,
         LeaseHeld,

@@ -45,6 +45,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
     ),
     "backend": (
         ("backend-url", "backend", "url"),
+        ("head-server", "backend", "head_server"),
         ("backend-kind", "backend", "kind"),
         ("model", "backend", "model"),
         ("timeout-s", "backend", "timeout_s"),

@@ -29,15 +29,6 @@ from rollflow.flows.cli.errors import (
 if TYPE_CHECKING:
     from rollflow.settings import RollflowSettings
 
-NEMO_GYM_KEYS = {
-    "input_jsonl_fpath": "input",
-    "output_jsonl_fpath": "dataset",
-    "num_samples_in_parallel": "parallelism",
-    "limit": "limit",
-    "num_repeats": "num_repeats",
-    "agent_name": "agent_name",
-}
-
 
 def _add_run_flags(p: argparse.ArgumentParser, tuning: bool = False) -> None:
     from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, add_flags
@@ -49,27 +40,6 @@ def _add_run_flags(p: argparse.ArgumentParser, tuning: bool = False) -> None:
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
     o.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
     o.add_argument("--verbose", action="store_true", help="show Prefect's logs")
-
-
-def _nemo_gym_args(extra: list[str]) -> dict[str, str]:
-    """`+key=value` arguments of ng_collect_rollouts, so switching tools is changing the command name."""
-    found: dict[str, str] = {}
-    for token in extra:
-        if not token.startswith("+") or "=" not in token:
-            raise UsageError(f"Unrecognised argument {token!r}. See `rollflow collect --help`.")
-        key, value = token[1:].split("=", 1)
-        if key not in NEMO_GYM_KEYS and not key.startswith("responses_create_params."):
-            known = ", ".join(f"+{k}" for k in NEMO_GYM_KEYS)
-            raise UsageError(f"Unknown NeMo Gym argument +{key}. rollflow understands {known}.")
-        found[key] = value
-    return found
-
-
-def _json_value(text: str) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text
 
 
 def command_defaults(
@@ -95,13 +65,15 @@ def build_spec(
     groups = _setting_groups(settings)
     for group, fields in command_defaults(settings, defaults or {}).items():
         groups[group].update(fields)
-    _apply_nemo_gym(_nemo_gym_args(extra), groups, args)
+    _apply_nemo_gym(extra, groups, args)
     from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, given_flags
 
     flags = given_flags(args, (RUN_FLAGS, TUNING_FLAGS))
     flags.get("collection", {}).pop("overrides", None)
     for group, fields in flags.items():
         groups[group].update(fields)
+    _dataset_file_output(groups, flags)
+    _head_server_default(settings, groups, flags)
     if getattr(args, "overrides", None):
         collection = groups["collection"]
         collection["overrides"] = {**collection["overrides"], **_json_overrides(args.overrides)}
@@ -117,20 +89,41 @@ def _setting_groups(settings: Any) -> dict[str, dict[str, Any]]:
     return {"": top, **groups}
 
 
-def _apply_nemo_gym(gym: dict[str, str], groups: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    """NeMo Gym's `+key=value` arguments mean an agent backend; they map onto rollflow's fields."""
-    top, collection = groups[""], groups["collection"]
-    if gym:
+def _apply_nemo_gym(extra: list[str], groups: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """NeMo Gym's `+key=value` arguments and `gym eval run` flags mean an agent backend."""
+    from rollflow.flows.cli.nemo_gym import apply_nemo_gym, overrides_of
+
+    found = overrides_of(extra, args)
+    if apply_nemo_gym(found, groups):
         groups["backend"]["kind"] = "agent"
-    for key, value in gym.items():
-        if key.startswith("responses_create_params."):
-            collection["overrides"] = {**collection["overrides"], key.split(".", 1)[1]: _json_value(value)}
-        elif NEMO_GYM_KEYS[key] in ("input", "dataset"):
-            top[NEMO_GYM_KEYS[key]] = value
-        else:
-            collection[NEMO_GYM_KEYS[key]] = value
-    if gym.get("output_jsonl_fpath") and not args.output:
-        top["output"] = gym["output_jsonl_fpath"] + ".rollflow"
+    dataset = groups[""].get("dataset")
+    if found.get("output_jsonl_fpath") and dataset and not args.output:
+        groups[""]["output"] = dataset + ".rollflow"
+
+
+def _dataset_file_output(groups: dict[str, dict[str, Any]], given: dict[str, dict[str, Any]]) -> None:
+    """`--output x.jsonl` names the dataset file, as NeMo Gym's `-o` does; rollflow's files go beside."""
+    top = groups[""]
+    output = given.get("", {}).get("output")
+    if output and output.rstrip("/").endswith(".jsonl") and not top.get("dataset"):
+        top["dataset"], top["output"] = output, output + ".rollflow"
+
+
+def _head_server_default(settings: Any, groups: dict[str, dict[str, Any]], given: dict[str, Any]) -> None:
+    """An agent run with no agent server given asks NeMo Gym's head server, at NeMo Gym's default."""
+    from rollflow.settings.models import DEFAULT_HEAD_SERVER
+
+    backend = groups["backend"]
+    url_given = "url" in settings.backend.model_fields_set or "url" in given.get("backend", {})
+    if str(backend.get("kind")) != "agent" or backend.get("agents"):
+        return
+    if backend.get("head_server") and url_given:
+        raise UsageError(
+            "Both a head server and --backend-url were given: give the head server (agents found through "
+            "it) or the agent server's URL, not both."
+        )
+    if not url_given and not backend.get("head_server"):
+        backend["head_server"] = DEFAULT_HEAD_SERVER
 
 
 def _json_overrides(raw: str) -> dict[str, Any]:
@@ -223,6 +216,9 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     if wanted("run"):
         _add_run_flags(run, tuning=True)
+        from rollflow.flows.cli.nemo_gym import add_eval_flags
+
+        add_eval_flags(run)
     for name, text in (
         ("diagnose", "diagnose-bottleneck: the same rows at a low and a high parallelism, and a verdict"),
         ("tune", "diagnose, then tune-parallelism: the throughput curve, the knee and the chosen value"),
@@ -236,6 +232,9 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     if wanted("collect"):
         _add_run_flags(collect)
+        from rollflow.flows.cli.nemo_gym import add_eval_flags
+
+        add_eval_flags(collect)
     sub.add_parser(
         "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
     )

@@ -56,6 +56,17 @@ def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=body, status=status, content_type=JSON)
 
 
+def _run_seed(params: dict) -> object:
+    """A NeMo Gym row's seed: in metadata.extra_body (JSON text), where NeMo Gym's agents take it."""
+    metadata = params.get("metadata")
+    extra = metadata.get("extra_body") if isinstance(metadata, dict) else None
+    try:
+        found = json.loads(extra) if isinstance(extra, str) else None
+    except ValueError:
+        found = None
+    return found.get("seed") if isinstance(found, dict) else params.get("seed")
+
+
 def _bad_request(message: str) -> web.Response:
     return _json({"error": {"message": message, "type": "invalid_request_error"}}, status=400)
 
@@ -106,7 +117,7 @@ class Simulator:
             model = body.get("model")
         if messages is None:
             return _bad_request("no prompt: expected `input` (Responses) or `messages` (chat)")
-        seed = (params if endpoint == "run" else body).get("seed")
+        seed = _run_seed(params) if endpoint == "run" else body.get("seed")
         draw = ("seed", seed) if isinstance(seed, int) and not isinstance(seed, bool) else rollout
         made = self.content.get(messages, draw, expected)
         try:

@@ -12,7 +12,7 @@ import orjson
 
 from rollflow.settings import BackendKind, BackendSettings, redact
 from rollflow.tasks.backends.chat_reply import chat_to_response
-from rollflow.tasks.backends.endpoints import Endpoint, EndpointPool, split_limit
+from rollflow.tasks.backends.endpoints import Endpoint, EndpointPool, UnknownAgent, split_limit
 from rollflow.tasks.backends.formats import chat_request
 from rollflow.tasks.backends.http import auth_headers
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
@@ -124,7 +124,9 @@ class BackendClient:
         self.observers = observers
         self.kind = BackendKind(settings.kind)
         urls = settings.urls
-        self.pool = pool or EndpointPool(urls, split_limit(len(urls), urls), ConcurrencyLimit(len(urls)))
+        self.pool = pool or EndpointPool(
+            urls, split_limit(len(urls), urls), ConcurrencyLimit(len(urls)), settings.groups()
+        )
         self._targets = {ep.url: ep.url.rstrip("/") + PATHS[self.kind] for ep in self.pool.endpoints}
         self.url = self._targets[self.pool.endpoints[0].url]
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout_s, connect=settings.connect_timeout_s)
@@ -152,8 +154,12 @@ class BackendClient:
             "X-Rollflow-Rollout-Index": str(rollout_index),
         }
         failed: list[tuple[Endpoint, int]] = []
+        agent = (row.get("agent_ref") or {}).get("name") if self.pool.routed else None
         while True:
-            ep = self.pool.choose((failed[-1][0].url,) if failed else ())
+            try:
+                ep = self.pool.choose((failed[-1][0].url,) if failed else (), agent)
+            except UnknownAgent as exc:
+                raise BackendError(str(exc), kind="unknown_agent") from None
             token = self.pool.begin(ep)
             start = time.perf_counter()
             try:

@@ -60,6 +60,7 @@ class Endpoint:
     book_in: bool = True  # in rotation as the share book last published (what this worker's share is of)
     observers: list[AttemptObserver] = field(default_factory=list)
     engine: Callable[[], dict[str, Any] | None] | None = None
+    agents: frozenset[str] = frozenset()  # the agents whose rows it answers (empty: any row)
 
     @property
     def weight(self) -> int:
@@ -90,13 +91,29 @@ def split_limit(total: int, weights: dict[str, int] | list[str]) -> dict[str, in
     return shares
 
 
-class EndpointPool:
-    """The endpoints of one backend and the choice of where each attempt goes."""
+class UnknownAgent(LookupError):
+    """A row names an agent no endpoint of the pool answers for (the plan refuses such rows first)."""
 
-    def __init__(self, urls: list[str], limits: dict[str, int], total: ConcurrencyLimit) -> None:
+
+class EndpointPool:
+    """The endpoints of one backend and the choice of where each attempt goes.
+
+    With `groups` (URL -> agent names), an attempt for an agent goes only to that agent's endpoints:
+    a row is always answered by the server it names.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        limits: dict[str, int],
+        total: ConcurrencyLimit,
+        groups: dict[str, frozenset[str]] | None = None,
+    ) -> None:
         if not urls:
             raise ValueError("an endpoint pool needs at least one URL")
-        self.endpoints = [Endpoint(url, limits[url]) for url in urls]
+        groups = groups or {}
+        self.endpoints = [Endpoint(url, limits[url], agents=groups.get(url, frozenset())) for url in urls]
+        self.routed = any(ep.agents for ep in self.endpoints)
         self.total = total
         self._by_url = {ep.url: ep for ep in self.endpoints}
         self.share: int | None = None  # a worker process's part of the run's limit (None: all of it)
@@ -109,22 +126,34 @@ class EndpointPool:
     def endpoint(self, url: str) -> Endpoint:
         return self._by_url[url]
 
-    def choose(self, exclude: Collection[str] = ()) -> Endpoint:
+    def serving(self, agent: str | None) -> list[Endpoint]:
+        """The endpoints that may answer a row of `agent` (all of them when rows are not routed)."""
+        if not self.routed:
+            return self.endpoints
+        found = [ep for ep in self.endpoints if agent is not None and agent in ep.agents]
+        if not found:
+            known = sorted({a for ep in self.endpoints for a in ep.agents})
+            raise UnknownAgent(f"no server answers for agent {agent!r} (known agents: {', '.join(known)})")
+        return found
+
+    def choose(self, exclude: Collection[str] = (), agent: str | None = None) -> Endpoint:
         """A due half-open trial first; else the in-rotation endpoint with the most free capacity.
 
         With every endpoint out of rotation, requests still go out (to the least loaded), so a run whose
-        replicas are all down fails through the usual bounded retries.
+        replicas are all down fails through the usual bounded retries. Only `agent`'s endpoints are
+        considered when rows are routed by agent.
         """
         now = time.monotonic()
         if self.started is None:
             self.started = now
-        for ep in self.endpoints:
+        endpoints = self.serving(agent)
+        for ep in endpoints:
             if not ep.in_rotation and not ep.trial and now >= ep.retry_at and ep.url not in exclude:
                 ep.trial = True
                 return ep
-        live = [ep for ep in self.endpoints if ep.in_rotation]
+        live = [ep for ep in endpoints if ep.in_rotation]
         allowed = [ep for ep in live if ep.url not in exclude] or live
-        allowed = allowed or [ep for ep in self.endpoints if ep.url not in exclude] or self.endpoints
+        allowed = allowed or [ep for ep in endpoints if ep.url not in exclude] or endpoints
         return min(allowed, key=lambda ep: (ep.outstanding / ep.weight, -ep.weight, ep.last_begun))
 
     def begin(self, ep: Endpoint) -> int:
@@ -231,6 +260,7 @@ class EndpointPool:
         return [
             {
                 "url": ep.url,
+                **({"agents": sorted(ep.agents)} if ep.agents else {}),
                 "rollouts": ep.rollouts,
                 "rollouts_per_s": round(ep.rollouts / span, 3) if span > 0 else None,
                 "errors": ep.errors,

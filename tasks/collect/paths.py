@@ -176,11 +176,12 @@ def remove_published(dataset_url: str, options: dict[str, Any], store: Store) ->
     if _owned(beside, ours, options):
         _remove(beside, options)
         record_tasks(store, [u for u in ours if not _owned(u, [beside], options)], options)
-    cards = published_files(store, "cards")
-    for card in cards:
-        _remove(card, options)
-    if cards:
-        record_files(store, "cards", [])
+    for kind in ("cards", "nemo_gym"):  # the card, and NeMo Gym's sidecar and metrics files
+        found = published_files(store, kind)
+        for url in found:
+            _remove(url, options)
+        if found:
+            record_files(store, kind, [])
     if not fs.exists(path):
         return False
     fs.rm_file(path)

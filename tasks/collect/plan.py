@@ -15,6 +15,7 @@ import orjson
 from rollflow.settings import RunSpec
 from rollflow.tasks.backends.formats import overrides_problem
 from rollflow.tasks.collect.paths import card_url, check_paths, remove_published, same_object
+from rollflow.tasks.collect.routing import AgentCheck, agent_map_of
 from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input, stop_before_writing
 from rollflow.tasks.collect.stoppable import run_stoppable
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
@@ -48,6 +49,9 @@ def rollout_config(spec: RunSpec) -> dict[str, Any]:
         "model": spec.backend.model,
         "overrides": spec.collection.overrides,
         "agent_name": spec.collection.agent_name,
+        # only when set, so outputs written before they existed keep their identity
+        **({"agent_map": spec.collection.agent_map} if spec.collection.agent_map else {}),
+        **({"repeat_seed": True} if spec.collection.repeat_seed else {}),
         # an agent's default (none) stays None, as before agents could be given a verifier
         "verifier": spec.verify.verifier if kind == "agent" else spec.verify.verifier_for(kind),
         "limit": spec.collection.limit,
@@ -55,6 +59,14 @@ def rollout_config(spec: RunSpec) -> dict[str, Any]:
         # only when set, so outputs written before --seed existed keep their identity
         **({"seed": spec.collection.seed} if spec.collection.seed is not None else {}),
     }
+
+
+def agent_check(spec: RunSpec) -> AgentCheck | None:
+    """Rows routed by agent are checked against the agents the backend knows, before any request."""
+    if spec.backend.kind.value != "agent" or not spec.backend.agents:
+        return None
+    col = spec.collection
+    return AgentCheck(agent_map_of(col.agent_name, col.agent_map), frozenset(spec.backend.agents))
 
 
 def _rollflow_version() -> str:
@@ -137,6 +149,7 @@ def plan_run(
             kind=spec.backend.kind.value,
             overrides=spec.collection.overrides,
             stopped=stopped,
+            agents=agent_check(spec),
         )
         config = rollout_config(spec)
         identity = RunIdentity(

@@ -18,6 +18,7 @@ from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptObserver
 from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.routing import agent_map_of, routed, row_agent
 from rollflow.tasks.collect.seeds import seeded
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
@@ -51,7 +52,8 @@ class CollectContext:
     def __post_init__(self) -> None:
         if self.pool is None:
             urls = self.backend.urls
-            self.pool = EndpointPool(urls, split_limit(self.limit.limit, urls), self.limit)
+            limits = split_limit(self.limit.limit, urls)
+            self.pool = EndpointPool(urls, limits, self.limit, self.backend.groups())
         key = self.backend.api_key.get_secret_value() if self.backend.api_key is not None else ""
         redact.register(None, key)
 
@@ -110,9 +112,8 @@ class RolloutBatch:
 
 
 def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str, Any]:
-    """Apply --agent-name and --overrides the way NeMo Gym's collector does, without touching the input."""
-    if collection.agent_name and not (row.get("agent_ref") or {}).get("name"):
-        row = {**row, "agent_ref": {"type": "responses_api_agents", "name": collection.agent_name}}
+    """Apply +agent_name, agent_map and --overrides the way NeMo Gym's collector does (the input stays)."""
+    row = routed(row, agent_map_of(collection.agent_name, collection.agent_map))
     if collection.overrides:
         row = {**row, "responses_create_params": {**row["responses_create_params"], **collection.overrides}}
     return row
@@ -210,7 +211,9 @@ async def _rollout_line(
 ) -> tuple[bytes, int]:
     """One rollout, verified, as its output JSONL line (bytes, no newline), and its output tokens."""
     t0 = time.perf_counter()
-    sent, seed = seeded(row, ctx.collection.seed, task_index, rollout)
+    agent = ctx.backend.kind == "agent"
+    col = ctx.collection
+    sent, seed = seeded(row, col.seed, task_index, rollout, agent=agent, repeat_seed=col.repeat_seed)
     result: RolloutResult = await client.rollout(sent, task_index, rollout)
     t1 = time.perf_counter()
     reward = result.reward
@@ -227,9 +230,12 @@ async def _rollout_line(
     stats.output_tokens += result.output_tokens
     stats.retries += result.attempts - 1
     out = {**row, **result.fields}
+    if "agent_ref" in row:  # the agent the row was sent to, whatever the reply echoes
+        out["agent_ref"] = row["agent_ref"]
     out["reward"] = reward
     out["_ng_task_index"] = task_index
     out["_ng_rollout_index"] = rollout
+    out.update(server_fields(ctx.backend, row))
     rf: dict[str, Any] = {"attempts": result.attempts}
     if seed is not None:
         rf["seed"] = seed
@@ -267,6 +273,19 @@ def _unexpected(exc: Exception) -> BackendError:
     return BackendError(f"{type(exc).__name__}: {exc}", kind="rollout_error")
 
 
+def server_fields(backend: BackendSettings, row: dict[str, Any]) -> dict[str, Any]:
+    """NeMo Gym's names of the server that ran the row and its type, when the head server gave them."""
+    server = backend.agents.get(row_agent(row) or "") if backend.agents else None
+    if server is None:
+        return {}
+    found: dict[str, Any] = {}
+    if server.server is not None:
+        found["_ng_environment_server"] = server.server
+    if server.server_type is not None:
+        found["_ng_result_type"] = server.server_type
+    return found
+
+
 def _failure_line(
     ctx: CollectContext, row: dict[str, Any], task_index: int, rollout: int, exc: BackendError
 ) -> bytes:
@@ -280,6 +299,7 @@ def _failure_line(
             "message": ctx.scrub(str(exc)),
         },
         "row": row,
+        **server_fields(ctx.backend, row),
     }
     output = getattr(exc, "output", None)  # a failed check's reply, so it can be scored again later
     if output is not None:

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.backends.formats import request_problem
+from rollflow.tasks.collect.routing import AgentCheck
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.store import describe_error, open_input
 
@@ -54,6 +55,7 @@ class InputScan:
     bad_rows: int
     tasks: int
     chunks: list[ChunkSpec]
+    agents: frozenset[str] = frozenset()  # the agents the rows go to, when rows are routed by agent
 
 
 def row_problem(
@@ -175,6 +177,7 @@ def scan_input(
     kind: str = "agent",
     overrides: dict[str, Any] | None = None,
     stopped: Callable[[], bool] | None = None,
+    agents: AgentCheck | None = None,
 ) -> InputScan:
     """One streaming pass: validate every row, fingerprint the bytes, and note each chunk's offset.
 
@@ -197,7 +200,9 @@ def scan_input(
             if not line.strip():
                 continue
             cutter.open(tasks, line_offset, lineno)
-            _row, problem = row_problem(line.rstrip(b"\r\n"), kind, overrides)
+            row, problem = row_problem(line.rstrip(b"\r\n"), kind, overrides)
+            if problem is None and agents is not None:
+                problem = agents.problem(row)  # type: ignore[arg-type]
             if problem is None:
                 good += 1
                 cutter.good += 1
@@ -217,7 +222,8 @@ def scan_input(
             f"Input {url} {what}. Expected one NeMo Gym row (a JSON object with 'responses_create_params') "
             f"per line. No request was sent."
         )
-    return InputScan(url, digest.hexdigest(), good, bad, tasks, cutter.chunks)
+    used = frozenset(agents.used) if agents is not None else frozenset()
+    return InputScan(url, digest.hexdigest(), good, bad, tasks, cutter.chunks, used)
 
 
 def iter_chunk_rows(

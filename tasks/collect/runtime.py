@@ -63,7 +63,7 @@ def collect_context(
     limits = split_limit(parallelism, urls) if isinstance(parallelism, int) else parallelism
     limits = {url: limits[url] for url in urls}
     limit = ConcurrencyLimit(0, minimum=0) if shared else ConcurrencyLimit(sum(limits.values()))
-    pool = EndpointPool(urls, limits, limit)
+    pool = EndpointPool(urls, limits, limit, spec.backend.groups())
     if shared:
         pool.set_share(0, limits)
     return CollectContext(

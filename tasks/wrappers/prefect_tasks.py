@@ -20,6 +20,7 @@ from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.publish.nemo_gym_files import write_aggregate_metrics, write_sidecar
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
@@ -145,3 +146,22 @@ async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
         handles.dataset_options,
     )
     return written
+
+
+@task(name="nemo-gym-files", cache_policy=NONE)
+async def nemo_gym_files_task(handles: RunHandles, plan: RunPlan) -> dict[str, Any]:
+    """NeMo Gym's failures sidecar and aggregate metrics beside the dataset; what was written."""
+    spec, options = handles.spec, handles.dataset_options
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    indexes = [c.index for c in plan.scan.chunks if c.index in manifests]
+    url = spec.dataset_url()
+    found: dict[str, Any] = {
+        "failures": await asyncio.to_thread(write_sidecar, handles.ledger, indexes, url, options)
+    }
+    if spec.collection.aggregate_metrics:
+        found["aggregate_metrics"], problems = await write_aggregate_metrics(
+            url, options, spec.backend, handles.store
+        )
+        if problems:
+            found["aggregate_metrics_problems"] = problems
+    return found

@@ -1,0 +1,359 @@
+"""NeMo Gym's rollout-collection arguments: `ng_collect_rollouts`' Hydra `+key=value` overrides and the
+`gym eval run` flags, mapped onto rollflow's fields. Every key of NeMo Gym 0.7.0's collection config is
+in KEYS: honoured, accepted because rollflow already behaves so, or refused with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from difflib import get_close_matches
+from typing import Any
+
+import yaml
+
+from rollflow.flows.cli.errors import UsageError
+
+ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
+HYDRA_WORDS = ("yes", "no", "on", "off", "y", "n")  # YAML 1.1 booleans that Hydra keeps as strings
+
+
+@dataclass(frozen=True)
+class Key:
+    """One NeMo Gym key: `apply(value, groups)` sets rollflow's fields (None: refused), and why."""
+
+    what: str
+    apply: Callable[[Any, dict[str, dict[str, Any]]], None] | None = None
+
+
+def _set(group: str, field: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[..., None]:
+    def apply(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+        groups[group][field] = convert(value)
+
+    return apply
+
+
+def _accept(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    """Accepted as it is: rollflow already behaves so (see the key's text)."""
+
+
+def _overrides(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    if not isinstance(value, dict):
+        raise UsageError(
+            f"+responses_create_params must be a mapping, e.g. '{{temperature: 0.7}}', not {value!r}."
+        )
+    collection = groups["collection"]
+    collection["overrides"] = {**collection["overrides"], **value}
+
+
+def _agent_map(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise UsageError(
+            f"+agent_map must map names to agent names, e.g. '{{old_agent: new_agent}}', not {value!r}."
+        )
+    groups["collection"]["agent_map"] = {str(k): v for k, v in value.items()}
+
+
+def _num_repeats(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    """An int, or NeMo Gym's per-agent dict when it gives the run one count (rollflow runs one count)."""
+    if not isinstance(value, dict):
+        groups["collection"]["num_repeats"] = value
+        return
+    agent = groups["collection"].get("agent_name")
+    counts = (
+        {value[agent]}
+        if agent in value
+        else ({value["_default"]} if agent and "_default" in value else set(value.values()))
+    )
+    if len(counts) != 1:
+        raise UsageError(
+            f"+num_repeats={value}: rollflow collects one number of rollouts per row in a run, and this "
+            "gives several. Collect each agent as its own run (+agent_name=NAME +num_repeats=N, each "
+            "with its own +output_jsonl_fpath)."
+        )
+    groups["collection"]["num_repeats"] = counts.pop()
+
+
+def _sidecar(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    if _bool(value, "route_failures_to_sidecar"):
+        groups[""]["allow_incomplete"] = True
+
+
+def _deadline(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    groups[""]["deadline_s"] = value
+
+
+def _no_aggregation(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    groups["collection"]["aggregate_metrics"] = not _bool(value, "disable_aggregation")
+
+
+def _routing_mode(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    if value != "agent":
+        raise UsageError(
+            f"+environment_routing_mode={value}: rollflow routes each row by its agent (mode 'agent'); "
+            "legacy and taskset routing are not supported."
+        )
+
+
+def _no_upload(value: Any, groups: dict[str, dict[str, Any]]) -> None:
+    if _bool(value, "upload_rollouts"):
+        raise UsageError(
+            "+upload_rollouts=true: rollflow has no NeMo Gym exporters; it publishes the dataset to the "
+            "output you give (a local path or s3://...). Leave the key out or set it to false."
+        )
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"+{key} takes true or false, not {value!r}.")
+    return value
+
+
+ALWAYS_RESUMES = "accepted: rollflow always resumes a stopped run from what it committed, exactly once"
+KEYS: dict[str, Key] = {
+    "input_jsonl_fpath": Key("the input (--input)", _set("", "input")),
+    "output_jsonl_fpath": Key(
+        "the dataset file (--dataset); rollflow's own files go to <file>.rollflow/", _set("", "dataset")
+    ),
+    "num_samples_in_parallel": Key("requests in flight (--parallelism)", _set("collection", "parallelism")),
+    "limit": Key("the first N rows (--limit)", _set("collection", "limit")),
+    "num_repeats": Key(
+        "rollouts per row (--num-repeats); a per-agent dict when it gives the run one count", _num_repeats
+    ),
+    "agent_name": Key(
+        "every row goes to this agent, as NeMo Gym routes it (--agent-name)", _set("collection", "agent_name")
+    ),
+    "agent_map": Key("re-routes rows by agent_ref.name or task_source; '_default' for the rest", _agent_map),
+    "num_repeats_add_seed": Key(
+        "each rollout's index as its seed in metadata.extra_body", _set("collection", "repeat_seed")
+    ),
+    "responses_create_params": Key(
+        "merged into every row's responses_create_params (--overrides)", _overrides
+    ),
+    "resume_from_cache": Key(ALWAYS_RESUMES, _accept),
+    "route_failures_to_sidecar": Key(
+        "true: the dataset is published with the rollouts that succeeded, and each failure is in the "
+        "sidecar (--allow-incomplete); false: rollflow's default, a dataset is published only when "
+        "complete (failed rollouts are retried first, and the run goes on either way)",
+        _sidecar,
+    ),
+    "require_complete": Key(
+        "accepted: rollflow publishes only a complete dataset unless --allow-incomplete", _accept
+    ),
+    "retain_results_in_memory": Key("accepted: rollflow streams every row and holds none in memory", _accept),
+    "max_resident_rollout_tasks": Key(
+        "accepted: at most --parallelism rollouts are resident at once", _accept
+    ),
+    "interleave_repeats": Key("accepted: the dataset is ordered by task and rollout either way", _accept),
+    "disable_aggregation": Key("skips <stem>_aggregate_metrics.json", _no_aggregation),
+    "disable_health_check": Key(
+        "accepted: rollflow runs its own audit, not NeMo Gym's health checks", _accept
+    ),
+    "dispatch_budget_s": Key(
+        "stop cleanly after this many seconds, keeping all committed work (--deadline-s)", _deadline
+    ),
+    "environment_routing_mode": Key("'agent' only: each row by its agent", _routing_mode),
+    "upload_rollouts": Key("false only: rollflow has no NeMo Gym exporters", _no_upload),
+    "health_check_workers": Key(
+        "refused: rollflow does not run NeMo Gym's health checks; run them on the dataset"
+    ),
+    "health_check_ignored_checks": Key(
+        "refused: rollflow does not run NeMo Gym's health checks; run them on the dataset"
+    ),
+    "count_failure_classes_as_zero": Key(
+        "refused: rollflow never scores a failure as 0; the failures sidecar lists each one"
+    ),
+    "count_missing_rollouts_as_zero": Key(
+        "refused: rollflow never scores a missing rollout as 0; every one has a reason"
+    ),
+    "rollout_collection_driver": Key(
+        "refused: rollflow runs its own collection; a custom driver cannot replace it"
+    ),
+    "environment_server_name": Key("refused: legacy routing is not supported; rows route by agent"),
+    "environment_server_routes": Key("refused: materialized tasksets are not supported; rows route by agent"),
+    "fan_out": Key(
+        "refused: one row to several agents gives rows different rollout counts; run each agent on its own"
+    ),
+    "prompt_config": Key("refused: build responses_create_params.input first (ng_materialize_prompts)"),
+    "skills": Key("refused: run-level skills are not supported"),
+    "drain_margin_s": Key(
+        "refused: --deadline-s stops dispatch and keeps finished rollouts; there is no margin"
+    ),
+    "dispatch_longest_first": Key("refused: rollflow has no record of earlier runtimes to order by"),
+    "retry_terminal_timeouts": Key(
+        "refused: rollflow retries within the run (--max-retries); nothing is terminal"
+    ),
+    "retry_invalid_judge_responses": Key("refused: use `rollflow reverify` to rescore a dataset"),
+    "head_server.host": Key("the head server's host (default 127.0.0.1)"),
+    "head_server.port": Key("the head server's port (default 11000)"),
+}
+# `gym eval run` flags: (flags, Hydra key, argparse keywords)
+EVAL_FLAGS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
+    (("-a", "--agent"), "agent_name", {"help": "gym eval run: the agent every row goes to"}),
+    (("--concurrency",), "num_samples_in_parallel", {"help": "gym eval run: requests in flight"}),
+    (
+        ("--temperature",),
+        "responses_create_params.temperature",
+        {"help": "gym eval run: sampling temperature"},
+    ),
+    (("--top-p",), "responses_create_params.top_p", {"help": "gym eval run: nucleus sampling top-p"}),
+    (
+        ("--max-output-tokens",),
+        "responses_create_params.max_output_tokens",
+        {"help": "gym eval run: output tokens"},
+    ),
+    (
+        ("--resume",),
+        "resume_from_cache",
+        {"action": "store_true", "help": "gym eval run: accepted; runs always resume"},
+    ),
+    (
+        ("--no-serve",),
+        "",
+        {"action": "store_true", "help": "gym eval run: accepted; rollflow starts no servers"},
+    ),
+    (
+        ("--disable-aggregation",),
+        "disable_aggregation",
+        {"action": "store_true", "help": "gym eval run: no aggregate metrics"},
+    ),
+    (
+        ("--no-health-check",),
+        "disable_health_check",
+        {"action": "store_true", "help": "gym eval run: accepted"},
+    ),
+    (
+        ("--interleave-repeats",),
+        "interleave_repeats",
+        {"action": "store_true", "help": "gym eval run: accepted"},
+    ),
+)
+
+
+def add_eval_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "NeMo Gym",
+        "ng_collect_rollouts' +key=value arguments (see the compatibility table) and gym eval run's flags",
+    )
+    group.add_argument("-i", dest="input", default=None, help="gym eval run: the input (--input)")
+    group.add_argument(
+        "-o", dest="output", default=None, help="gym eval run: the dataset file (--output x.jsonl)"
+    )
+    for names, _key, kwargs in EVAL_FLAGS:
+        group.add_argument(
+            *names, dest=f"ng_{names[-1].lstrip('-').replace('-', '_')}", default=None, **kwargs
+        )
+
+
+def hydra_value(text: str) -> Any:
+    """A Hydra override's value: numbers, true/false/null, {a: b} and [a, b] as Hydra reads them."""
+    if text.strip().lower() in HYDRA_WORDS:
+        return text
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise UsageError(
+            f"The value {text!r} cannot be read ({exc.__class__.__name__}); quote it or fix its braces."
+        ) from None
+
+
+def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The Hydra overrides (`+k=v`, `++k=v`, `k=v`) and gym eval run flags as {dotted key: value}."""
+    found: dict[str, Any] = {}
+    for names, key, _ in EVAL_FLAGS:
+        value = getattr(args, f"ng_{names[-1].lstrip('-').replace('-', '_')}", None)
+        if key and value not in (None, False):
+            found[key] = value if value is True else hydra_value(value)
+    for token in tokens:
+        key, sep, text = token.lstrip("+").partition("=")
+        if not sep or not key or (token.startswith("-") and not token.startswith("+")):
+            raise UsageError(f"Unrecognised argument {token!r}. See `rollflow collect --help`.")
+        found[key] = hydra_value(text)
+    return found
+
+
+def nested(found: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys under responses_create_params nest (reasoning.effort -> {reasoning: {effort}})."""
+    out: dict[str, Any] = {}
+    for key, value in found.items():
+        if key.startswith("responses_create_params."):
+            params = out.setdefault("responses_create_params", {})
+            *path, last = key.split(".")[1:]
+            for part in path:
+                params = params.setdefault(part, {})
+            params[last] = value
+        elif key == "responses_create_params" and isinstance(value, dict):
+            out.setdefault("responses_create_params", {}).update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_nemo_gym(found: dict[str, Any], groups: dict[str, dict[str, Any]]) -> bool:
+    """Map NeMo Gym's keys onto `groups`; True when any was given (an agent run). Unknown or refused
+    keys are one error naming each, with the reason."""
+    config = nested(found)
+    problems = []
+    for key in config:
+        entry = KEYS.get(key)
+        if entry is None and not key.startswith("head_server."):
+            close = get_close_matches(key, list(KEYS), n=1)
+            hint = f" (did you mean +{close[0]}?)" if close else ""
+            problems.append(f"+{key} is not a key of NeMo Gym's rollout collection{hint}")
+        elif entry is not None and entry.apply is None and not key.startswith("head_server."):
+            problems.append(f"+{key}: {entry.what.removeprefix('refused: ')}")
+    if problems:
+        raise UsageError(
+            "NeMo Gym arguments rollflow cannot honour: " + "; ".join(problems) + ". The keys rollflow "
+            "takes: " + ", ".join(f"+{k}" for k, e in KEYS.items() if e.apply is not None) + "."
+        )
+    if "agent_name" in config:  # num_repeats' per-agent form reads it
+        KEYS["agent_name"].apply(config["agent_name"], groups)  # type: ignore[misc]
+    for key, value in config.items():
+        entry = KEYS.get(key)
+        if entry is not None and entry.apply is not None:
+            entry.apply(value, groups)
+    _head_server(config, groups)
+    _attempts(groups)
+    return bool(config)
+
+
+def _head_server(config: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:
+    head = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("head_server.")}
+    unknown = set(head) - {"host", "port"}
+    if unknown:
+        raise UsageError(f"+head_server takes host and port, not {', '.join(sorted(unknown))}.")
+    if head:
+        host, port = head.get("host", "127.0.0.1"), head.get("port", 11000)
+        groups["backend"]["head_server"] = f"http://{host}:{port}"
+
+
+def _attempts(groups: dict[str, dict[str, Any]]) -> None:
+    """NEMO_GYM_MAX_ROLLOUT_ATTEMPTS=N: each rollout is tried N times at most (N-1 retries)."""
+    raw = os.environ.get(ATTEMPTS_ENV)
+    if raw in (None, ""):
+        return
+    try:
+        attempts = int(raw)
+    except ValueError:
+        attempts = 0
+    if attempts < 1:
+        raise UsageError(f"{ATTEMPTS_ENV}={raw!r}: expected a whole number of at least 1.")
+    groups["backend"]["max_retries"] = attempts - 1
+
+
+def compatibility_rows() -> list[tuple[str, str]]:
+    """(NeMo Gym key or flag, what rollflow does): the docs' compatibility table, from KEYS itself."""
+    rows = [(f"+{key}", entry.what) for key, entry in KEYS.items()]
+    rows += [
+        ("-i / --input", "the input"),
+        (
+            "-o / --output x.jsonl",
+            "the dataset file, as NeMo Gym writes it; rollflow's own files go to x.jsonl.rollflow/",
+        ),
+    ]
+    rows += [(" / ".join(names), f"+{key}" if key else "accepted") for names, key, _ in EVAL_FLAGS]
+    rows.append((ATTEMPTS_ENV, "each rollout is tried at most N times (N-1 retries, --max-retries)"))
+    return rows

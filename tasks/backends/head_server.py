@@ -1,0 +1,133 @@
+"""NeMo Gym's head server: where each agent's rows go, read from its `GET /global_config_dict_yaml`.
+
+NeMo Gym's collector posts an agent's rows to `/run` of the environment server that fronts the agent
+(`environment_servers`, whose `agent_server` or `type: responses_api_agents` fields name agents); an agent
+no environment server fronts is posted to directly, as older NeMo Gym versions did.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import yaml
+
+AGENTS_KEY = "responses_api_agents"
+ENVIRONMENTS_KEY = "environment_servers"
+CONFIG_PATH = "/global_config_dict_yaml"
+
+
+class HeadServerError(Exception):
+    """The head server could not be read, or its config names no agent: one paragraph, what to do."""
+
+
+@dataclass(frozen=True)
+class AgentRoute:
+    """One agent's server: its base URL, NeMo Gym's name for that server, and its implementation."""
+
+    url: str
+    server: str
+    server_type: str
+
+
+def _address(block: Any) -> str | None:
+    if isinstance(block, dict) and block.get("host") is not None and block.get("port") is not None:
+        return f"http://{block['host']}:{block['port']}"
+    return None
+
+
+def _instances(config: dict[str, Any], kind: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Top-level instances of `kind`: name -> (implementation, its config)."""
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name, block in config.items():
+        servers = block.get(kind) if isinstance(block, dict) else None
+        if isinstance(servers, dict) and servers:
+            impl, server = next(iter(servers.items()))
+            if isinstance(server, dict):
+                found[str(name)] = (str(impl), server)
+    return found
+
+
+def _fronted(server: dict[str, Any]) -> list[str]:
+    """The agents one environment server's config references (NeMo Gym's environment_server_agent_refs)."""
+    return [
+        str(ref["name"])
+        for key, ref in server.items()
+        if isinstance(ref, dict)
+        and ref.get("name") is not None
+        and (ref.get("type") == AGENTS_KEY or (key == "agent_server" and ref.get("type") is None))
+    ]
+
+
+def agent_routes(config: dict[str, Any]) -> dict[str, AgentRoute]:
+    """Each agent of the config and the one server its rows go to; an agent fronted by several
+    environment servers is left out (NeMo Gym refuses to choose between them too)."""
+    fronts: dict[str, list[AgentRoute]] = {}
+    for name, (impl, server) in _instances(config, ENVIRONMENTS_KEY).items():
+        url = _address(server)
+        for agent in _fronted(server) if url else []:
+            fronts.setdefault(agent, []).append(AgentRoute(url, name, impl))  # type: ignore[arg-type]
+    routes: dict[str, AgentRoute] = {}
+    for name, (impl, server) in _instances(config, AGENTS_KEY).items():
+        if name in fronts:
+            if len(fronts[name]) == 1:
+                routes[name] = fronts[name][0]
+            continue
+        url = _address(server)
+        if url:
+            routes[name] = AgentRoute(url, name, impl)
+    return routes
+
+
+def environment_servers(config: dict[str, Any]) -> dict[str, str]:
+    """Environment server name -> its base URL (where `/aggregate_metrics` is asked)."""
+    found = {}
+    for name, (_impl, server) in _instances(config, ENVIRONMENTS_KEY).items():
+        url = _address(server)
+        if url:
+            found[name] = url
+    return found
+
+
+async def read_config(head_url: str, timeout_s: float) -> dict[str, Any]:
+    """The head server's global config as a dict (its body is a JSON string of the config)."""
+    url = head_url.rstrip("/") + CONFIG_PATH
+    what = f"NeMo Gym's head server at {head_url.rstrip('/')}"
+    todo = (
+        "Start the NeMo Gym servers (`ng_run` / `gym env start`), or point rollflow at the head server "
+        "with +head_server.host=H +head_server.port=P (or --head-server URL), or give each agent's "
+        "server with --backend-url. No request was sent."
+    )
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
+            body = await resp.read()
+            status = resp.status
+    except TimeoutError:
+        raise HeadServerError(f"{what} did not answer within {timeout_s:g} s. {todo}") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise HeadServerError(f"{what} could not be reached ({type(exc).__name__}: {exc}). {todo}") from None
+    if status != 200:
+        raise HeadServerError(f"{what} answered HTTP {status} to GET {CONFIG_PATH}. {todo}")
+    try:  # a JSON string whose text is the config as YAML
+        config = json.loads(body)
+        config = yaml.safe_load(config) if isinstance(config, str) else config
+    except (ValueError, yaml.YAMLError):
+        config = None
+    if not isinstance(config, dict):
+        raise HeadServerError(f"{what} answered GET {CONFIG_PATH} with something that is not its config.")
+    return config
+
+
+async def discover(head_url: str, timeout_s: float) -> tuple[dict[str, AgentRoute], dict[str, str]]:
+    """(agent routes, environment servers) of the running NeMo Gym servers."""
+    config = await read_config(head_url, timeout_s)
+    routes = agent_routes(config)
+    if not routes:
+        raise HeadServerError(
+            f"NeMo Gym's head server at {head_url.rstrip('/')} names no agent server with a host and port. "
+            "Start the agents with it (their configs in `ng_run` / `gym env start`). No request was sent."
+        )
+    return routes, environment_servers(config)

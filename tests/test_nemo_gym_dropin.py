@@ -1,0 +1,236 @@
+"""rollflow as a drop-in for `ng_collect_rollouts`, against NeMo Gym 0.7.0's own server stack: a head server,
+agent_a and agent_b (each its own model server on its own stub, whose replies say which stub answered).
+
+Each test here failed on the code before the head-server lookup and per-row routing: rollflow posted to
+127.0.0.1:8000, sent every row to one URL, refused the keys, or put the seed where agents reject it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from test_nemo_gym_stack import collect, read_jsonl, reply_text, row
+
+from rollflow.infra.nemo_gym.stack import Stack
+from rollflow.infra.nemo_gym.stub_model import FAIL_MARKER
+
+# Fields that differ from ng_collect_rollouts' rows on purpose: rollflow's `_rf` (attempts, seed), and
+# the input row's fields the reply leaves out (rollflow keeps the row whole; NeMo Gym keeps the reply).
+OWN_FIELDS = {"_rf"}
+
+
+def head_args(stack: Stack) -> list[str]:
+    port = stack.head_url.rsplit(":", 1)[1]
+    return ["+head_server.host=127.0.0.1", f"+head_server.port={port}"]
+
+
+def write(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def stub_of(result: dict[str, Any]) -> str:
+    """Which stub answered: 'A' or 'B' (the reply says `answer from X: ...`)."""
+    return reply_text(result).split(":", 1)[0].removeprefix("answer from ")
+
+
+def mixed_rows(n: int) -> list[dict[str, Any]]:
+    """n rows, alternately agent_a's and agent_b's, each scored 1.0 only if its own agent's stub answers."""
+    out = []
+    for i in range(n):
+        agent, stub = ("agent_a", "A") if i % 2 == 0 else ("agent_b", "B")
+        out.append(row(f"question {i}", f"answer from {stub}: question {i}", agent))
+    return out
+
+
+def test_no_backend_url_finds_the_agent_through_the_head_server_and_writes_nemo_gyms_files(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    inp = write(
+        tmp_path / "in.jsonl", [row(f"q{i}", f"answer from A: q{i}") for i in range(3)] + [row("q3", "x")]
+    )
+    out = tmp_path / "results" / "out.jsonl"
+    res = run_cli(
+        "collect", "+agent_name=agent_a", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
+        *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr + nemo_gym_stack.log_tail()
+    rows = read_jsonl(out)
+    assert [r["_ng_task_index"] for r in rows] == [0, 1, 2, 3]
+    assert {stub_of(r) for r in rows} == {"A"}
+    assert [r["reward"] for r in rows] == [1.0, 1.0, 1.0, 0.0]
+    assert {(r["_ng_environment_server"], r["_ng_result_type"]) for r in rows} == {
+        ("agent_a_environment_server", "legacy_agent")
+    }
+    assert (out.parent / "out_failures.jsonl").read_text() == ""
+    (metrics,) = json.loads((out.parent / "out_aggregate_metrics.json").read_text())
+    assert metrics["_ng_environment_server"] == "agent_a_environment_server"
+    assert metrics["agent_ref"] == {"name": "agent_a"}
+    assert metrics["key_metrics"]["mean/reward"] == 0.75
+
+
+def test_a_head_server_that_does_not_answer_is_one_error_naming_it(run_cli, tmp_path: Path) -> None:
+    from fixtures_net import free_port
+
+    port = free_port()
+    inp = write(tmp_path / "in.jsonl", [row("q", "a")])
+    res = run_cli(
+        "collect", "+agent_name=agent_a", f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={tmp_path / 'out.jsonl'}", f"+head_server.port={port}", "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert f"head server at http://127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_mixed_agents_go_each_to_their_own_server(run_cli, nemo_gym_stack: Stack, tmp_path: Path) -> None:
+    inp = write(tmp_path / "in.jsonl", mixed_rows(20))
+    out = tmp_path / "out.jsonl"
+    res = run_cli(
+        "collect", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}", "+num_samples_in_parallel=8",
+        *head_args(nemo_gym_stack), "--no-progress", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr + nemo_gym_stack.log_tail()
+    rows = read_jsonl(out)
+    assert len(rows) == 20
+    for r in rows:
+        agent = r["agent_ref"]["name"]
+        assert stub_of(r) == {"agent_a": "A", "agent_b": "B"}[agent]
+        assert r["_ng_environment_server"] == f"{agent}_environment_server"
+        assert r["reward"] == 1.0
+    report = json.loads((Path(f"{out}.rollflow") / "report.json").read_text())
+    served = {tuple(e["agents"]): e["rollouts"] for e in report["endpoints"]}
+    assert served == {("agent_a",): 10, ("agent_b",): 10}
+    metrics = json.loads((tmp_path / "out_aggregate_metrics.json").read_text())
+    assert sorted(m["_ng_environment_server"] for m in metrics) == [
+        "agent_a_environment_server",
+        "agent_b_environment_server",
+    ]
+
+
+def test_agent_name_overrides_every_row_and_agent_map_re_routes(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    inp = write(tmp_path / "in.jsonl", mixed_rows(6))
+    out = tmp_path / "over.jsonl"
+    res = run_cli(
+        "collect", "+agent_name=agent_b", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
+        *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert {(r["agent_ref"]["name"], stub_of(r)) for r in read_jsonl(out)} == {("agent_b", "B")}
+    mapped = tmp_path / "mapped.jsonl"
+    res = run_cli(
+        "collect", "+agent_map={agent_a: agent_b, agent_b: agent_a}", f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={mapped}", *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    for r in read_jsonl(mapped):
+        swapped = "agent_b" if r["_ng_task_index"] % 2 == 0 else "agent_a"
+        assert r["agent_ref"] == {"name": swapped} and stub_of(r) == swapped[-1].upper()
+
+
+def test_unknown_agents_are_refused_before_any_request(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    before = {s: nemo_gym_stack.stub_requests(s)["count"] for s in ("A", "B")}
+    inp = write(tmp_path / "in.jsonl", [*mixed_rows(2), row("q", "a", "agent_c")])
+    res = run_cli(
+        "collect", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={tmp_path / 'o.jsonl'}",
+        *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "line 3" in res.stderr and "'agent_c'" in res.stderr and "agent_a, agent_b" in res.stderr
+    res = run_cli(
+        "collect", "+agent_name=agent_aa", f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={tmp_path / 't.jsonl'}", *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "did you mean 'agent_a'" in res.stderr, res.stderr
+    assert {s: nemo_gym_stack.stub_requests(s)["count"] for s in ("A", "B")} == before
+
+
+def test_seeds_and_nested_overrides_reach_the_model_where_agents_take_them(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    inp = write(tmp_path / "in.jsonl", [row(f"s{i}", f"answer from A: s{i}") for i in range(3)])
+    for extra, seed_of in (
+        (["+num_repeats_add_seed=true"], lambda r: r["_ng_rollout_index"]),
+        (["--seed", "7"], lambda r: r["_rf"]["seed"]),
+    ):
+        out = tmp_path / f"seed{len(extra)}.jsonl"
+        res = run_cli(
+            "collect", "+agent_name=agent_a", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
+            "+num_repeats=2", "+responses_create_params.reasoning.effort=low", *extra,
+            *head_args(nemo_gym_stack), "--no-progress",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr + nemo_gym_stack.log_tail()
+        rows = read_jsonl(out)
+        assert len(rows) == 6 and all(r["reward"] == 1.0 for r in rows)
+        for r in rows:
+            params = r["responses_create_params"]
+            assert params["reasoning"]["effort"] == "low"
+            assert json.loads(params["metadata"]["extra_body"])["seed"] == seed_of(r)
+
+
+def test_the_gym_eval_run_form_writes_the_dataset_file(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    inp = write(tmp_path / "in.jsonl", [row(f"e{i}", f"answer from B: e{i}") for i in range(4)])
+    out = tmp_path / "eval.jsonl"
+    res = run_cli(
+        "collect", "-a", "agent_b", "-i", str(inp), "-o", str(out), "--concurrency", "2", "--resume",
+        "--temperature", "0.5", "--head-server", nemo_gym_stack.head_url, "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert out.is_file() and Path(f"{out}.rollflow/report.json").is_file()
+    rows = read_jsonl(out)
+    assert [stub_of(r) for r in rows] == ["B"] * 4
+    assert {r["responses_create_params"]["temperature"] for r in rows} == {0.5}
+
+
+def test_a_failed_rollout_lands_in_nemo_gyms_sidecar(run_cli, nemo_gym_stack: Stack, tmp_path: Path) -> None:
+    inp = write(tmp_path / "in.jsonl", [row(f"{FAIL_MARKER} now", "x"), row("fine", "answer from A: fine")])
+    out = tmp_path / "f.jsonl"
+    res = run_cli(
+        "collect", "+agent_name=agent_a", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
+        "+route_failures_to_sidecar=true", *head_args(nemo_gym_stack), "--no-progress",
+        env={"NEMO_GYM_MAX_ROLLOUT_ATTEMPTS": "1"},
+    )  # fmt: skip
+    assert [(r["_ng_task_index"], r["reward"]) for r in read_jsonl(out)] == [(1, 1.0)], res.stderr
+    (failure,) = read_jsonl(tmp_path / "f_failures.jsonl")
+    assert failure["_ng_failure_class"] == "agent_run_error"
+    assert failure["_ng_failure_http_status"] == 500
+    assert (failure["_ng_task_index"], failure["_ng_rollout_index"]) == (0, 0)
+    assert failure["_ng_environment_server"] == "agent_a_environment_server"
+    assert failure["agent_ref"] == {"name": "agent_a"} and failure["_rf"]["attempts"] == 1
+    assert "reward" not in failure and "response" not in failure
+
+
+def test_the_same_invocation_gives_ng_collect_rollouts_rows(
+    run_cli, nemo_gym_stack: Stack, ng_bin: Callable[[str], Path], tmp_path: Path
+) -> None:
+    rows = [row(f"same {i}", f"answer from A: same {i}") for i in range(4)] + [row("other", "nope")]
+    words = ["+num_repeats=2", "+num_repeats_add_seed=true", "+responses_create_params.temperature=0.3"]
+    (tmp_path / "ng").mkdir()
+    done, ng_out = collect(nemo_gym_stack, ng_bin, tmp_path / "ng", rows, *words)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = tmp_path / "rf" / "out.jsonl"
+    res = run_cli(
+        "collect", "+agent_name=agent_a", f"+input_jsonl_fpath={tmp_path / 'ng' / 'in.jsonl'}",
+        f"+output_jsonl_fpath={ours}", *words, *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+
+    def by_key(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in read_jsonl(path)}
+
+    theirs, mine = by_key(ng_out), by_key(ours)
+    assert sorted(theirs) == sorted(mine) and len(mine) == 10
+    for key, expected in theirs.items():
+        source = rows[key[0]]
+        kept = {k for k in source if k not in expected and mine[key][k] == source[k]}
+        assert kept <= {"extraction_mode"}, kept
+        got = {k: v for k, v in mine[key].items() if k not in OWN_FIELDS | kept}
+        assert got == expected, (key, sorted(set(got) ^ set(expected)))
