@@ -12,7 +12,11 @@ signature; what a parameter means is written once, here, and `described` puts it
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from pathlib import PurePosixPath
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -29,6 +33,9 @@ from rollflow.settings.models import EngineSettings
 from rollflow.tasks.storage.ledger import IdentityMismatch
 
 F = TypeVar("F", bound=Callable[..., Any])
+# When the `rollflow` command began (epoch seconds), for the report's wall time: set by the CLI in its own
+# process, never a flow parameter (the run form shows only what a user sets).
+COMMAND_STARTED: ContextVar[float | None] = ContextVar("rollflow_command_started", default=None)
 
 REQUIRED = ("input", "output")
 # What each flow parameter means: the Prefect UI shows it under the field. The flows' docstrings take
@@ -46,7 +53,6 @@ PARAMETER_HELP = {
     "restart": "Discard a different run's committed chunks and start over",
     "allow_incomplete": "Publish even if the audit found gaps",
     "deadline_s": "Stop cleanly after this many seconds; run again to resume",
-    "started_at": "When the command began (epoch seconds), for the report's wall time",
 }
 # Section defaults with no field set: a run that leaves a section out runs it as served.
 AS_SERVED_BACKEND, AS_SERVED_COLLECTION = BackendParams(), CollectionSettings()
@@ -103,3 +109,39 @@ def refusal(exc: IdentityMismatch, spec: RunSpec, settings: RollflowSettings) ->
         f"{exc}{said} From Prefect: give the run another `output`, or set `restart` to true to discard "
         "the committed chunks."
     )
+
+
+def _started() -> datetime:
+    """When the flow run was scheduled to start (its creation time for a run started at once)."""
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time
+    return when.astimezone(UTC) if isinstance(when, datetime) else datetime.now(UTC)
+
+
+def runtime_values() -> dict[str, str]:
+    """The values an output's placeholders take: the same on every retry of one flow run."""
+    from prefect.runtime import deployment, flow_run
+
+    when = _started()
+    return {
+        "date": when.strftime("%Y-%m-%d"),
+        "datetime": when.strftime("%Y%m%dT%H%M%SZ"),
+        "flow_run_name": flow_run.name or "",
+        "flow_run_id": str(flow_run.id or ""),
+        "deployment": deployment.name or "",
+    }
+
+
+def run_name() -> str:
+    """A flow run's name from what it collects: `<input stem>-<model or kind>-<MMDD>-<HHMM>`, and its
+    deployment's name when served (`rows-qwen3-1202-0200-nightly`), instead of Prefect's random words."""
+    from prefect.runtime import deployment, flow_run
+
+    params = flow_run.parameters or {}
+    stem = PurePosixPath(str(params.get("input") or "run").rstrip("/")).name.split(".")[0] or "run"
+    backend = params.get("backend")
+    backend = backend.model_dump() if isinstance(backend, BaseModel) else (backend or {})
+    model = str(backend.get("model") or backend.get("kind") or "").rsplit("/", 1)[-1]
+    parts = [stem, model, _started().strftime("%m%d-%H%M"), deployment.name or ""]
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "-", p).strip("-") for p in parts if p)[:100]

@@ -20,13 +20,16 @@ from rollflow.flows.parameters import (
     AS_SERVED_ENGINE,
     AS_SERVED_TUNING,
     AS_SERVED_VERIFY,
+    COMMAND_STARTED,
     described,
     refusal,
+    run_name,
     run_spec,
+    runtime_values,
 )
 from rollflow.flows.scale_out import CollectResult, collect_remote
 from rollflow.flows.secrets import resolve_secret_blocks
-from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
+from rollflow.flows.stops import SERVED_REFUSALS, cancelled_by_sigterm, chunk_error, served_refusal
 from rollflow.settings import (
     BackendParams,
     CollectionSettings,
@@ -367,7 +370,7 @@ async def _open_and_run(spec: RunSpec, started_at: float | None) -> dict[str, An
         close_pools()  # this process's verifier processes; a Dask worker's close when it exits
 
 
-@flow(name="rollflow-run", log_prints=False)
+@flow(name="rollflow-run", log_prints=False, flow_run_name=run_name)
 @described()  # the docstring's Args, from PARAMETER_HELP
 async def rollflow_run(
     input: str,
@@ -382,7 +385,6 @@ async def rollflow_run(
     restart: bool | None = None,
     allow_incomplete: bool | None = None,
     deadline_s: float | None = None,
-    started_at: float | None = None,
 ) -> dict[str, Any]:
     """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked).
 
@@ -390,15 +392,19 @@ async def rollflow_run(
     serves the flow); a section's fields merge one by one, so `collection={"limit": 4}` changes the limit
     alone.
     """
-    given = {k: v for k, v in locals().items() if k != "started_at"}
+    given = dict(locals())
     settings = RollflowSettings()
-    spec = run_spec(given, settings)
     try:
-        return await cancelled_by_sigterm(_open_and_run(spec, started_at))
+        spec = run_spec(given, settings).expanded(runtime_values())
+        return await cancelled_by_sigterm(_open_and_run(spec, COMMAND_STARTED.get()))
     except IdentityMismatch as exc:
         if runtime_deployment.id is None:
             raise
-        raise refusal(exc, spec, settings) from None
+        return served_refusal(refusal(exc, spec, settings))
+    except SERVED_REFUSALS as exc:
+        if runtime_deployment.id is None:
+            raise
+        return served_refusal(exc)
 
 
 # `rollflow collect` (ng_collect_rollouts' arguments) runs the same flow: the two differ only in defaults.

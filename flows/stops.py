@@ -85,3 +85,29 @@ def _runner_controls_this_run() -> bool:
     from prefect._internal import control_listener
 
     return getattr(control_listener, "_socket", None) is not None
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    from pydantic import ValidationError
+
+    from rollflow.tasks.backends.head_server import HeadServerError
+    from rollflow.tasks.backends.preflight import BackendUnreachable
+    from rollflow.tasks.collect.rows import InputError
+    from rollflow.tasks.storage.lease import LeaseHeld
+    from rollflow.tasks.storage.store import StorageError
+
+    return (ValidationError, InputError, HeadServerError, BackendUnreachable, StorageError, LeaseHeld)
+
+
+# A served run refused for its parameters, its input or its output: one line in its Prefect state.
+SERVED_REFUSALS = _refusals()
+
+
+def served_refusal(exc: BaseException) -> Any:
+    """A FAILED state whose message is the refusal in one line (redacted), with no traceback logged."""
+    from prefect.states import Failed
+
+    from rollflow.settings import redact
+
+    text = " ".join(str(exc).split())
+    return Failed(message=redact.redact(text))

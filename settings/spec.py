@@ -7,9 +7,12 @@ one field of a section is merged here with the served section, field by field (`
 
 from __future__ import annotations
 
+import hashlib
+import string
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+import orjson
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from rollflow.settings.models import (
     MAX_SECONDS,
@@ -22,6 +25,18 @@ from rollflow.settings.models import (
     VerifySettings,
 )
 
+# What an output may name, filled once when the run starts (a retry of the flow run fills them alike).
+PLACEHOLDERS = ("date", "datetime", "flow_run_name", "flow_run_id", "deployment", "params_hash")
+
+
+def template_fields(text: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+
+
+def fill(text: str, values: dict[str, str]) -> str:
+    return text.format_map({k: values.get(k, "") or "none" for k in template_fields(text)})
+
+
 # The spec's sections: models whose fields a run may change one at a time.
 SECTIONS = ("backend", "collection", "verify", "tuning")
 
@@ -30,7 +45,12 @@ class RunSpec(EngineSettings):
     """What to collect, from where, into where. Secrets are resolved from the environment at run time."""
 
     input: str = Field(..., description="Input JSONL of NeMo Gym rows: local path or s3://...")
-    output: str = Field(..., description="Output directory (ledger, reports): local path or s3://...")
+    output: str = Field(
+        ...,
+        description="Output directory (ledger, reports): local path or s3://...; may hold {date}, "
+        "{datetime}, {flow_run_name}, {flow_run_id}, {deployment} or {params_hash}, filled once when the "
+        "run starts",
+    )
     dataset: str | None = Field(
         None, description="Where to publish the dataset; default rollouts.jsonl in the output directory"
     )
@@ -47,6 +67,34 @@ class RunSpec(EngineSettings):
     deadline_s: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="Stop cleanly after this many seconds; run again to resume"
     )
+
+    @field_validator("output", "dataset")
+    @classmethod
+    def _known_placeholders(cls, value: str | None) -> str | None:
+        if value is not None:
+            unknown = template_fields(value) - set(PLACEHOLDERS)
+            if unknown:
+                named = ", ".join("{" + u + "}" for u in sorted(unknown))
+                allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+                raise ValueError(f"{value!r} names {named}; an output may hold {allowed}")
+        return value
+
+    def expanded(self, values: dict[str, str]) -> RunSpec:
+        """The spec with its output (and dataset) placeholders filled; {params_hash} from the spec itself."""
+        if not template_fields(self.output) and not template_fields(self.dataset or ""):
+            return self
+        values = {**values, "params_hash": self.params_hash()}
+        return self.model_copy(
+            update={
+                "output": fill(self.output, values),
+                "dataset": fill(self.dataset, values) if self.dataset else None,
+            }
+        )
+
+    def params_hash(self) -> str:
+        """12 hex of what the run collects (its parameters but where it writes them)."""
+        params = {k: v for k, v in self.parameters().items() if k not in ("output", "dataset")}
+        return hashlib.sha256(orjson.dumps(params, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]
 
     @model_validator(mode="after")
     def _runner_supports_parallelism(self) -> RunSpec:

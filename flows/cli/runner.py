@@ -25,6 +25,7 @@ from rollflow.flows.cli.errors import (
 from rollflow.flows.cli.prefect_api import PrefectApi, using
 from rollflow.flows.cli.progress import ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
+from rollflow.flows.parameters import COMMAND_STARTED
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
@@ -80,7 +81,8 @@ def endpoints_table(report: dict[str, Any]) -> Table | None:
 
 async def _run_flow(spec: RunSpec, flow_name: str, started_at: float | None) -> dict[str, Any]:
     flow = {"run": rollflow_run, "collect": rollflow_collect}[flow_name]
-    return await flow(**spec.parameters(), started_at=started_at)
+    COMMAND_STARTED.set(started_at)
+    return await flow(**spec.parameters())
 
 
 def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> str | None:
@@ -101,7 +103,8 @@ def finish(report: dict[str, Any], spec: RunSpec, api: PrefectApi) -> str | None
         "prefect_api": api.source,
     }
     settings = RollflowSettings()
-    store = Store(spec.output, settings.storage.storage_options(spec.output))
+    output = report.get("output") or spec.output  # an output template is filled by the flow
+    store = Store(output, settings.storage.storage_options(output))
     note = amend_report(store, report, updates, settings.pipeline.lease_ttl_s)
     report.update(updates)
     return note

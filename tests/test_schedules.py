@@ -1,0 +1,124 @@
+"""Scheduled runs that work every night: a served cron schedule with its timezone, an interval schedule
+whose runs publish each into its own folder (a templated output), named runs, and one-line refusals.
+
+Each failed on the code before: `serve --cron` crashed (to_deployment took no `timezone`), an output
+could not name its run, runs had Prefect's random names, and a served usage error was a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+from rollout_data import assert_complete, write_rows
+from served_runs import call, deployment, ok, serve, start_run, wait_final
+
+ROWS = 6
+NAME = re.compile(r"^rows-m-\d{4}-\d{4}-(nightly|every)$")
+
+
+def served_env(cli_env: dict[str, str], url: str, inp: Path, output: str) -> dict[str, str]:
+    return {
+        **cli_env,
+        "ROLLFLOW_PIPELINE__INPUT": str(inp),
+        "ROLLFLOW_PIPELINE__OUTPUT": output,
+        "ROLLFLOW_BACKEND__KIND": "chat",
+        "ROLLFLOW_BACKEND__URL": url,
+        "ROLLFLOW_BACKEND__MODEL": "m",
+        "ROLLFLOW_COLLECTION__PARALLELISM": "4",
+        "ROLLFLOW_VERIFY__VERIFIER": "math_fast",
+        "ROLLFLOW_VERIFY__PROCESSES": "0",
+    }
+
+
+def test_a_served_cron_schedule_keeps_its_timezone(cli_env, prefect_server, fast_sim, tmp_path) -> None:
+    inp = write_rows(tmp_path / "rows.jsonl", ROWS)
+    env = served_env(cli_env, fast_sim.url, inp, str(tmp_path / "runs" / "{date}"))
+    proc = serve(env, "--name", "nightly", "--cron", "0 2 * * *", "--timezone", "Europe/Paris")
+    api = prefect_server.env["PREFECT_API_URL"]
+    try:
+        dep = deployment(api, "nightly", proc)
+        (schedule,) = [s["schedule"] for s in dep["schedules"]]
+        assert (schedule["cron"], schedule["timezone"]) == ("0 2 * * *", "Europe/Paris"), schedule
+        query = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}}
+        deadline, runs = time.monotonic() + 60, []
+        while not runs and time.monotonic() < deadline:
+            time.sleep(1)
+            runs = ok(api, "/flow_runs/filter", query)
+        assert runs, "the scheduler queued no run within 60 s"
+        for run in runs:
+            when = datetime.fromisoformat(run["expected_start_time"]).astimezone(ZoneInfo("Europe/Paris"))
+            assert (when.hour, when.minute) == (2, 0), when
+        ok(api, f"/deployments/{dep['id']}/pause_deployment", {})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("--cron", "0 2 * *"), "is not a cron expression"),
+    (("--cron", "0 2 * * *", "--timezone", "Mars/Olympus"), "is not a timezone name"),
+    (("--interval-s", "0"), "positive number of seconds"),
+])  # fmt: skip
+def test_a_bad_schedule_is_one_usage_error(run_cli, fast_sim, tmp_path, args, needle) -> None:
+    inp = write_rows(tmp_path / "rows.jsonl", 2)
+    env = {"ROLLFLOW_PIPELINE__INPUT": str(inp), "ROLLFLOW_PIPELINE__OUTPUT": str(tmp_path / "o")}
+    res = run_cli("serve", "--name", "bad", *args, env=env, timeout=120)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_an_interval_schedule_publishes_each_run_into_its_own_folder(
+    cli_env, prefect_server, fast_sim, tmp_path
+) -> None:
+    inp = write_rows(tmp_path / "rows.jsonl", ROWS)
+    env = served_env(cli_env, fast_sim.url, inp, str(tmp_path / "runs" / "{flow_run_id}"))
+    proc = serve(env, "--name", "every", "--interval-s", "2", "--limit", "1")
+    api = prefect_server.env["PREFECT_API_URL"]
+    try:
+        dep = deployment(api, "every", proc)
+        query = {
+            "flow_runs": {"deployment_id": {"any_": [dep["id"]]}, "state": {"type": {"any_": ["COMPLETED"]}}}
+        }
+        deadline, done = time.monotonic() + 180, []
+        while len(done) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            time.sleep(1)
+            done = ok(api, "/flow_runs/filter", query)
+        ok(api, f"/deployments/{dep['id']}/pause_deployment", {})
+        assert len(done) >= 2, "fewer than two scheduled runs completed within 180 s"
+        for run in done[:2]:
+            assert run["auto_scheduled"] and NAME.match(run["name"]), run["name"]
+            out = tmp_path / "runs" / run["id"]
+            assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), ROWS, 1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_served_usage_error_ends_failed_in_one_line(cli_env, prefect_server, fast_sim, tmp_path) -> None:
+    inp = write_rows(tmp_path / "rows.jsonl", ROWS)
+    env = served_env(cli_env, fast_sim.url, inp, str(tmp_path / "served"))
+    proc = serve(env, "--name", "refuse")
+    api = prefect_server.env["PREFECT_API_URL"]
+    try:
+        dep = deployment(api, "refuse", proc)
+        missing = tmp_path / "nowhere.jsonl"
+        for change, needle in (
+            ({"output": str(tmp_path / "runs" / "{dat}")}, "{dat}"),
+            ({"input": str(missing)}, f"{missing} does not exist"),
+        ):
+            status, run = call(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": change})
+            assert status < 300, run
+            run = wait_final(api, run["id"], 120)
+            message = run["state"]["message"] or ""
+            assert run["state"]["type"] == "FAILED" and needle in message, message
+            assert "\n" not in message and "Traceback" not in message, message
+        run = wait_final(api, start_run(api, dep["id"], {})["id"], 120)
+        assert run["state"]["type"] == "COMPLETED", run["state"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
