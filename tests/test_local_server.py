@@ -108,23 +108,37 @@ def test_ephemeral_setting_keeps_no_server(
     assert not (Path(no_api["PREFECT_HOME"]) / "server.pid").exists()
 
 
-def test_port_taken_by_something_else_is_one_paragraph(
+def test_a_port_taken_by_something_else_gets_this_home_its_own_server(
     run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
 ) -> None:
+    """A stranger on the profile's port (a socket that never answers, then another home's Prefect API that
+    does): the runs go to this PREFECT_HOME's own kept server, on another port, never the stranger."""
     with socket.socket() as squatter:  # listens, never answers HTTP: not a Prefect server
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
-        env = {**no_api, "PREFECT_SERVER_API_PORT": str(squatter.getsockname()[1])}
-        (tmp_path / "run").mkdir()
-        inp = write_rows(tmp_path / "run" / "in.jsonl", 5)
-        out = tmp_path / "run" / "out"
-        done = run_cli(
-            "collect", "--input", str(inp), "--output", str(out), "--backend-kind", "agent",
-            "--backend-url", fast_sim.url, "--no-progress", env=env,
-        )  # fmt: skip
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "prefect server start --background" in done.stderr and "already in use" in done.stderr
-    assert "Traceback" not in done.stderr and not out.exists()
+        port = squatter.getsockname()[1]
+        env = {**no_api, "PREFECT_SERVER_API_PORT": str(port)}
+        done, report = _collect(run_cli, tmp_path / "run", fast_sim, env)
+        assert f"127.0.0.1:{port} is taken" in done.stderr and STARTED in done.stderr, done.stderr
+        assert report["prefect_api"] == "local server, started"
+    home = Path(no_api["PREFECT_HOME"])
+    ours = int((home / "rollflow-server.port").read_text())
+    assert ours != port and answers(f"http://127.0.0.1:{ours}/api", timeout_s=5)
+    assert _flow_runs(f"http://127.0.0.1:{ours}/api") == 1
+
+
+def test_another_homes_server_on_the_port_is_not_adopted(
+    run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path, prefect_server: Service
+) -> None:
+    stranger = prefect_server.env["PREFECT_API_URL"]
+    before = _flow_runs(stranger)
+    port = stranger.rsplit(":", 1)[1].split("/")[0]
+    env = {**no_api, "PREFECT_SERVER_API_PORT": port}
+    done, report = _collect(run_cli, tmp_path / "run", fast_sim, env)
+    assert f"127.0.0.1:{port} is taken" in done.stderr and report["prefect_api"] == "local server, started"
+    ours = int((Path(no_api["PREFECT_HOME"]) / "rollflow-server.port").read_text())
+    assert _flow_runs(f"http://127.0.0.1:{ours}/api") == 1
+    assert _flow_runs(stranger) == before, "the run went into another PREFECT_HOME's database"
 
 
 def test_bad_local_server_setting_is_one_paragraph(

@@ -8,6 +8,7 @@ stay in its UI. The command starts in its own session, so Ctrl-C on a run never 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 HEALTH_TIMEOUT_S = 0.3
 POLL_S = 0.1
 PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME, where `prefect server stop` looks
+PORT_FILE = "rollflow-server.port"  # the port rollflow started this PREFECT_HOME's server on
 
 
 class LocalServerError(Exception):
@@ -48,6 +50,30 @@ def _pid_alive(pid_file: Path) -> bool:
     return True
 
 
+def owned_port(home: Path, default: int) -> int | None:
+    """The port of this PREFECT_HOME's own kept server: one whose PID file there names a live process (on
+    the port rollflow recorded, else the profile's). Never a server that merely answers on a port."""
+    if not (home / PID_FILE).exists() or not _pid_alive(home / PID_FILE):
+        return None
+    try:
+        return int((home / PORT_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return default
+
+
+def port_busy(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:`port` (loopback: refused at once when nothing does)."""
+    with socket.socket() as probe:
+        probe.settimeout(HEALTH_TIMEOUT_S)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class LocalServer:
     """`prefect server start --background` on 127.0.0.1:`port`, started now and waited for later."""
 
@@ -69,6 +95,7 @@ class LocalServer:
                 return False
             self.pid_file.unlink(missing_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / PORT_FILE).write_text(str(self.port))
         prefect = Path(sys.executable).with_name("prefect")
         self._cli = subprocess.Popen(
             [

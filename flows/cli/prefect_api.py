@@ -15,10 +15,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from rollflow.flows.cli.errors import load_settings
-from rollflow.flows.cli.local_server import LocalServer, answers
+from rollflow.flows.cli.local_server import LocalServer, answers, free_port, owned_port, port_busy
 
 Source = Literal["configured", "local server", "local server, started", "ephemeral"]
 
@@ -76,13 +77,20 @@ def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
     settings = get_current_settings()
     if settings.api.url:
         return PrefectApi(str(settings.api.url), "configured")
-    host = settings.server.api.host
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    local = f"http://{host}:{settings.server.api.port}/api"
-    if answers(local):
-        return PrefectApi(local, "local server")
+    home = Path(settings.home)
+    port = owned_port(home, settings.server.api.port)
+    if port is not None:  # this PREFECT_HOME's own kept server, up or starting
+        local = f"http://127.0.0.1:{port}/api"
+        if answers(local):
+            return PrefectApi(local, "local server")
+        return _start_local(LocalServer(home, port))
     if local_server == "keep":
-        return _start_local(LocalServer(settings.home, settings.server.api.port))
+        port = settings.server.api.port
+        if port_busy(port):
+            taken, port = port, free_port()
+            _say(f"127.0.0.1:{taken} is taken by a server of another PREFECT_HOME (or another program); "
+                 f"this PREFECT_HOME ({home}) gets its own kept server on port {port}")  # fmt: skip
+        return _start_local(LocalServer(home, port))
     api = PrefectApi(None, "ephemeral")
     if settings.server.ephemeral.enabled:
         api._starting = threading.Thread(target=_start_ephemeral, args=(api, start_timeout_s), daemon=True)
