@@ -163,3 +163,24 @@ def test_pid_file_of_a_server_that_never_answers(tmp_path: Path) -> None:
     assert server.start() is False
     with pytest.raises(LocalServerError, match="prefect server stop"):
         server.wait(timeout_s=0.5)
+
+
+def test_the_demo_takes_the_kept_server_path_under_load(
+    run_cli: RunCli, no_api: dict[str, str], tmp_path: Path
+) -> None:
+    """`rollflow demo` with no API configured, two busy processes beside it: it starts this home's kept
+    server (no 20-s ephemeral start limit) and says what it waits for; never a traceback."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        done = run_cli(
+            "demo", "--output", str(tmp_path / "demo-out"), "--num-repeats", "2", env=no_api, timeout=600
+        )
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait(10)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert STARTED in done.stderr and "waiting for it to answer" in done.stderr
+    assert "Traceback" not in done.stderr and "ephemeral Prefect API server" not in done.stderr
+    report = json.loads((tmp_path / "demo-out" / "report.json").read_text())
+    assert report["prefect_api"] == "local server, started" and report["published"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from rollflow.flows.cli.errors import EXIT_OK
+from rollflow.flows.cli.prefect_api import PrefectApi
 from rollflow.flows.cli.runner import run_and_print
 from rollflow.settings import BackendParams, CollectionSettings, RunSpec
 
@@ -42,6 +43,7 @@ async def run_demo(
     parallelism: int | str,
     num_repeats: int = NUM_REPEATS,
     started_at: float | None = None,
+    api: PrefectApi | None = None,
 ) -> int:
     from rollflow.infra.simulator import SimConfig, start_simulator
 
@@ -58,7 +60,7 @@ async def run_demo(
             collection=CollectionSettings(parallelism=parallelism, num_repeats=num_repeats, chunk_size=100),
         )
         status = await asyncio.to_thread(
-            run_and_print, spec, "run", progress=True, print_json=False, started_at=started_at
+            run_and_print, spec, "run", progress=True, print_json=False, started_at=started_at, api=api
         )
     finally:
         await sim.close()

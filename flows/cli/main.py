@@ -186,7 +186,11 @@ def cmd_simulate(argv: list[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """The demo on the same Prefect path as `run`: the configured API, else the kept local server."""
     quiet_prefect(args.verbose)
+    from rollflow.flows.cli.prefect_api import command_api
+
+    api = command_api(args.started_at)
     from rollflow.flows.cli.demo import run_demo
 
     return asyncio.run(
@@ -195,6 +199,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             parallelism=args.parallelism,
             num_repeats=args.num_repeats,
             started_at=args.started_at,
+            api=api,
         )
     )
 

@@ -103,7 +103,8 @@ def _start_local(server: LocalServer) -> PrefectApi:
         _say(
             f"no Prefect API configured: started a Prefect server that stays for later runs, UI "
             f"{server.ui_url} (stop it with `prefect server stop`; ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral "
-            f"to not keep one)"
+            f"to not keep one); waiting for it to answer (its first start creates its database; "
+            f"ROLLFLOW_PREFECT__START_TIMEOUT_S bounds the wait)"
         )
         return PrefectApi(server.api_url, "local server, started", _local=server)
     _say(f"waiting for the Prefect server starting at {server.ui_url}")
