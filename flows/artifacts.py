@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from prefect.artifacts import (
     aupdate_progress_artifact,
 )
 
+from rollflow.settings import redact
 from rollflow.tasks.collect.progress import RolloutCount, hub
 from rollflow.tasks.publish.endpoints import ENDPOINT_COLUMNS, endpoint_cells
 
@@ -59,14 +61,54 @@ async def rollout_progress(total: int, interval_s: float = 1.0) -> AsyncIterator
                 return
 
     ended = asyncio.Event()
+    logged = RunLines(count)
     unsubscribe = hub.subscribe(count.add)
     task = asyncio.create_task(refresh())
+    lines = asyncio.create_task(logged.every(interval_s * 10, ended))
     try:
         yield
     finally:
         unsubscribe()
         ended.set()
         await _last_update(task)
+        await _last_update(lines)
+
+
+class RunLines:
+    """The run's progress as lines in its Prefect logs (the UI's Logs tab): every `every_s` while rollouts
+    finish, and once at the end; redacted like every other text rollflow writes."""
+
+    def __init__(self, count: RolloutCount) -> None:
+        self.count, self.t0 = count, time.monotonic()
+
+    def line(self) -> str:
+        c, elapsed = self.count, time.monotonic() - self.t0
+        share = c.finished / c.total if c.total else 0.0
+        rate = c.done / elapsed if elapsed > 0 else 0.0
+        return (
+            f"collect {c.finished:,}/{c.total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
+            f"failed {c.failed:,}, elapsed {elapsed:,.0f} s"
+        )
+
+    async def every(self, every_s: float, ended: asyncio.Event) -> None:
+        shown = -1
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), every_s)
+            if self.count.finished != shown or ended.is_set():
+                shown = self.count.finished
+                run_log(self.line())
+            if ended.is_set():
+                return
+
+
+def run_log(text: str, level: int = logging.INFO) -> None:
+    """One line in the flow run's Prefect logs, redacted; nothing outside a run (a worker process)."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    with contextlib.suppress(MissingContextError):
+        get_run_logger().log(level, redact.redact(text))
 
 
 async def _last_update(task: asyncio.Task[None]) -> None:

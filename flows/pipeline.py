@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import resource
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 from prefect.runtime import deployment as runtime_deployment
 
-from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress
+from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress, run_log
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.parameters import (
     AS_SERVED_BACKEND,
@@ -341,7 +342,26 @@ async def report_step(
         render_markdown(report, images), key="rollflow-report", description="rollflow run report"
     )
     await endpoints_table(report["endpoints"])
+    _log_outcome(report, published)
     return report
+
+
+def _log_outcome(report: dict[str, Any], published: bool) -> None:
+    """The run's outcome and its warnings as lines in the flow run's logs (the UI's Logs tab)."""
+    rate = report.get("rollouts_per_s")
+    said = "published" if published else "not published"
+    run_log(
+        f"{said}: {report.get('rows_written', 0):,} rollouts"
+        + (f" at {rate:,.1f} rollouts/s" if isinstance(rate, int | float) else "")
+        + f"; dataset {report.get('dataset')}; report {str(report.get('output', '')).rstrip('/')}/report.md"
+    )
+    for key in ("tuning_skipped", "tuning_stopped", "publish_error"):
+        if report.get(key):
+            run_log(f"{key.replace('_', ' ')}: {report[key]}", logging.WARNING)
+    if report.get("chunk_errors"):
+        run_log(
+            f"{len(report['chunk_errors'])} chunk errors, first: {report['chunk_errors'][0]}", logging.WARNING
+        )
 
 
 def remote_figures(spec: RunSpec, result: CollectResult) -> dict[str, Any]:

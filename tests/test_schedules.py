@@ -35,6 +35,18 @@ def served_env(cli_env: dict[str, str], url: str, inp: Path, output: str) -> dic
     }
 
 
+def run_logs(api: str, run_id: str, last: str, timeout_s: float = 30) -> list[str]:
+    """The flow run's log lines once one starts with `last` (Prefect sends logs in batches)."""
+    deadline, messages = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        logs = ok(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
+        messages = [entry["message"] for entry in logs]
+        if any(m.startswith(last) for m in messages):
+            break
+        time.sleep(1)
+    return messages
+
+
 def test_a_served_cron_schedule_keeps_its_timezone(cli_env, prefect_server, fast_sim, tmp_path) -> None:
     inp = write_rows(tmp_path / "rows.jsonl", ROWS)
     env = served_env(cli_env, fast_sim.url, inp, str(tmp_path / "runs" / "{date}"))
@@ -119,6 +131,10 @@ def test_a_served_usage_error_ends_failed_in_one_line(cli_env, prefect_server, f
             assert "\n" not in message and "Traceback" not in message, message
         run = wait_final(api, start_run(api, dep["id"], {})["id"], 120)
         assert run["state"]["type"] == "COMPLETED", run["state"]
+        # the Logs tab shows the run's progress and its outcome
+        messages = run_logs(api, run["id"], "published: ")
+        assert any(m.startswith(f"collect {ROWS}/{ROWS} rollouts (100%)") for m in messages), messages
+        assert any(m.startswith(f"published: {ROWS} rollouts") for m in messages), messages
     finally:
         proc.terminate()
         proc.wait(30)

@@ -289,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
 def _command(argv: list[str], started_at: float, fresh: bool) -> int:
     from rollflow.flows.cli.start import collect_rarely
 
-    quiet_prefect("--verbose" in argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command != "serve":  # a served run's logs are its Logs tab in the UI
+        quiet_prefect("--verbose" in argv)
     if fresh and command in ("run", "collect"):
         collect_rarely()  # until cmd_run has imported its flows
     parser = make_parser(command)
