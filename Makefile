@@ -29,6 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) docs/check_architecture.py
+	$(PY) docs/gen_nemo_gym.py --check
 	rm -rf $(VENV)/lint-tree && mkdir -p $(VENV)/lint-tree/rollflow
 	cp -R rollflow/. flows tasks settings infra $(VENV)/lint-tree/rollflow/
 	cd $(VENV)/lint-tree && PYTHONPATH=. ../bin/lint-imports --no-cache --config $(CURDIR)/pyproject.toml

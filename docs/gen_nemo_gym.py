@@ -57,8 +57,12 @@ def render() -> str:
 
 
 def main() -> int:
+    args = sys.argv[1:]
+    if args not in ([], ["--check"]):
+        print(__doc__, file=sys.stderr)
+        return 2
     text = render()
-    if "--check" in sys.argv:
+    if args == ["--check"]:
         if not PAGE.exists() or PAGE.read_text() != text:
             print(f"{PAGE} is stale: run `python docs/gen_nemo_gym.py`", file=sys.stderr)
             return 1

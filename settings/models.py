@@ -123,6 +123,12 @@ class BackendParams(Settings):
         "server when one is set); each agent's rows go to its own server only",
     )
 
+    sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="task_source -> the agent its rows go to when they name no agent (read from the head "
+        "server: an agent instance, or the one agent bound to a resources server)",
+    )
+
     @field_validator("url")
     @classmethod
     def _valid_url_list(cls, value: str) -> str:
@@ -248,6 +254,11 @@ class CollectionSettings(Settings):
         True,
         description="Agent runs through a head server: write <dataset stem>_aggregate_metrics.json from "
         "each environment server's /aggregate_metrics (NeMo Gym's +disable_aggregation turns it off)",
+    )
+    num_repeats_by_agent: dict[str, int] = Field(
+        default_factory=dict,
+        description="NeMo Gym's per-agent +num_repeats: each row's agent needs an entry (or '_default'); "
+        "the entries give the run its one num_repeats",
     )
     repeat_seed: bool = Field(
         False,

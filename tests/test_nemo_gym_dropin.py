@@ -123,7 +123,7 @@ def test_agent_name_overrides_every_row_and_agent_map_re_routes(
     assert {(r["agent_ref"]["name"], stub_of(r)) for r in read_jsonl(out)} == {("agent_b", "B")}
     mapped = tmp_path / "mapped.jsonl"
     res = run_cli(
-        "collect", "+agent_map={agent_a: agent_b, agent_b: agent_a}", f"+input_jsonl_fpath={inp}",
+        "collect", "+agent_map={agent_a:agent_b, agent_b: agent_a}", f"+input_jsonl_fpath={inp}",
         f"+output_jsonl_fpath={mapped}", *head_args(nemo_gym_stack), "--no-progress",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
@@ -191,7 +191,8 @@ def test_the_gym_eval_run_form_writes_the_dataset_file(
 
 
 def test_a_failed_rollout_lands_in_nemo_gyms_sidecar(run_cli, nemo_gym_stack: Stack, tmp_path: Path) -> None:
-    inp = write(tmp_path / "in.jsonl", [row(f"{FAIL_MARKER} now", "x"), row("fine", "answer from A: fine")])
+    rows = [row(f"{FAIL_MARKER} now", "x"), row("fine", "answer from A: fine")]
+    inp = write(tmp_path / "in.jsonl", rows)
     out = tmp_path / "f.jsonl"
     res = run_cli(
         "collect", "+agent_name=agent_a", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
@@ -200,12 +201,97 @@ def test_a_failed_rollout_lands_in_nemo_gyms_sidecar(run_cli, nemo_gym_stack: St
     )  # fmt: skip
     assert [(r["_ng_task_index"], r["reward"]) for r in read_jsonl(out)] == [(1, 1.0)], res.stderr
     (failure,) = read_jsonl(tmp_path / "f_failures.jsonl")
+    env = nemo_gym_stack.environment_server("agent_a")
     assert failure["_ng_failure_class"] == "agent_run_error"
+    assert failure["_ng_failure_type"] == "ClientResponseError"
+    assert failure["_ng_failure_message"] == f"500, message='Internal Server Error', url='{env.url}/run'"
     assert failure["_ng_failure_http_status"] == 500
+    assert "stub A refuses" in failure["_ng_failure_response_body"]
     assert (failure["_ng_task_index"], failure["_ng_rollout_index"]) == (0, 0)
     assert failure["_ng_environment_server"] == "agent_a_environment_server"
     assert failure["agent_ref"] == {"name": "agent_a"} and failure["_rf"]["attempts"] == 1
     assert "reward" not in failure and "response" not in failure
+
+
+def test_a_bad_prompt_uses_its_own_retries_and_no_more(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    """Each agent has one server: a prompt its model refuses takes that server out of rotation, but the
+    other agent's server is no replica to retry on, so each rollout is tried max-retries + 1 times."""
+    rows = [row(f"{FAIL_MARKER} a", "x", "agent_a"), row(f"{FAIL_MARKER} b", "x", "agent_b"), *mixed_rows(4)]
+    out = tmp_path / "r.jsonl"
+    res = run_cli(
+        "collect", f"+input_jsonl_fpath={write(tmp_path / 'in.jsonl', rows)}", f"+output_jsonl_fpath={out}",
+        "+route_failures_to_sidecar=true", "--max-retries", "2", *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert len(read_jsonl(out)) == 4, res.stderr
+    failures = read_jsonl(tmp_path / "r_failures.jsonl")
+    assert sorted((f["agent_ref"]["name"], f["_rf"]["attempts"]) for f in failures) == [
+        ("agent_a", 3),
+        ("agent_b", 3),
+    ]
+
+
+def test_rows_routed_by_task_source_and_dotted_keys(run_cli, nemo_gym_stack: Stack, tmp_path: Path) -> None:
+    rows = [{**row(f"t{i}", f"answer from B: t{i}"), "task_source": "agent_b"} for i in range(3)]
+    out = tmp_path / "ts.jsonl"
+    res = run_cli(
+        "collect", f"+input_jsonl_fpath={write(tmp_path / 'in.jsonl', rows)}", f"+output_jsonl_fpath={out}",
+        *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert {(r["agent_ref"]["name"], stub_of(r), r["reward"]) for r in read_jsonl(out)} == {
+        ("agent_b", "B", 1.0)
+    }
+    # string_match serves both agents: its name alone cannot say which; a dotted agent_map key can
+    shared = [{**row("s", "answer from A: s"), "task_source": "string_match"}]
+    inp = write(tmp_path / "shared.jsonl", shared)
+    res = run_cli(
+        "collect", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={tmp_path / 'no.jsonl'}",
+        *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "'string_match'" in res.stderr and "+agent_map" in res.stderr, res.stderr
+    res = run_cli(
+        "collect", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={tmp_path / 'yes.jsonl'}",
+        "+agent_map.string_match=agent_a", *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert [stub_of(r) for r in read_jsonl(tmp_path / "yes.jsonl")] == ["A"]
+
+
+def test_routing_that_would_mislabel_rows_is_refused(run_cli, nemo_gym_stack: Stack, tmp_path: Path) -> None:
+    inp = write(tmp_path / "in.jsonl", mixed_rows(4))
+    env_a = nemo_gym_stack.environment_server("agent_a").url
+    res = run_cli(
+        "collect", "--backend-url", env_a, f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={tmp_path / 'one.jsonl'}", "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "line 2" in res.stderr and "one agent server URL" in res.stderr, res.stderr
+    res = run_cli(
+        "collect", "+num_repeats={agent_a: 2}", f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={tmp_path / 'rep.jsonl'}", *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "no entry for its agent 'agent_b'" in res.stderr, res.stderr
+    assert not (tmp_path / "one.jsonl").exists() and not (tmp_path / "rep.jsonl").exists()
+
+
+def test_the_head_server_given_as_the_backend_url_and_the_short_flags(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    """The README's form (--backend-url at the head server) and `gym eval run`'s -i/-o alone."""
+    inp = write(tmp_path / "in.jsonl", mixed_rows(4))
+    res = run_cli(
+        "collect", "--backend-url", nemo_gym_stack.head_url, f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={tmp_path / 'h.jsonl'}", "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    res = run_cli(
+        "collect", "-i", str(inp), "-o", str(tmp_path / "short.jsonl"),
+        "--head-server", nemo_gym_stack.head_url, "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    for name in ("h.jsonl", "short.jsonl"):
+        assert all(stub_of(r) == r["agent_ref"]["name"][-1].upper() for r in read_jsonl(tmp_path / name))
 
 
 def test_the_same_invocation_gives_ng_collect_rollouts_rows(

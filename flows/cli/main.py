@@ -94,11 +94,18 @@ def _apply_nemo_gym(extra: list[str], groups: dict[str, dict[str, Any]], args: a
     from rollflow.flows.cli.nemo_gym import apply_nemo_gym, overrides_of
 
     found = overrides_of(extra, args)
-    if apply_nemo_gym(found, groups):
+    short = {"input": getattr(args, "ng_input", None), "output": getattr(args, "ng_output", None)}
+    if apply_nemo_gym(found, groups) or any(short.values()):
         groups["backend"]["kind"] = "agent"
-    dataset = groups[""].get("dataset")
+    top = groups[""]
+    if short["input"]:
+        top["input"] = short["input"]
+    if short["output"]:  # -o x.jsonl: the dataset file; -o folder: the output folder
+        top["output"] = short["output"]
+        _dataset_file_output(groups, {"": {"output": short["output"]}})
+    dataset = top.get("dataset")
     if found.get("output_jsonl_fpath") and dataset and not args.output:
-        groups[""]["output"] = dataset + ".rollflow"
+        top["output"] = dataset + ".rollflow"
 
 
 def _dataset_file_output(groups: dict[str, dict[str, Any]], given: dict[str, dict[str, Any]]) -> None:
@@ -115,6 +122,9 @@ def _head_server_default(settings: Any, groups: dict[str, dict[str, Any]], given
 
     backend = groups["backend"]
     url_given = "url" in settings.backend.model_fields_set or "url" in given.get("backend", {})
+    kind_given = "kind" in settings.backend.model_fields_set or "kind" in given.get("backend", {})
+    if backend.get("head_server") and not kind_given:  # a head server names agents: an agent run
+        backend["kind"] = "agent"
     if str(backend.get("kind")) != "agent" or backend.get("agents"):
         return
     if backend.get("head_server") and url_given:

@@ -12,12 +12,10 @@ from dataclasses import dataclass
 from difflib import get_close_matches
 from typing import Any
 
-import yaml
-
 from rollflow.flows.cli.errors import UsageError
+from rollflow.flows.cli.hydra_values import HydraValueError, parse
 
 ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
-HYDRA_WORDS = ("yes", "no", "on", "off", "y", "n")  # YAML 1.1 booleans that Hydra keeps as strings
 
 
 @dataclass(frozen=True)
@@ -57,23 +55,24 @@ def _agent_map(value: Any, groups: dict[str, dict[str, Any]]) -> None:
 
 
 def _num_repeats(value: Any, groups: dict[str, dict[str, Any]]) -> None:
-    """An int, or NeMo Gym's per-agent dict when it gives the run one count (rollflow runs one count)."""
+    """An int, or NeMo Gym's per-agent dict when it gives the run one count (rollflow runs one count);
+    the scan then checks that each row's agent has an entry (or `_default`), as NeMo Gym does."""
+    collection = groups["collection"]
     if not isinstance(value, dict):
-        groups["collection"]["num_repeats"] = value
+        collection["num_repeats"] = value
         return
-    agent = groups["collection"].get("agent_name")
-    counts = (
-        {value[agent]}
-        if agent in value
-        else ({value["_default"]} if agent and "_default" in value else set(value.values()))
-    )
+    agent = collection.get("agent_name")
+    entry = value.get(agent, value.get("_default")) if agent else None
+    counts = {entry} if entry is not None else set(value.values())
     if len(counts) != 1:
         raise UsageError(
             f"+num_repeats={value}: rollflow collects one number of rollouts per row in a run, and this "
             "gives several. Collect each agent as its own run (+agent_name=NAME +num_repeats=N, each "
             "with its own +output_jsonl_fpath)."
         )
-    groups["collection"]["num_repeats"] = counts.pop()
+    collection["num_repeats"] = counts.pop()
+    if not agent:
+        collection["num_repeats_by_agent"] = {str(k): v for k, v in value.items()}
 
 
 def _sidecar(value: Any, groups: dict[str, dict[str, Any]]) -> None:
@@ -186,9 +185,11 @@ KEYS: dict[str, Key] = {
         "refused: rollflow retries within the run (--max-retries); nothing is terminal"
     ),
     "retry_invalid_judge_responses": Key("refused: use `rollflow reverify` to rescore a dataset"),
-    "head_server.host": Key("the head server's host (default 127.0.0.1)"),
-    "head_server.port": Key("the head server's port (default 11000)"),
 }
+HEAD_SERVER_ROWS = (
+    ("+head_server.host", "the head server's host (default 127.0.0.1); --head-server URL too"),
+    ("+head_server.port", "the head server's port (default 11000)"),
+)
 # `gym eval run` flags: (flags, Hydra key, argparse keywords)
 EVAL_FLAGS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
     (("-a", "--agent"), "agent_name", {"help": "gym eval run: the agent every row goes to"}),
@@ -237,10 +238,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         "NeMo Gym",
         "ng_collect_rollouts' +key=value arguments (see the compatibility table) and gym eval run's flags",
     )
-    group.add_argument("-i", dest="input", default=None, help="gym eval run: the input (--input)")
-    group.add_argument(
-        "-o", dest="output", default=None, help="gym eval run: the dataset file (--output x.jsonl)"
-    )
+    group.add_argument("-i", dest="ng_input", default=None, help="gym eval run: the input")
+    group.add_argument("-o", dest="ng_output", default=None, help="gym eval run: the dataset file (x.jsonl)")
     for names, _key, kwargs in EVAL_FLAGS:
         group.add_argument(
             *names, dest=f"ng_{names[-1].lstrip('-').replace('-', '_')}", default=None, **kwargs
@@ -249,14 +248,10 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
 
 def hydra_value(text: str) -> Any:
     """A Hydra override's value: numbers, true/false/null, {a: b} and [a, b] as Hydra reads them."""
-    if text.strip().lower() in HYDRA_WORDS:
-        return text
     try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as exc:
-        raise UsageError(
-            f"The value {text!r} cannot be read ({exc.__class__.__name__}); quote it or fix its braces."
-        ) from None
+        return parse(text)
+    except HydraValueError as exc:
+        raise UsageError(f"The value {text!r} cannot be read: {exc}. Quote it or fix its braces.") from None
 
 
 def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -275,19 +270,21 @@ def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def nested(found: dict[str, Any]) -> dict[str, Any]:
-    """Dotted keys under responses_create_params nest (reasoning.effort -> {reasoning: {effort}})."""
+    """Dotted keys nest as Hydra nests them: `+responses_create_params.reasoning.effort=low` is
+    {responses_create_params: {reasoning: {effort: low}}}, `+agent_map.a=b` is {agent_map: {a: b}}."""
     out: dict[str, Any] = {}
     for key, value in found.items():
-        if key.startswith("responses_create_params."):
-            params = out.setdefault("responses_create_params", {})
-            *path, last = key.split(".")[1:]
-            for part in path:
-                params = params.setdefault(part, {})
-            params[last] = value
-        elif key == "responses_create_params" and isinstance(value, dict):
-            out.setdefault("responses_create_params", {}).update(value)
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = {**node[last], **value}
         else:
-            out[key] = value
+            node[last] = value
     return out
 
 
@@ -298,11 +295,11 @@ def apply_nemo_gym(found: dict[str, Any], groups: dict[str, dict[str, Any]]) -> 
     problems = []
     for key in config:
         entry = KEYS.get(key)
-        if entry is None and not key.startswith("head_server."):
+        if entry is None and key != "head_server":
             close = get_close_matches(key, list(KEYS), n=1)
             hint = f" (did you mean +{close[0]}?)" if close else ""
             problems.append(f"+{key} is not a key of NeMo Gym's rollout collection{hint}")
-        elif entry is not None and entry.apply is None and not key.startswith("head_server."):
+        elif entry is not None and entry.apply is None:
             problems.append(f"+{key}: {entry.what.removeprefix('refused: ')}")
     if problems:
         raise UsageError(
@@ -321,7 +318,9 @@ def apply_nemo_gym(found: dict[str, Any], groups: dict[str, dict[str, Any]]) -> 
 
 
 def _head_server(config: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:
-    head = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("head_server.")}
+    head = config.get("head_server") or {}
+    if not isinstance(head, dict):
+        raise UsageError("+head_server takes host and port: +head_server.host=H +head_server.port=P.")
     unknown = set(head) - {"host", "port"}
     if unknown:
         raise UsageError(f"+head_server takes host and port, not {', '.join(sorted(unknown))}.")
@@ -346,7 +345,7 @@ def _attempts(groups: dict[str, dict[str, Any]]) -> None:
 
 def compatibility_rows() -> list[tuple[str, str]]:
     """(NeMo Gym key or flag, what rollflow does): the docs' compatibility table, from KEYS itself."""
-    rows = [(f"+{key}", entry.what) for key, entry in KEYS.items()]
+    rows = [(f"+{key}", entry.what) for key, entry in KEYS.items()] + list(HEAD_SERVER_ROWS)
     rows += [
         ("-i / --input", "the input"),
         (

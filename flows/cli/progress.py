@@ -136,9 +136,14 @@ class ProgressLines:
     def __enter__(self) -> ProgressLines:
         if self.enabled:
             spec = self.spec
+            backend = spec.backend
+            where = (
+                f"agents found through NeMo Gym's head server {backend.head_server}"
+                if backend.head_server and not backend.agents
+                else backend.url
+            )
             self._say(
-                f"run started: output {spec.output}, backend {spec.backend.kind.value} {spec.backend.url}, "
-                f"input {spec.input}"
+                f"run started: output {spec.output}, backend {backend.kind.value} {where}, input {spec.input}"
             )
             self._unsubscribe = hub.subscribe(self._on_event)
             self._thread.start()

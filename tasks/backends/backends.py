@@ -37,7 +37,8 @@ PATHS = {
     BackendKind.chat: "/v1/chat/completions",
 }
 LEAVE_GRACE_S = 0.5
-MAX_SNIPPET = 300  # characters of an error reply quoted in the failure
+MAX_SNIPPET = 300  # characters of an error reply quoted in the failure's message
+MAX_BODY = 2000  # characters of an error reply kept with the failure (NeMo Gym's sidecar keeps as many)
 
 
 def _url_hint(url: str, status: int) -> str:
@@ -75,21 +76,38 @@ class BackendError(Exception):
         self.retryable = retryable
         self.attempts = attempts
         self.retry_after = retry_after
+        self.url: str | None = None  # where an HTTP error came from, and its body (masked, cut)
+        self.body: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only fields: the default Exception pickling would lose them (Dask ships errors across).
-        return (
-            _rebuild_error,
-            (str(self), self.kind, self.status, self.retryable, self.attempts, self.retry_after),
+        fields = (
+            self.kind,
+            self.status,
+            self.retryable,
+            self.attempts,
+            self.retry_after,
+            self.url,
+            self.body,
         )
+        return (_rebuild_error, (str(self), *fields))
 
 
 def _rebuild_error(
-    message: str, kind: str, status: int | None, retryable: bool, attempts: int, retry_after: float | None
+    message: str,
+    kind: str,
+    status: int | None,
+    retryable: bool,
+    attempts: int,
+    retry_after: float | None,
+    url: str | None = None,
+    body: str | None = None,
 ) -> BackendError:
-    return BackendError(
+    error = BackendError(
         message, kind=kind, status=status, retryable=retryable, attempts=attempts, retry_after=retry_after
     )
+    error.url, error.body = url, body
+    return error
 
 
 @dataclass(slots=True)
@@ -171,7 +189,7 @@ class BackendClient:
                 self._failed(ep, exc)
                 failed.append((ep, token))
                 exc.attempts = len(failed)
-                if not exc.retryable or not await self._retry_after_backoff(failed, exc):
+                if not exc.retryable or not await self._retry_after_backoff(failed, exc, agent):
                     raise
                 continue
             except BaseException:
@@ -189,27 +207,27 @@ class BackendClient:
         for observer in self.observers:
             observer.failure(exc.kind)
 
-    async def _retry_after_backoff(self, failed: list[tuple[Endpoint, int]], exc: BackendError) -> bool:
+    async def _retry_after_backoff(
+        self, failed: list[tuple[Endpoint, int]], exc: BackendError, agent: str | None = None
+    ) -> bool:
         """Back off, then whether to try again: retries left, or the failure was a replica leaving.
 
         A replica that dies drops its requests before it refuses new ones, so with no retry left and
         other endpoints in rotation, the verdict waits a moment for it to leave rotation.
         """
-        counted = self._counted(failed)
+        counted = self._counted(failed, agent)
         if counted <= self.policy.max_retries:
             await asyncio.sleep(self.policy.delay(max(0, counted - 1), exc.retry_after))
             return True
         ep = failed[-1][0]
-        if not _replica_failure(exc.kind) or not any(
-            o.in_rotation for o in self.pool.endpoints if o is not ep
-        ):
+        if not _replica_failure(exc.kind) or not self.pool.others_in_rotation(ep, agent):
             return False
         await asyncio.sleep(LEAVE_GRACE_S)
-        return self._counted(failed) <= self.policy.max_retries
+        return self._counted(failed, agent) <= self.policy.max_retries
 
-    def _counted(self, failed: list[tuple[Endpoint, int]]) -> int:
+    def _counted(self, failed: list[tuple[Endpoint, int]], agent: str | None = None) -> int:
         """Failures that use up retries: all but those a replica leaving rotation caused (bounded)."""
-        free = sum(1 for ep, token in failed if self.pool.caused_by_rotation(ep, token))
+        free = sum(1 for ep, token in failed if self.pool.caused_by_rotation(ep, token, agent))
         return len(failed) - min(free, self.max_free)
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> Any:
@@ -237,10 +255,10 @@ class BackendClient:
             ) from exc
         if status >= 400:
             # masked before it is cut: a cut through an echoed key would leave its first characters
-            snippet = self._scrub(payload.decode("utf-8", "replace"))[:MAX_SNIPPET]
-            raise BackendError(
+            text = self._scrub(payload[: 4 * MAX_BODY].decode("utf-8", "replace"))
+            error = BackendError(
                 self._scrub(
-                    f"HTTP {status} from {url}: {snippet}{_url_hint(url, status)}"
+                    f"HTTP {status} from {url}: {text[:MAX_SNIPPET]}{_url_hint(url, status)}"
                     f"{self._waits_less(retry_after)}"
                 ),
                 kind=f"http_{status}",
@@ -248,6 +266,8 @@ class BackendClient:
                 retryable=status in RETRYABLE_STATUS,
                 retry_after=retry_after,
             )
+            error.url, error.body = url, text[:MAX_BODY]
+            raise error
         if event_stream:
             raise BackendError(
                 f"an event stream (text/event-stream) from {url} (HTTP {status}) where a JSON reply was "

@@ -199,10 +199,14 @@ class EndpointPool:
         if refused or ep.streak >= STREAK_OUT:
             self._eject(ep, now)
 
-    def caused_by_rotation(self, ep: Endpoint, token: int) -> bool:
-        """Whether a failed attempt is the replica's leaving rotation, with others left to retry on."""
+    def caused_by_rotation(self, ep: Endpoint, token: int, agent: str | None = None) -> bool:
+        """Whether a failed attempt is the replica's leaving rotation, with others left to retry on (of
+        the same agent, when rows are routed by agent: another agent's server is no retry)."""
         left = token == OUT_AT_START or token != ep.ejections
-        return left and any(other.in_rotation for other in self.endpoints if other is not ep)
+        return left and self.others_in_rotation(ep, agent)
+
+    def others_in_rotation(self, ep: Endpoint, agent: str | None = None) -> bool:
+        return any(other.in_rotation for other in self.serving(agent) if other is not ep)
 
     def set_limit(self, url: str, n: int) -> None:
         if n < 1:

@@ -81,6 +81,18 @@ def agent_routes(config: dict[str, Any]) -> dict[str, AgentRoute]:
     return routes
 
 
+def task_sources(config: dict[str, Any], routes: dict[str, AgentRoute]) -> dict[str, str]:
+    """task_source -> agent, for rows that name no agent: an agent instance is its own source; a
+    resources server is the source of the one agent bound to it (several: none, the row must be mapped)."""
+    bound: dict[str, list[str]] = {}
+    for name, (_impl, server) in _instances(config, AGENTS_KEY).items():
+        ref = server.get("resources_server")
+        if name in routes and isinstance(ref, dict) and isinstance(ref.get("name"), str):
+            bound.setdefault(ref["name"], []).append(name)
+    found = {source: agents[0] for source, agents in bound.items() if len(agents) == 1}
+    return {**found, **{name: name for name in routes}}
+
+
 def environment_servers(config: dict[str, Any]) -> dict[str, str]:
     """Environment server name -> its base URL (where `/aggregate_metrics` is asked)."""
     found = {}
@@ -121,8 +133,10 @@ async def read_config(head_url: str, timeout_s: float) -> dict[str, Any]:
     return config
 
 
-async def discover(head_url: str, timeout_s: float) -> tuple[dict[str, AgentRoute], dict[str, str]]:
-    """(agent routes, environment servers) of the running NeMo Gym servers."""
+async def discover(
+    head_url: str, timeout_s: float
+) -> tuple[dict[str, AgentRoute], dict[str, str], dict[str, str]]:
+    """(agent routes, environment servers, task sources) of the running NeMo Gym servers."""
     config = await read_config(head_url, timeout_s)
     routes = agent_routes(config)
     if not routes:
@@ -130,4 +144,13 @@ async def discover(head_url: str, timeout_s: float) -> tuple[dict[str, AgentRout
             f"NeMo Gym's head server at {head_url.rstrip('/')} names no agent server with a host and port. "
             "Start the agents with it (their configs in `ng_run` / `gym env start`). No request was sent."
         )
-    return routes, environment_servers(config)
+    return routes, environment_servers(config), task_sources(config, routes)
+
+
+async def head_config_at(url: str, timeout_s: float) -> dict[str, Any] | None:
+    """The config if `url` is a NeMo Gym head server (an agent URL given as --backend-url often is the
+    head server's, port 11000), else None; never raises."""
+    try:
+        return await read_config(url, timeout_s)
+    except HeadServerError:
+        return None

@@ -230,7 +230,7 @@ async def _collect_missing(
     k = ctx.collection.num_repeats
     batch = RolloutBatch(results=dict(kept))
     todo = (
-        (task_index, prepare_row(row, ctx.collection), r)
+        (task_index, prepare_row(row, ctx.collection, ctx.backend.sources), r)
         for task_index, row in rows
         for r in range(k)
         if (task_index, r) not in kept

@@ -62,11 +62,17 @@ def rollout_config(spec: RunSpec) -> dict[str, Any]:
 
 
 def agent_check(spec: RunSpec) -> AgentCheck | None:
-    """Rows routed by agent are checked against the agents the backend knows, before any request."""
-    if spec.backend.kind.value != "agent" or not spec.backend.agents:
+    """An agent run's rows are checked against the agents the backend knows (one agent for one server
+    given by URL), before any request."""
+    if spec.backend.kind.value != "agent":
         return None
-    col = spec.collection
-    return AgentCheck(agent_map_of(col.agent_name, col.agent_map), frozenset(spec.backend.agents))
+    col, backend = spec.collection, spec.backend
+    return AgentCheck(
+        agent_map_of(col.agent_name, col.agent_map),
+        frozenset(backend.agents) if backend.agents else None,
+        backend.sources,
+        col.num_repeats_by_agent,
+    )
 
 
 def _rollflow_version() -> str:

@@ -111,9 +111,12 @@ class RolloutBatch:
     records: list[RequestRecord] = field(default_factory=list)
 
 
-def prepare_row(row: dict[str, Any], collection: CollectionSettings) -> dict[str, Any]:
-    """Apply +agent_name, agent_map and --overrides the way NeMo Gym's collector does (the input stays)."""
-    row = routed(row, agent_map_of(collection.agent_name, collection.agent_map))
+def prepare_row(
+    row: dict[str, Any], collection: CollectionSettings, sources: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Apply +agent_name, agent_map (and task_source `sources`) and --overrides the way NeMo Gym's
+    collector does (the input stays)."""
+    row = routed(row, agent_map_of(collection.agent_name, collection.agent_map), sources)
     if collection.overrides:
         row = {**row, "responses_create_params": {**row["responses_create_params"], **collection.overrides}}
     return row
@@ -297,6 +300,7 @@ def _failure_line(
             "status": exc.status,
             "attempts": exc.attempts,
             "message": ctx.scrub(str(exc)),
+            **({"url": exc.url, "body": ctx.scrub(exc.body)} if getattr(exc, "body", None) else {}),
         },
         "row": row,
         **server_fields(ctx.backend, row),

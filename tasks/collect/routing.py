@@ -13,9 +13,11 @@ from typing import Any
 
 from rollflow.settings import BackendParams, RunSpec
 from rollflow.settings.models import AgentServer
-from rollflow.tasks.backends.head_server import HeadServerError, discover
+from rollflow.tasks.backends.head_server import HeadServerError, discover, head_config_at
 
 DEFAULT_KEY = "_default"
+# How each of the scan's routing problems begins, so the error says "cannot be routed", not "bad JSON".
+AGENT_PROBLEMS = ("agent ", "its agent", "its task_source", "it names no agent", "+num_repeats has no entry")
 
 
 def agent_map_of(agent_name: str | None, agent_map: Mapping[str, str]) -> dict[str, str]:
@@ -38,14 +40,19 @@ def row_agent(row: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def routed(row: dict[str, Any], agent_map: Mapping[str, str]) -> dict[str, Any]:
-    """The row with the agent it goes to in its agent_ref (a new dict when re-routed; the input stays)."""
-    if not agent_map:
-        return row
+def routed(
+    row: dict[str, Any], agent_map: Mapping[str, str], sources: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The row with the agent it goes to in its agent_ref (a new dict when re-routed; the input stays).
+    A row that names no agent and no map entry goes by its task_source (`sources`, from the head server)."""
     name, source = row_agent(row), row.get("task_source")
+    if not agent_map and (name is not None or not sources):
+        return row
     mapped = next((agent_map[k] for k in (name, source) if isinstance(k, str) and k in agent_map), None)
     if mapped is None:
         mapped = agent_map.get(DEFAULT_KEY)
+    if mapped is None and name is None and isinstance(source, str) and sources:
+        mapped = sources.get(source)
     if mapped is None:
         return row
     return {**row, "agent_ref": {"name": mapped}}
@@ -54,32 +61,52 @@ def routed(row: dict[str, Any], agent_map: Mapping[str, str]) -> dict[str, Any]:
 def unknown_agent(name: str, known: Collection[str]) -> str:
     """What to say of an agent no server answers for: the known ones, and the closest."""
     close = get_close_matches(name, list(known), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"agent {name!r} is not one the agent servers answer for (known: {', '.join(sorted(known))}){hint}"
+    hint = f" (did you mean {close[0]!r})" if close else ""
+    return f"agent {name!r}{hint} is not one the agent servers answer for (known: {', '.join(sorted(known))})"
 
 
 @dataclass(frozen=True)
 class AgentCheck:
-    """The scan's check of each row's agent: mapped by `agent_map`, then one of `known`."""
+    """The scan's check of each row's agent: routed by `agent_map` (and task_source), then one of `known`;
+    with no known agents (one agent server given by URL), every row must go to the same one agent."""
 
     agent_map: Mapping[str, str]
-    known: frozenset[str]
+    known: frozenset[str] | None
+    sources: Mapping[str, str] = field(default_factory=dict)
+    repeats: Mapping[str, int] = field(default_factory=dict)  # NeMo Gym's per-agent num_repeats, if given
     # (from, to): agent_refs already in the data that the map replaced (NeMo Gym warns of them)
     overridden: set[tuple[str, str]] = field(default_factory=set)
-    used: set[str] = field(default_factory=set)  # the agents the rows go to
+    used: dict[str, int] = field(default_factory=dict)  # the agents the rows go to, and their rows
 
     def problem(self, row: dict[str, Any]) -> str | None:
-        before, name = row_agent(row), row_agent(routed(row, self.agent_map))
+        before, name = row_agent(row), row_agent(routed(row, self.agent_map, self.sources))
         if before is not None and name is not None and before != name and len(self.overridden) < 100:
             self.overridden.add((before, name))
         if name is None:
-            return (
-                "the row names no agent (no agent_ref.name) and no +agent_name or agent_map._default "
-                "routes it; rows with several agents go each to their own server"
-            )
-        if name not in self.known:
+            if self.known is None:
+                return None
+            source = row.get("task_source")
+            if isinstance(source, str):
+                return (
+                    f"its task_source {source!r} names no agent of the head server (nor one agent bound "
+                    f"to it); route it with +agent_map={{{source}: AGENT}}"
+                )
+            return "it names no agent (no agent_ref.name), and no +agent_name or agent_map._default routes it"
+        if self.known is not None and name not in self.known:
             return unknown_agent(name, self.known)
-        self.used.add(name)
+        if self.known is None and self.used and name not in self.used:
+            first = next(iter(self.used))
+            return (
+                f"its agent {name!r} differs from {first!r} of the rows before it, and one agent server URL "
+                "was given: each agent needs its own server. Leave out --backend-url to find each agent "
+                "through NeMo Gym's head server (or +head_server.host/port)"
+            )
+        if self.repeats and name not in self.repeats and DEFAULT_KEY not in self.repeats:
+            return (
+                f"+num_repeats has no entry for its agent {name!r} and no '_default' "
+                f"(entries: {', '.join(sorted(self.repeats))})"
+            )
+        self.used[name] = self.used.get(name, 0) + 1
         return None
 
 
@@ -87,9 +114,15 @@ async def with_agents(spec: RunSpec) -> RunSpec:
     """An agent run given a head server and no agent servers: the spec with each agent's server as the
     head server names it; +agent_name and agent_map targets it does not know are refused here."""
     backend = spec.backend
-    if backend.kind.value != "agent" or backend.agents or not backend.head_server:
+    if backend.kind.value != "agent" or backend.agents:
         return spec
-    routes, _ = await discover(backend.head_server, backend.connect_timeout_s)
+    if not backend.head_server:
+        urls = backend.urls
+        if len(urls) != 1 or await head_config_at(urls[0], min(5.0, backend.connect_timeout_s)) is None:
+            return spec
+        # the URL given is NeMo Gym's head server, not an agent's: find the agents through it
+        backend = backend.model_copy(update={"head_server": urls[0]})
+    routes, _, sources = await discover(backend.head_server, backend.connect_timeout_s)
     col = spec.collection
     for where, name in (("+agent_name", col.agent_name), *(("agent_map", v) for v in col.agent_map.values())):
         if name is not None and name not in routes:
@@ -100,11 +133,11 @@ async def with_agents(spec: RunSpec) -> RunSpec:
     agents = {
         name: AgentServer(url=r.url, server=r.server, server_type=r.server_type) for name, r in routes.items()
     }
-    found = BackendParams.model_validate({**backend.model_dump(), "agents": agents})
+    found = BackendParams.model_validate({**backend.model_dump(), "agents": agents, "sources": sources})
     return spec.model_copy(update={"backend": found})
 
 
-def used_agents(spec: RunSpec, used: Collection[str]) -> RunSpec:
+def used_agents(spec: RunSpec, used: Mapping[str, int]) -> RunSpec:
     """The spec with only the agents the rows go to (the others would take a share of the limit)."""
     agents = spec.backend.agents
     if not agents or not used or set(used) >= set(agents):

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.backends.formats import request_problem
-from rollflow.tasks.collect.routing import AgentCheck
+from rollflow.tasks.collect.routing import AGENT_PROBLEMS, AgentCheck
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.store import describe_error, open_input
 
@@ -55,7 +55,7 @@ class InputScan:
     bad_rows: int
     tasks: int
     chunks: list[ChunkSpec]
-    agents: frozenset[str] = frozenset()  # the agents the rows go to, when rows are routed by agent
+    agents: dict[str, int] = field(default_factory=dict)  # agent -> its rows, when rows are routed by agent
 
 
 def row_problem(
@@ -91,6 +91,12 @@ def row_problem(
 
 
 def _bad_input(url: str, line: int, problem: str) -> InputError:
+    if problem.startswith(AGENT_PROBLEMS):  # the row is well formed; it goes to no agent rollflow can reach
+        return InputError(
+            f"Input {url}, line {line}: the row cannot be routed: {problem}. Fix the row or the routing, "
+            f"or pass --skip-bad-rows to record such rows in <output>/bad_rows.jsonl and go on. No request "
+            f"was sent."
+        )
     if problem.startswith("--backend-kind"):  # a parameter the backend kind cannot send
         return InputError(
             f"Input {url}, line {line}: {problem}. Change the row (or replace the parameter with "
@@ -222,7 +228,7 @@ def scan_input(
             f"Input {url} {what}. Expected one NeMo Gym row (a JSON object with 'responses_create_params') "
             f"per line. No request was sent."
         )
-    used = frozenset(agents.used) if agents is not None else frozenset()
+    used = dict(agents.used) if agents is not None else {}
     return InputScan(url, digest.hexdigest(), good, bad, tasks, cutter.chunks, used)
 
 

@@ -9,6 +9,7 @@ import asyncio
 import posixpath
 import tempfile
 from collections.abc import AsyncIterator, Iterable
+from http import HTTPStatus
 from typing import IO, Any
 
 import aiohttp
@@ -57,15 +58,38 @@ def failure_class(error: dict[str, Any]) -> str:
     return "agent_run_error"
 
 
+# rollflow's failure kinds as the aiohttp error NeMo Gym's collector names in `_ng_failure_type`
+ERROR_TYPES = {
+    "timeout": "TimeoutError",
+    "connection": "ClientConnectorError",
+    "malformed": "JSONDecodeError",
+}
+
+
+def _failure_message(error: dict[str, Any]) -> Any:
+    """NeMo Gym's words for an HTTP error (aiohttp's: `500, message='Internal Server Error', url=...`)."""
+    status, url = error.get("status"), error.get("url")
+    if isinstance(status, int) and url:
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = ""
+        return f"{status}, message='{phrase}', url='{url}'"
+    return error.get("message")
+
+
 def sidecar_row(record: dict[str, Any]) -> dict[str, Any]:
     """One rollflow failure record as NeMo Gym's sidecar row (no reward, no response: no rollout)."""
     error, row = record.get("error") or {}, record.get("row") or {}
+    kind = str(error.get("kind") or "")
     out: dict[str, Any] = {
         "_ng_failure_class": failure_class(error),
-        "_ng_failure_type": error.get("kind"),
-        "_ng_failure_message": error.get("message"),
+        "_ng_failure_type": "ClientResponseError"
+        if kind.startswith("http_")
+        else ERROR_TYPES.get(kind, kind),
+        "_ng_failure_message": _failure_message(error),
         "_ng_failure_http_status": error.get("status"),
-        "_ng_failure_response_body": None,
+        "_ng_failure_response_body": error.get("body"),
         "_ng_task_index": record.get("_ng_task_index"),
         "_ng_rollout_index": record.get("_ng_rollout_index"),
     }
@@ -74,7 +98,7 @@ def sidecar_row(record: dict[str, Any]) -> dict[str, Any]:
     for key in ("_ng_environment_server", "_ng_result_type"):
         if key in record:
             out[key] = record[key]
-    out["_rf"] = {"attempts": error.get("attempts")}
+    out["_rf"] = {"attempts": error.get("attempts"), "kind": kind, "message": error.get("message")}
     return out
 
 

@@ -287,7 +287,7 @@ class ProbeFeed:
                 self.ctx.backend.kind.value,
                 self.ctx.collection.overrides,
             ):
-                prepared = prepare_row(row, self.ctx.collection)
+                prepared = prepare_row(row, self.ctx.collection, self.ctx.backend.sources)
                 for r in range(k):
                     if (task_index, r) not in done:
                         yield task_index, prepared, r
