@@ -27,13 +27,20 @@ rollflow collect +agent_name=math_simple_agent +input_jsonl_fpath=data/train.jso
   is refused before any request, with its file and line and the known agents.
 - **The same files.** The dataset at `+output_jsonl_fpath` (or `-o x.jsonl`), its failures sidecar
   `<stem>_failures.jsonl` in NeMo Gym's row format, and `<stem>_aggregate_metrics.json` from each
-  environment server's `/aggregate_metrics`. Rows carry `_ng_task_index`, `_ng_rollout_index`,
+  environment server's `/aggregate_metrics`, written when the dataset is published. Rows carry `_ng_task_index`, `_ng_rollout_index`,
   `agent_ref`, `_ng_environment_server` and `_ng_result_type`. rollflow's own files (ledger, report,
   card) sit in `<file>.rollflow/`.
+- **One server, one agent.** `--backend-url URL` sends every row to that one server: rows naming
+  several agents are refused there (line and agents named), so that no row is answered by another
+  agent's server. A `--backend-url` at the head server itself is taken as the head server.
 - **Where rollflow differs on purpose:** a run always resumes exactly once from what it committed
-  (`resume_from_cache` is how it always works); a failed request is retried with backoff before it goes
-  to the sidecar; a changed configuration is refused instead of mixed into one dataset; rows also carry
-  rollflow's `_rf` (attempts, and the seed with `--seed`).
+  (`resume_from_cache` is how it always works); a failed request is retried with backoff (its own
+  agent's servers only) before it goes to the sidecar; a changed configuration is refused instead of
+  mixed into one dataset; without `+route_failures_to_sidecar=true` a dataset with failed rollouts is
+  not published (with it, what succeeded is, as in NeMo Gym). Rows keep every field of the input row
+  (NeMo Gym keeps only what the agent echoes) and rollflow's `_rf` (attempts; the seed with `--seed`).
+  Each input line is its own task: NeMo Gym gives identical lines one task index, rollflow one each
+  (deduplicate the input, or use `num_repeats`).
 - **Seeds.** `+num_repeats_add_seed=true` sends each rollout's index as `seed` in
   `metadata.extra_body`, as NeMo Gym does; `--seed N` sends a stable hash of (N, task, rollout) there.
 
