@@ -27,9 +27,9 @@ rollflow collect +agent_name=math_simple_agent +input_jsonl_fpath=data/train.jso
   is refused before any request, with its file and line and the known agents.
 - **The same files.** The dataset at `+output_jsonl_fpath` (or `-o x.jsonl`), its failures sidecar
   `<stem>_failures.jsonl` in NeMo Gym's row format, and `<stem>_aggregate_metrics.json` from each
-  environment server's `/aggregate_metrics`, written when the dataset is published. Rows carry `_ng_task_index`, `_ng_rollout_index`,
-  `agent_ref`, `_ng_environment_server` and `_ng_result_type`. rollflow's own files (ledger, report,
-  card) sit in `<file>.rollflow/`.
+  environment server's `/aggregate_metrics`, written when the dataset is published. Rows carry
+  `_ng_task_index`, `_ng_rollout_index`, `agent_ref`, `_ng_environment_server` and `_ng_result_type`.
+  rollflow's own files (ledger, report, card) sit in `<file>.rollflow/`.
 - **One server, one agent.** `--backend-url URL` sends every row to that one server: rows naming
   several agents are refused there (line and agents named), so that no row is answered by another
   agent's server. A `--backend-url` at the head server itself is taken as the head server.

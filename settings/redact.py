@@ -106,6 +106,18 @@ def redact(text: str) -> str:
     return _SECRETS.redact(text)
 
 
+def redact_value(value: Any) -> Any:
+    """A JSON-ready value with every string in it (keys too) redacted, and nothing else touched: a
+    number, a boolean or null is never text, so no mask can change it or break the JSON around it."""
+    if isinstance(value, str):
+        return _SECRETS.redact(value)
+    if isinstance(value, dict):
+        return {redact_value(k) if isinstance(k, str) else k: redact_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_value(v) for v in value]
+    return value
+
+
 class _RedactedRecord(logging.LogRecord):
     """A log record whose message and traceback text never carry a registered secret."""
 

@@ -68,3 +68,16 @@ def test_math_fast_keeps_the_numeric_comparator():
     """`math_fast` is the old comparator: numbers and strings, no algebra."""
     assert math_match({"expected_answer": "0.5"}, r"\boxed{1/2}") == 1.0
     assert math_match({"expected_answer": "x^2+2x+1"}, r"\boxed{(x+1)^2}") == 0.0
+
+
+def test_math_fast_compares_a_huge_number_as_text_without_computing_it():
+    """`\\boxed{1e10000000}` made Fraction() compute a ten-million-digit power holding the GIL for 11-27 s
+    (the event loop, the lease and --verify-timeout-s all stopped); past the bounds it is text."""
+    import time
+
+    for huge in ("1e10000000", "1e100000000", "2/1e99999999", "9" * 300):
+        start = time.process_time()
+        assert math_match({"expected_answer": "1000"}, rf"\boxed{{{huge}}}") == 0.0
+        assert time.process_time() - start < 2.0, huge
+    assert math_match({"expected_answer": huge}, rf"\boxed{{{huge}}}") == 1.0  # equal as text still scores
+    assert math_match({"expected_answer": "1000"}, r"\boxed{1e3}") == 1.0

@@ -140,3 +140,30 @@ def test_a_urls_credentials_are_masked_in_any_redacted_text() -> None:
     # with no scheme, as Prefect logs a served run's parameters that failed validation
     text = "'ray_address': 'alice:pw-0a9e@10.0.0.1:10001', mail a@b.c, path http://h/a@b"
     assert redact.redact(text) == "'ray_address': '***@10.0.0.1:10001', mail a@b.c, path http://h/a@b"
+
+
+def test_a_short_key_never_changes_a_number_or_breaks_the_report(run_cli, fast_sim, tmp_path: Path) -> None:
+    """An API key of `1` (or `null`, `true`, `32`) was masked inside report.json's rendered text, which was
+    then parsed back: a traceback after publishing, no report, no card. Values are scrubbed, not text."""
+    from rollout_data import write_rows
+
+    inp = write_rows(tmp_path / "rows.jsonl", 16)
+    for key in ("1", "null", "32"):
+        out = tmp_path / f"out-{key}"
+        res = run_cli(*run_args(inp, str(out), fast_sim), env={"ROLLFLOW_BACKEND__API_KEY": key})
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+        report = orjson.loads((out / "report.json").read_bytes())
+        assert report["rows_written"] == 32 and report["published"] is True
+        assert (
+            report["spec"]["collection"]["num_repeats"] == 2
+            and report["spec"]["collection"]["parallelism"] == 16
+        )
+        assert (out / "README.md").exists()
+
+
+def test_scrubbing_a_value_masks_its_strings_only(monkeypatch) -> None:
+    monkeypatch.setattr(redact._SECRETS, "values", frozenset({"1", "null"}))
+    value = {"n": 1, "f": 1.5, "b": True, "z": None, "s": "key 1 here", "k 1": ["null", 1, None]}
+    assert redact.redact_value(value) == {
+        "n": 1, "f": 1.5, "b": True, "z": None, "s": "key *** here", "k ***": ["***", 1, None]
+    }  # fmt: skip

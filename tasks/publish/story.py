@@ -191,8 +191,9 @@ def scrub_url(url: str) -> str:
 
 
 def scrubbed(value: Any) -> Any:
-    """Any JSON-ready value with URLs' credentials and registered secrets masked."""
-    return orjson.loads(scrub_url(orjson.dumps(value).decode()))
+    """Any JSON-ready value with URLs' credentials and registered secrets masked in its strings (never
+    in its rendered text: a short key such as `1` or `null` would change numbers or break the JSON)."""
+    return redact.redact_value(value)
 
 
 def failures_by_kind(ledger: Ledger, manifests: dict[int, ChunkManifest]) -> dict[str, int]:

@@ -67,11 +67,25 @@ def _normalise(answer: str) -> str:
     return _FRAC.sub(r"(\1)/(\2)", answer) if "frac" in answer else answer
 
 
+# An answer past these is compared as text, never as a number: Fraction("1e10000000") computes a
+# ten-million-digit power holding the GIL (the event loop, the lease and every check's timeout stop).
+MAX_NUMBER_CHARS = 200
+MAX_EXPONENT = 1000
+_EXPONENT = re.compile(r"[eE]\s*([+-]?\d+)")
+
+
+def _small_number(part: str) -> bool:
+    found = _EXPONENT.search(part)
+    return len(part) <= MAX_NUMBER_CHARS and (found is None or abs(int(found.group(1))) <= MAX_EXPONENT)
+
+
 def _as_number(answer: str) -> Fraction | None:
-    """42, 0.5, 1e3, 1/2, (1)/(2), 1,000 as an exact number; anything else None."""
+    """42, 0.5, 1e3, 1/2, (1)/(2), 1,000 as an exact number; anything else (or past the bounds) None."""
     if _THOUSANDS.match(answer):
         answer = answer.replace(",", "")
     num, slash, den = answer.partition("/")
+    if not (_small_number(num) and _small_number(den)):
+        return None
     try:
         value = Fraction(num.strip("()"))
         return value / Fraction(den.strip("()")) if slash else value
