@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import resource
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +12,7 @@ from rollflow.tasks.backends.endpoints import EndpointPool, split_limit
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.rollouts import CollectContext
+from rollflow.tasks.collect.rows import InputError
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store
 from rollflow.tasks.verify.verifiers import make_verifier
@@ -28,8 +31,41 @@ class RunHandles:
     clock: StageClock = field(default_factory=StageClock)
 
 
+FILES_PER_RUN = 256  # the run's own files beside its connections: parts, commits, the lease, its logs
+
+
+def raise_open_files(parallelism: int) -> int:
+    """The process's soft open-files limit raised as far as `parallelism` connections need (never above
+    the hard limit); the limit now. At 1,000-4,000 in flight the usual soft limit (1024) failed the run's
+    own files with EMFILE, and every attempt re-sent its requests and lost their replies."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = parallelism + FILES_PER_RUN
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+    return soft
+
+
+def check_open_files(spec: RunSpec) -> None:
+    """Before any request: the most the run may hold in flight fits the open-files limit, raised if need be;
+    a fixed parallelism that cannot fit is refused, naming the limit."""
+    parallelism = spec.collection.parallelism
+    most = parallelism if isinstance(parallelism, int) else spec.tuning.max_parallelism
+    limit = raise_open_files(most)
+    if limit != resource.RLIM_INFINITY and isinstance(parallelism, int) and limit < most + FILES_PER_RUN:
+        raise InputError(
+            f"--parallelism {most} needs about {most + FILES_PER_RUN} open files, and this process may open "
+            f"{limit} (its hard limit, `ulimit -Hn`). Raise it (`ulimit -n {most + FILES_PER_RUN}`, or "
+            f"LimitNOFILE= for a service), or run with --parallelism {max(1, limit - FILES_PER_RUN)} or "
+            f"less. No request was sent."
+        )
+
+
 def open_run(spec: RunSpec, settings: RollflowSettings) -> RunHandles:
     redact.register(settings)
+    check_open_files(spec)
     storage = settings.storage
     output_options = storage.storage_options(spec.output)
     store = Store(spec.output, output_options)
