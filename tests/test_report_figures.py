@@ -139,3 +139,12 @@ def test_report_artifact_embeds_its_plots(run_cli, prefect_server, fast_sim, tmp
     assert markdown.count("](data:image/png;base64,") == 2, markdown[:2000]
     beside = (out / "report.md").read_text()  # the files beside report.md keep their names
     assert "(rewards.png)" in beside and "(throughput.png)" in beside
+
+
+def test_card_figures_are_exact_counts_never_scientific() -> None:
+    """10,003 rollouts showed as `1e+04` in the card's Figures table (its front matter said 10003)."""
+    from rollflow.tasks.publish.card import _num
+
+    assert [_num(v) for v in (10003, 1_000_000, 0.123456, 12345.678, None, True)] == [
+        "10,003", "1,000,000", "0.1235", "12,345.7", "-", "yes"
+    ]  # fmt: skip

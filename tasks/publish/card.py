@@ -93,7 +93,16 @@ def front_matter(
 
 
 def _num(value: Any, fmt: str = ",.4g") -> str:
-    return "-" if value is None else format(value, fmt)
+    """A count as an exact integer with separators (10,003, never 1e+04); other numbers to 4 figures."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float) and abs(value) >= 1000:
+        return f"{value:,.1f}"
+    return format(value, fmt)
 
 
 def _story(facts: dict[str, Any]) -> list[str]:
