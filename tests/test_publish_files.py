@@ -219,3 +219,22 @@ def test_unwritable_local_output_gets_advice_for_local_paths(cli_env, fast_sim, 
     message = one_paragraph(res.stderr)
     assert "permission denied (EACCES)" in message and "chmod" in message, message
     assert "AWS" not in message and "credentials" not in message and "bucket" not in message
+
+
+def test_a_moved_output_runs_again_as_itself(run_cli, fast_sim, tmp_path: Path):
+    """published.json held absolute paths: after `mv out_a out_b` the same command refused its own
+    rollouts.tasks.jsonl as another's. Files inside the output are recorded relative to it."""
+    from cli_runs import run_args
+
+    inp = write_rows(tmp_path / "rows.jsonl", 20)
+    first = tmp_path / "out_a"
+    res = run_cli(*run_args(inp, str(first), fast_sim))
+    assert res.returncode == 0, res.stderr
+    data = (first / "rollouts.jsonl").read_bytes()
+    moved = tmp_path / "out_b"
+    shutil.move(first, moved)
+    res = run_cli(*run_args(inp, str(moved), fast_sim))
+    assert res.returncode == 0, res.stderr
+    assert (moved / "rollouts.jsonl").read_bytes() == data
+    report = orjson.loads((moved / "report.json").read_bytes())
+    assert report["published"] and report["rows_written"] == 40

@@ -75,12 +75,29 @@ def _owned(url: str, urls: list[str], options: dict[str, Any] | None) -> bool:
 
 
 def published_files(store: Store, kind: str) -> list[str]:
-    """The files of one kind (`tasks`, `cards`) this output published (URLs), from its own record."""
-    return list(_published(store).get(kind, []))
+    """The files of one kind (`tasks`, `cards`) this output published (URLs), from its own record; one
+    inside the output is recorded relative to it, so a moved or copied output folder is still itself."""
+    return [_resolved(store, u) for u in _published(store).get(kind, [])]
+
+
+def _resolved(store: Store, recorded: str) -> str:
+    if recorded.startswith("/") or "://" in recorded:
+        return recorded
+    return store.url(recorded)
+
+
+def _recorded(store: Store, url: str, options: dict[str, Any] | None) -> str:
+    """Where a published file is recorded: relative to the output when inside it, else where it is."""
+    located = absolute_url(url, options)
+    protocol = store.fs.protocol if isinstance(store.fs.protocol, str) else store.fs.protocol[0]
+    root = posixpath.normpath(store.root)
+    root = root if protocol in ("file", "local") else f"{protocol}://{root}"
+    prefix = root.rstrip("/") + "/"
+    return located[len(prefix) :] if located.startswith(prefix) else located
 
 
 def record_files(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
-    located = sorted({absolute_url(u, options) for u in urls})
+    located = sorted({_recorded(store, u, options) for u in urls})
     store.write_bytes(PUBLISHED, orjson.dumps({**_published(store), kind: located}))
 
 
