@@ -102,3 +102,28 @@ def test_datasets_loads_the_shards(tmp_path, monkeypatch) -> None:
     assert [json.loads(r) for r in ds["response"]] == [
         make_row(t, r)["response"] for t in range(10) for r in range(2)
     ]
+
+
+def test_a_restart_that_does_not_publish_leaves_nothing_of_the_discarded_run(
+    run_cli, fast_sim, tmp_path
+) -> None:
+    """A --restart with other settings discarded the run but left OUT/data/*.parquet and OUT/README.md,
+    which `datasets.load_dataset` then loaded as the output's data; a dead partial shard is removed too."""
+    from cli_runs import run_args
+    from rollout_data import write_rows
+
+    from rollflow.infra.local import free_port
+
+    inp, out = write_rows(tmp_path / "rows.jsonl", 20), tmp_path / "out"
+    res = run_cli(*run_args(inp, str(out), fast_sim), "--format", "parquet")
+    assert res.returncode == 0, res.stderr
+    shards = sorted((out / "data").glob("*.parquet"))
+    assert shards and (out / "README.md").exists()
+    (out / "data" / f"{shards[0].name}.tmp-123-dead").write_bytes(b"partial")
+    (out / "data" / "mine.txt").write_text("a user's file")
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = [a if a != fast_sim.url else dead for a in run_args(inp, str(out), fast_sim)]
+    res = run_cli(*args, "--format", "parquet", "--restart", "--num-repeats", "3")
+    assert res.returncode == 2, res.stderr
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["mine.txt"]
+    assert not (out / "README.md").exists()

@@ -6,6 +6,7 @@ output's own) and never replace a file of the user's."""
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Any
 
 import fsspec
@@ -203,3 +204,18 @@ def remove_published(dataset_url: str, options: dict[str, Any], store: Store) ->
         return False
     fs.rm_file(path)
     return True
+
+
+SHARD = re.compile(r"^train-\d{5}-of-\d{5}\.parquet$")  # the Parquet shards rollflow writes
+SHARD_MARKS = "parquet"  # their markers, in the output
+
+
+def remove_output_dataset(store: Store) -> None:
+    """What a discarded run published inside its output: its Parquet shards (and their markers and dead
+    partial copies) and the output's own card. A user's other files there are left alone."""
+    store.remove_stale_in("data", SHARD)
+    for name in store.list("data"):
+        if SHARD.match(name):
+            store.delete(f"data/{name}")
+    store.delete_tree(SHARD_MARKS)
+    store.delete(CARD)

@@ -21,6 +21,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollflow.tasks.collect.paths import SHARD, SHARD_MARKS
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 from rollflow.tasks.storage.store import Store
@@ -28,7 +29,7 @@ from rollflow.tasks.storage.store import Store
 SHARD_ROWS = 250_000
 SHARD_BYTES = 256 * 1024 * 1024
 BATCH_ROWS = 5_000
-MARKS = "parquet"  # shard markers, in the output (ledger) store
+MARKS = SHARD_MARKS  # shard markers, in the output (ledger) store
 COLUMNS_CACHE = "audit/{:05d}.columns.json"
 _ARROW = {
     "str": pa.string(),
@@ -167,6 +168,7 @@ def write_parquet(
     shards = plan_shards(manifests, shard_rows, shard_bytes)
     target = Store(data_url, options)
     names = [shard_name(s.index, len(shards)) for s in shards]
+    target.remove_stale_in("", SHARD)  # dead partial copies a killed publish left
     for shard, name in zip(shards, names, strict=True):
         mark_rel = f"{MARKS}/{name}.json"
         mark = shard.mark(len(shards))[:-1] + b',"schema":"' + schema_tag.encode() + b'"}'
@@ -181,6 +183,6 @@ def write_parquet(
                 writer.write_batch(batch)
         ledger.store.write_bytes(mark_rel, mark)
     for stale in set(target.list("")) - set(names):
-        if stale.endswith(".parquet"):
+        if SHARD.match(stale):  # an older run's shard
             target.delete(stale)
     return names

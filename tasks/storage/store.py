@@ -7,6 +7,7 @@ import errno
 import io
 import os
 import posixpath
+import re
 import secrets
 from collections.abc import Iterator
 from typing import IO, Any
@@ -200,6 +201,21 @@ class Store:
     def open_read(self, rel: str) -> IO[bytes]:
         """Buffered so line iteration is fast: fsspec's own readline re-reads a whole block per line."""
         return _buffered(self.fs.open(self.path(rel), "rb", block_size=READ_BLOCK), self.local)
+
+    def remove_stale_in(self, rel_dir: str, pattern: re.Pattern[str]) -> list[str]:
+        """Dead partial copies in `rel_dir` of any object whose name matches `pattern` (see
+        remove_stale_copies), also of an object that never appeared whole."""
+        if not self.local:
+            return []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            names = {e.split(TMP_MARK, 1)[0] for e in os.listdir(self.path(rel_dir)) if TMP_MARK in e}
+            return [
+                gone
+                for name in sorted(names)
+                if pattern.match(name)
+                for gone in self.remove_stale_copies(posixpath.join(rel_dir, name))
+            ]
+        return []
 
     def list(self, rel_dir: str) -> list[str]:
         path = self.path(rel_dir)
