@@ -183,11 +183,18 @@ def test_failed_only_rescores_only_the_failed_checks(run_cli, collections, tmp_p
     data = (out / "rollouts.jsonl").read_bytes()
     assert_complete(data.splitlines(), TASKS, REPEATS)
     exact = {(t, r): w for t, r, w in rewards(collections["exact"] / "rollouts.jsonl")}
+    collected = {
+        (r["_ng_task_index"], r["_ng_rollout_index"]): r
+        for r in rows(collections["exact"] / "rollouts.jsonl")
+    }
     for row in rows(out / "rollouts.jsonl"):
         key = (row["_ng_task_index"], row["_ng_rollout_index"])
         if key in failed_keys:
             assert row["_rf"]["reverified_with"] == "exact_match" and row["_rf"]["previous_reward"] is None
             assert row["reward"] == exact[key]
+            # it carries the _rf a collected row carries (attempts; the seed when seeded), as collected
+            own = {k: v for k, v in row["_rf"].items() if k not in ("reverified_with", "previous_reward")}
+            assert own == collected[key]["_rf"], (own, collected[key]["_rf"])
         else:
             assert row == published[key]  # untouched, not scored again
     report = orjson.loads((out / "report.json").read_bytes())

@@ -239,12 +239,9 @@ async def _rollout_line(
     out["_ng_task_index"] = task_index
     out["_ng_rollout_index"] = rollout
     out.update(server_fields(ctx.backend, row))
-    rf: dict[str, Any] = {"attempts": result.attempts}
-    if seed is not None:
-        rf["seed"] = seed
+    out["_rf"] = rf = rollflow_fields(ctx, row, task_index, rollout, result.attempts, seed)
     if ctx.collection.record_latency:
         rf["latency_s"] = round(result.latency_s, 6)
-    out["_rf"] = rf
     return rowjson.dumps(out), result.output_tokens
 
 
@@ -274,6 +271,24 @@ def _check_reward(reward: Any, attempts: int) -> None:
 def _unexpected(exc: Exception) -> BackendError:
     """Any other error while building, sending, verifying or storing one rollout: that rollout's failure."""
     return BackendError(f"{type(exc).__name__}: {exc}", kind="rollout_error")
+
+
+_UNSET = object()
+
+
+def rollflow_fields(
+    ctx: CollectContext, row: dict[str, Any], task_index: int, rollout: int, attempts: int, seed: Any = _UNSET
+) -> dict[str, Any]:
+    """A collected row's `_rf`: its attempts, and the seed it was sent (the same for a failure record,
+    so `reverify --failed-only` completes it into the row collection would have written)."""
+    if seed is _UNSET:
+        col = ctx.collection
+        agent = ctx.backend.kind == "agent"
+        seed = seeded(row, col.seed, task_index, rollout, agent=agent, repeat_seed=col.repeat_seed)[1]
+    rf: dict[str, Any] = {"attempts": attempts}
+    if seed is not None:
+        rf["seed"] = seed
+    return rf
 
 
 def server_fields(backend: BackendSettings, row: dict[str, Any]) -> dict[str, Any]:
@@ -308,6 +323,7 @@ def _failure_line(
     output = getattr(exc, "output", None)  # a failed check's reply, so it can be scored again later
     if output is not None:
         record["output"] = output
+        record["_rf"] = rollflow_fields(ctx, row, task_index, rollout, exc.attempts)  # the row it completes
     try:
         return rowjson.dumps(record)
     except (TypeError, ValueError) as dump_error:
