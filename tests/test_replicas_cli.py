@@ -106,3 +106,21 @@ def test_a_bad_url_list_names_the_item(run_cli, tmp_path):
     res = run_cli(*_args(inp, tmp_path / "out", "http://127.0.0.1:1,,http://127.0.0.1:2"), timeout=60)
     assert res.returncode == 2
     assert "item 2" in res.stderr and "is empty" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_report_keeps_the_parallelism_set_when_a_replica_is_lost(run_cli, tmp_path):
+    """A run at 8 whose second replica failed every request reported `parallelism 4`, the limit at its end;
+    it reports 8, and the limit at the end beside it."""
+    good = spawn_simulator("--latency-ms", "1")
+    bad = spawn_simulator("--fault-rate", "1", "--fault-kinds", "500", "--latency-ms", "1")
+    try:
+        inp = write_rows(tmp_path / "rows.jsonl", 40)
+        out = tmp_path / "out"
+        env = {"ROLLFLOW_BACKEND__BACKOFF_BASE_S": "0.01"}
+        res = run_cli(*_args(inp, out, f"{good.url},{bad.url}", "--parallelism", "8"), env=env, timeout=120)
+    finally:
+        good.stop()
+        bad.stop()
+    assert res.returncode == 0, res.stderr
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["parallelism"] == 8 and report["metrics"]["limit_at_end"] == 4, report["metrics"]

@@ -31,8 +31,10 @@ def run_metrics(
         resumed=sum(o.resumed for o in ran),
         output_tokens=sum(s.get("output_tokens", 0) for _, s in weights),
         retries=sum(s.get("retries", 0) for _, s in weights),
-        parallelism=ctx.limit.limit,
+        # the configured or tuned value, not the limit at the end (a replica out of rotation lowers that)
+        parallelism=sum(ep.limit for ep in ctx.pool.endpoints) or ctx.limit.limit,
         peak_in_flight=ctx.limit.peak,
+        limit_at_end=ctx.limit.limit,
         chunks_run=len(ran),
         chunks_skipped=skipped,
         latency_p50_s=weighted("latency_p50_s"),

@@ -32,7 +32,7 @@ class RunMetrics:
     collected: int
     output_tokens: int
     retries: int
-    parallelism: int
+    parallelism: int  # as configured or tuned: the endpoints' limits summed
     peak_in_flight: int
     chunks_run: int
     chunks_skipped: int
@@ -46,6 +46,7 @@ class RunMetrics:
     stages: dict[str, float] = field(default_factory=dict)
     adopted: int = 0
     resumed: int = 0
+    limit_at_end: int | None = None  # the shared limit as the run ended (lower while a replica is out)
 
 
 def probe_accounting(tuning: dict[str, Any], adopted: int) -> dict[str, Any]:
@@ -97,6 +98,7 @@ def build_report(
         "wall_s": round(metrics.wall_s, 3),
         "stages": metrics.stages,
         "parallelism": metrics.parallelism,
+        "limit_at_end": metrics.limit_at_end,
         "audit_ok": summary.ok,
         "audit_problems": summary.problems[:50],
         "metrics": asdict(metrics),
