@@ -182,7 +182,7 @@ async def _collect_verify_publish(
         raise rejected
     if failed is not None:
         raise failed
-    if collected.result.stopped:
+    if collected.result.stopped and not published:
         raise RunIncomplete(deadline_message(summary, spec), report)
     if not published:
         raise RunIncomplete(incomplete_message(summary, spec, collected.result.errors), report)
@@ -277,7 +277,8 @@ async def publish_step(
     spec: RunSpec, handles: RunHandles, plan: RunPlan, summary: AuditSummary, result: CollectResult
 ) -> bool:
     """Concatenate only what the audit passed (or what --allow-incomplete accepts), never after a deadline."""
-    if not (summary.ok or spec.allow_incomplete) or result.stopped:
+    # A deadline that came after every chunk committed stopped nothing: the audit passed, so it publishes.
+    if not (summary.ok or spec.allow_incomplete) or (result.stopped and not summary.ok):
         return False
     if spec.format == "parquet":
         await parquet_task(handles, plan)
