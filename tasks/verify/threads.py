@@ -4,7 +4,8 @@ built-ins), under the same timeout as the pool.
 The threads are this module's own daemon threads, never the event loop's default executor (which also
 commits, flushes and writes parts): a hung check pins one of them, not the run, and never keeps the
 process from exiting. A thread cannot be stopped, so a check past its timeout fails its rollout as
-`verifier_timeout`, its thread is left to finish and a new one takes its place.
+`verifier_timeout`, its thread is left to finish and a new one takes its place, up to MAX_HELD held
+threads; past that, checks wait for a thread to free and time out as verifier_timeout if none does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from rollflow.tasks.backends.backends import BackendError
 from rollflow.tasks.verify.pool import VerifyMeter
 
 THREADS = 8
+# Threads held by checks past their timeout, at most: past it no replacement starts, so new checks wait for
+# a thread that frees (failing as verifier_timeout if none does within their timeout). 500 hung checks
+# left 501 threads before.
+MAX_HELD = 64
 
 
 @dataclass
@@ -33,6 +38,8 @@ class _Call:
     began: float | None = None
     finished: bool = False
     abandoned: bool = False
+    queued: float = 0.0
+    dropped: bool = False  # timed out in the queue (every thread held): no thread runs it
 
     def settle(self, value: Any = None, error: BaseException | None = None) -> None:
         def apply() -> None:
@@ -50,8 +57,8 @@ class CheckThreads:
     """`threads` daemon threads running synchronous checks; `run` waits at most `timeout_s` from when
     a thread begins the check, then raises TimeoutError."""
 
-    def __init__(self, threads: int = THREADS) -> None:
-        self.threads = threads
+    def __init__(self, threads: int = THREADS, max_held: int = MAX_HELD) -> None:
+        self.threads, self.max_held = threads, max_held
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running = 0  # threads alive
@@ -59,12 +66,16 @@ class CheckThreads:
 
     async def run(self, fn: Callable[[], Any], timeout_s: float, meter: VerifyMeter | None = None) -> Any:
         loop = asyncio.get_running_loop()
-        call = _Call(fn, loop.create_future(), loop, meter)
+        call = _Call(fn, loop.create_future(), loop, meter, queued=time.monotonic())
         self._calls.put(call)
         self._ensure()
         try:
             while True:
+                if call.began is None and self._dropped(call, timeout_s):
+                    raise TimeoutError
                 left = timeout_s if call.began is None else call.began + timeout_s - time.monotonic()
+                if call.began is None and self._held >= self.max_held:
+                    left = max(0.01, call.queued + timeout_s - time.monotonic())
                 if left <= 0:
                     raise TimeoutError
                 done, _ = await asyncio.wait({call.future}, timeout=left)
@@ -78,17 +89,28 @@ class CheckThreads:
             self._ensure()
             raise
 
-    def _ensure(self) -> None:
-        """`threads` threads free of abandoned checks."""
+    def _dropped(self, call: _Call, timeout_s: float) -> bool:
+        """At the cap, a check that waited its whole timeout for a thread is dropped from the queue."""
         with self._lock:
-            while self._running - self._held < self.threads:
+            full = self._held >= self.max_held
+            if call.began is None and full and time.monotonic() - call.queued >= timeout_s:
+                call.dropped = True
+            return call.dropped
+
+    def _ensure(self) -> None:
+        """`threads` threads free of abandoned checks, while fewer than `max_held` are held by them."""
+        with self._lock:
+            while self._running - self._held < self.threads and self._running < self.threads + self.max_held:
                 self._running += 1
                 threading.Thread(target=self._serve, name="rollflow-verify-thread", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
             call = self._calls.get()
-            call.began = time.monotonic()
+            with self._lock:
+                if call.dropped:
+                    continue
+                call.began = time.monotonic()
             cpu = time.thread_time()
             try:
                 value, error = call.fn(), None
