@@ -77,12 +77,39 @@ def dataset_file(url: str, options: dict[str, Any]) -> str:
     if not folder:
         return url
     inner = f"{url.rstrip('/')}/{DATASET_NAME}"
-    if not found:
+    if found:
+        return inner
+    return _published_elsewhere(url, options)
+
+
+def _published_elsewhere(url: str, options: dict[str, Any]) -> str:
+    """A run's folder without rollouts.jsonl: the dataset its run.json says it published (--dataset,
+    NeMo Gym's +output_jsonl_fpath), or what it truly published (Parquet shards), said as it is."""
+    store = Store(url, options)
+    identity = Ledger(store).stored_identity() if store.exists("run.json") else None
+    elsewhere = identity.dataset_url if identity is not None else None
+    if elsewhere and elsewhere != f"{url.rstrip('/')}/{DATASET_NAME}":
+        try:
+            if _exists(elsewhere, options):
+                return elsewhere
+        except Exception:
+            pass
+    if any(name.endswith(".parquet") for name in store.list("data")):
         raise InputError(
-            f"Source {url} is a folder without {DATASET_NAME}: its run published no dataset. Pass the "
-            f"dataset file itself, or --failed-only to complete the run from its committed chunks."
+            f"Source {url} published its dataset as Parquet shards ({url.rstrip('/')}/data/), which "
+            "reverify does not read: collect with --format jsonl (the default) to rescore, or pass "
+            "--failed-only to complete the run from its committed chunks. Nothing was rescored."
         )
-    return inner
+    where = f" (its run.json names {elsewhere}, which does not exist)" if elsewhere else ""
+    raise InputError(
+        f"Source {url} is a folder without {DATASET_NAME}{where}: its run has not published a dataset. "
+        "Pass the dataset file itself, or --failed-only to complete the run from its committed chunks."
+    )
+
+
+def _exists(url: str, options: dict[str, Any]) -> bool:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
+    return bool(fs.exists(path))
 
 
 @dataclass

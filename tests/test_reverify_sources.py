@@ -1,0 +1,38 @@
+"""reverify reads what collection publishes: a dataset written elsewhere (--dataset, NeMo Gym's
++output_jsonl_fpath) through its run's folder; a Parquet output is said to be Parquet, not "no dataset"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollout_data import assert_complete, write_rows
+
+
+def _collect(run_cli, inp: Path, out: Path, url: str, *extra: str):
+    res = run_cli(
+        "collect", "--input", str(inp), "--output", str(out), "--backend-kind", "chat", "--backend-url", url,
+        "--num-repeats", "2", "--parallelism", "8", "--verifier", "exact_match", "--verify-processes", "0",
+        "--no-progress", *extra,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+
+
+def test_reverify_finds_a_dataset_published_elsewhere(run_cli, fast_sim, tmp_path: Path) -> None:
+    inp, out, dataset = (
+        write_rows(tmp_path / "rows.jsonl", 12),
+        tmp_path / "run",
+        tmp_path / "results" / "x.jsonl",
+    )
+    _collect(run_cli, inp, out, fast_sim.url, "--dataset", str(dataset))
+    assert not (out / "rollouts.jsonl").exists() and dataset.exists()
+    res = run_cli("reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "math_fast")
+    assert res.returncode == 0, res.stderr
+    assert_complete((tmp_path / "rv" / "rollouts.jsonl").read_bytes().splitlines(), 12, 2)
+
+
+def test_reverify_of_a_parquet_output_says_it_is_parquet(run_cli, fast_sim, tmp_path: Path) -> None:
+    inp, out = write_rows(tmp_path / "rows.jsonl", 12), tmp_path / "run"
+    _collect(run_cli, inp, out, fast_sim.url, "--format", "parquet")
+    res = run_cli("reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "math_fast")
+    assert res.returncode == 2 and "Parquet shards" in res.stderr and "published no dataset" not in res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
