@@ -75,14 +75,21 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def _home_of(api: str) -> str:
+    """The PREFECT_HOME the server runs with: a run finds the server of its own home only."""
+    with urllib.request.urlopen(f"{api}/admin/settings", timeout=10) as resp:
+        return json.loads(resp.read())["home"]
+
+
 def test_running_local_server_is_reused(
     run_cli: RunCli, cli_env: dict[str, str], prefect_server: Service, fast_sim: Service, tmp_path: Path
 ) -> None:
-    """No PREFECT_API_URL: the server answering at the profile's server address gets the run (its UI)."""
+    """No PREFECT_API_URL: the server of this PREFECT_HOME answering at the profile's address gets the run."""
     api = prefect_server.env["PREFECT_API_URL"]
     since = _now()
     port = str(urlparse(api).port)
     env = {"PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": port}
+    env["PREFECT_HOME"] = _home_of(api)
     done, out = _collect(run_cli, tmp_path, fast_sim, "--no-progress", env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["prefect_api"] == "local server"
@@ -97,6 +104,7 @@ def test_diagnose_uses_the_running_local_server(
     since = _now()
     port = str(urlparse(api).port)
     env = {"PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": port}
+    env["PREFECT_HOME"] = _home_of(api)
     env["ROLLFLOW_PREFECT__LOCAL_SERVER"] = "ephemeral"  # if it were not found, nothing would be kept
     inp = write_rows(tmp_path / "in.jsonl", 40)
     done = run_cli(

@@ -7,6 +7,7 @@ stay in its UI. The command starts in its own session, so Ctrl-C on a run never 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -59,6 +60,17 @@ def owned_port(home: Path, default: int) -> int | None:
         return int((home / PORT_FILE).read_text().strip())
     except (OSError, ValueError):
         return default
+
+
+def serves_home(api_url: str, home: Path, timeout_s: float = 2.0) -> bool:
+    """Whether the Prefect server at `api_url` runs with this PREFECT_HOME (its database is this home's):
+    one started by hand (`prefect server start`) with the same home is this home's server too."""
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/admin/settings", timeout=timeout_s) as resp:
+            found = json.loads(resp.read()).get("home")
+    except (OSError, urllib.error.URLError, ValueError, AttributeError):
+        return False
+    return isinstance(found, str) and Path(found).expanduser().resolve() == home.expanduser().resolve()
 
 
 def port_busy(port: int) -> bool:

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Literal
 
 from rollflow.flows.cli.errors import load_settings
-from rollflow.flows.cli.local_server import LocalServer, answers, free_port, owned_port, port_busy
+from rollflow.flows.cli.local_server import (
+    LocalServer,
+    answers,
+    free_port,
+    owned_port,
+    port_busy,
+    serves_home,
+)
 
 Source = Literal["configured", "local server", "local server, started", "ephemeral"]
 
@@ -84,6 +91,9 @@ def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
         if answers(local):
             return PrefectApi(local, "local server")
         return _start_local(LocalServer(home, port))
+    local = f"http://127.0.0.1:{settings.server.api.port}/api"
+    if answers(local) and serves_home(local, home):  # started by hand with this home
+        return PrefectApi(local, "local server")
     if local_server == "keep":
         port = settings.server.api.port
         if port_busy(port):
