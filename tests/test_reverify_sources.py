@@ -36,3 +36,24 @@ def test_reverify_of_a_parquet_output_says_it_is_parquet(run_cli, fast_sim, tmp_
     res = run_cli("reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "math_fast")
     assert res.returncode == 2 and "Parquet shards" in res.stderr and "published no dataset" not in res.stderr
     assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_damaged_source_line_is_refused_at_its_line(run_cli, fast_sim, tmp_path: Path) -> None:
+    """A line cut just after its _ng_* keys, a BOM on line 1 or a cut last line passed the plan (a regular
+    expression read the keys) and each chunk then died on every attempt with a traceback."""
+    inp, out = write_rows(tmp_path / "rows.jsonl", 12), tmp_path / "run"
+    _collect(run_cli, inp, out, fast_sim.url)
+    lines = (out / "rollouts.jsonl").read_bytes().splitlines(keepends=True)
+    cut = lines[4][: lines[4].index(b'"_ng_rollout_index":') + len(b'"_ng_rollout_index":0,')] + b"\n"
+    for name, damaged, line in (
+        ("cut.jsonl", [*lines[:4], cut, *lines[5:]], 5),
+        ("bom.jsonl", [b"\xef\xbb\xbf" + lines[0], *lines[1:]], 1),
+        ("tail.jsonl", [*lines[:-1], lines[-1][:40]], len(lines)),
+    ):
+        source = tmp_path / name
+        source.write_bytes(b"".join(damaged))
+        res = run_cli(
+            "reverify", str(source), "--output", str(tmp_path / f"rv-{name}"), "--verifier", "math_fast"
+        )
+        assert res.returncode == 2, (name, res.stderr[-2000:])
+        assert f"line {line}:" in res.stderr and "Traceback" not in res.stderr, (name, res.stderr[-2000:])

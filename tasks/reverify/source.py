@@ -4,7 +4,6 @@ their failures; planned once into chunks that end on task boundaries, so per-tas
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,7 +18,6 @@ from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store, describe_error, open_input, storage_options_for
 
 DATASET_NAME = "rollouts.jsonl"
-_KEY = re.compile(rb'"_ng_task_index":(\d+),"_ng_rollout_index":(\d+)')
 
 Mode = Literal["dataset", "failed"]
 RolloutKey = tuple[int, int]
@@ -53,12 +51,17 @@ class SourcePlan:
 
 
 def line_key(line: bytes) -> RolloutKey:
-    """(task, rollout) of an output line: rollflow writes both keys side by side; anything else is parsed."""
-    found = _KEY.findall(line)
-    if len(found) == 1:
-        return int(found[0][0]), int(found[0][1])
-    row = orjson.loads(line)
-    return int(row["_ng_task_index"]), int(row["_ng_rollout_index"])
+    """(task, rollout) of an output line, read whole by the one row reader: a line cut after its keys, a
+    BOM or a truncated last line is refused here, at its line, never later in a chunk."""
+    row = rowjson.loads(line)
+    if not isinstance(row, dict):
+        raise TypeError(f"expected a JSON object, got {type(row).__name__}")
+    task, rollout = row["_ng_task_index"], row["_ng_rollout_index"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (task, rollout)):
+        raise ValueError(
+            f"_ng_task_index and _ng_rollout_index must be whole numbers, got {task!r}, {rollout!r}"
+        )
+    return task, rollout
 
 
 def _is_dir(url: str, options: dict[str, Any]) -> bool:
