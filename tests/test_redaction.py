@@ -167,3 +167,17 @@ def test_scrubbing_a_value_masks_its_strings_only(monkeypatch) -> None:
     assert redact.redact_value(value) == {
         "n": 1, "f": 1.5, "b": True, "z": None, "s": "key *** here", "k ***": ["***", 1, None]
     }  # fmt: skip
+
+
+def test_a_password_in_the_input_url_is_refused_before_any_record(run_cli, tmp_path: Path) -> None:
+    """`--input https://user:pw@host/prompts.jsonl` was written in clear into run.json, the reports, the
+    artifact and the flow run's `input` parameter; it is refused, without echoing the password."""
+    out = tmp_path / "out"
+    for flag, value in (
+        ("--input", "https://alice:s3cr3t@example.com/p.jsonl"),
+        ("--output", "s3://k:s3cr3t@b/o"),
+    ):
+        args = {"--input": "in.jsonl", "--output": str(out), flag: value}
+        res = run_cli("collect", "--input", args["--input"], "--output", args["--output"], "--no-progress")
+        assert res.returncode == 2 and flag in res.stderr and "user and password" in res.stderr, res.stderr
+        assert "s3cr3t" not in res.stderr and not out.exists()
