@@ -238,3 +238,19 @@ def test_a_moved_output_runs_again_as_itself(run_cli, fast_sim, tmp_path: Path):
     assert (moved / "rollouts.jsonl").read_bytes() == data
     report = orjson.loads((moved / "report.json").read_bytes())
     assert report["published"] and report["rows_written"] == 40
+
+
+@pytest.mark.skipif(shutil.which("mount") is None or os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_disk_full_while_writing_parquet_is_one_paragraph(run_cli, fast_sim, tmp_path):
+    """ENOSPC in the Parquet writer ended in two tracebacks and exit 1, with no report; it is JSONL's one
+    paragraph, exit 2, and the report says so."""
+    inp = write_rows(tmp_path / "in.jsonl", 1000)
+    out = tmp_path / "out"
+    with tmpfs(out / "data", "size=4k"):
+        res = run_cli(*args_for(inp, out, fast_sim.url, "--format", "parquet", "--num-repeats", "2"))
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+        message = one_paragraph(res.stderr)
+        assert f"Publishing {out / 'data'} failed: no space left on device (ENOSPC)" in message, message
+        report = orjson.loads((out / "report.json").read_bytes())
+        assert report["published"] is False and "ENOSPC" in report["publish_error"]
+        assert not [p for p in (out / "data").iterdir() if p.name.endswith(".parquet")]

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollflow.tasks.collect.paths import SHARD, SHARD_MARKS
+from rollflow.tasks.publish.concat import publish_failed
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 from rollflow.tasks.storage.store import Store
@@ -158,7 +159,22 @@ def write_parquet(
     shard_rows: int = SHARD_ROWS,
     shard_bytes: int = SHARD_BYTES,
 ) -> list[str]:
-    """Write (or keep, when already written from the same chunks) every shard; returns their names."""
+    """Write (or keep, when already written from the same chunks) every shard; returns their names. A
+    full disk (any write error) is one PublishFailed, as for JSONL; the partial shard never appears."""
+    try:
+        return _write_parquet(ledger, manifests, data_url, options, shard_rows, shard_bytes)
+    except OSError as exc:
+        raise publish_failed(data_url, ledger, sum(m.bytes for m in manifests), exc) from exc
+
+
+def _write_parquet(
+    ledger: Ledger,
+    manifests: list[ChunkManifest],
+    data_url: str,
+    options: dict[str, Any],
+    shard_rows: int,
+    shard_bytes: int,
+) -> list[str]:
     columns: dict[str, str | None] = {}
     for manifest in manifests:
         for key, kind in chunk_columns(ledger, manifest).items():
