@@ -134,8 +134,8 @@ def runtime_values() -> dict[str, str]:
 
 
 def run_name() -> str:
-    """A flow run's name from what it collects: `<input stem>-<model or kind>-<MMDD>-<HHMM>`, and its
-    deployment's name when served (`rows-qwen3-1202-0200-nightly`), instead of Prefect's random words."""
+    """A flow run's name from what it collects: `<input stem>-<model or kind>-<MMDD>-<HHMMSS>` (UTC), and
+    its deployment's name when served (`rows-qwen3-1202-020000-nightly`), not Prefect's random words."""
     from prefect.runtime import deployment, flow_run
 
     params = flow_run.parameters or {}
@@ -143,5 +143,5 @@ def run_name() -> str:
     backend = params.get("backend")
     backend = backend.model_dump() if isinstance(backend, BaseModel) else (backend or {})
     model = str(backend.get("model") or backend.get("kind") or "").rsplit("/", 1)[-1]
-    parts = [stem, model, _started().strftime("%m%d-%H%M"), deployment.name or ""]
+    parts = [stem, model, _started().strftime("%m%d-%H%M%S"), deployment.name or ""]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "-", p).strip("-") for p in parts if p)[:100]

@@ -351,10 +351,11 @@ def _log_outcome(report: dict[str, Any], published: bool) -> None:
     """The run's outcome and its warnings as lines in the flow run's logs (the UI's Logs tab)."""
     rate = report.get("rollouts_per_s")
     said = "published" if published else "not published"
+    where = f"; dataset {report['dataset']}" if report.get("dataset") else ""
     run_log(
         f"{said}: {report.get('rows_written', 0):,} rollouts"
-        + (f" at {rate:,.1f} rollouts/s" if isinstance(rate, int | float) else "")
-        + f"; dataset {report.get('dataset')}; report {str(report.get('output', '')).rstrip('/')}/report.md"
+        + (f" at {rate:,.1f} rollouts/s" if isinstance(rate, int | float) and rate > 0 else "")
+        + f"{where}; report {str(report.get('output', '')).rstrip('/')}/report.md"
     )
     for key in ("tuning_skipped", "tuning_stopped", "publish_error"):
         if report.get(key):

@@ -106,8 +106,16 @@ SERVED_REFUSALS = _refusals()
 def served_refusal(exc: BaseException) -> Any:
     """A FAILED state whose message is the refusal in one line (redacted), with no traceback logged."""
     from prefect.states import Failed
+    from pydantic import ValidationError
 
     from rollflow.settings import redact
 
-    text = " ".join(str(exc).split())
+    if isinstance(exc, ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'parameters'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
+        text = f"Invalid parameters: {problems}"
+    else:
+        text = " ".join(str(exc).split())
     return Failed(message=redact.redact(text))

@@ -22,7 +22,9 @@ from rollflow.flows.parameters import (
     AS_SERVED_TUNING,
     AS_SERVED_VERIFY,
     described,
+    run_name,
     run_spec,
+    runtime_values,
 )
 from rollflow.flows.secrets import resolve_secret_blocks
 from rollflow.flows.stops import cancelled_by_sigterm
@@ -226,10 +228,12 @@ STAGE_WORDING = {
 
 async def _run_stage(given: dict[str, Any], tune_too: bool) -> dict[str, Any]:
     """A stage flow's body: its parameters merged with the served settings, run until done or stopped."""
-    return await cancelled_by_sigterm(_stage(run_spec(given, RollflowSettings()), tune_too))
+    return await cancelled_by_sigterm(
+        _stage(run_spec(given, RollflowSettings()).expanded(runtime_values()), tune_too)
+    )
 
 
-@flow(name="rollflow-diagnose", log_prints=False)
+@flow(name="rollflow-diagnose", log_prints=False, flow_run_name=run_name)
 @described(**STAGE_WORDING)
 async def rollflow_diagnose(
     input: str,
@@ -250,7 +254,7 @@ async def rollflow_diagnose(
     return await _run_stage(locals(), tune_too=False)
 
 
-@flow(name="rollflow-tune", log_prints=False)
+@flow(name="rollflow-tune", log_prints=False, flow_run_name=run_name)
 @described(**STAGE_WORDING)
 async def rollflow_tune(
     input: str,

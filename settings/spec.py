@@ -30,7 +30,15 @@ PLACEHOLDERS = ("date", "datetime", "flow_run_name", "flow_run_id", "deployment"
 
 
 def template_fields(text: str) -> set[str]:
-    return {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+    """The placeholders of an output; a format spec or conversion (`{date:x}`, `{date!r}`) is refused."""
+    found = set()
+    for _, name, spec, conversion in string.Formatter().parse(text):
+        if name is None:
+            continue
+        if spec or conversion:
+            raise ValueError(f"{{{name}}} takes no format or conversion in an output, as in {text!r}")
+        found.add(name)
+    return found
 
 
 def fill(text: str, values: dict[str, str]) -> str:
@@ -105,9 +113,21 @@ class RunSpec(EngineSettings):
         )
 
     def params_hash(self) -> str:
-        """12 hex of what the run collects (its parameters but where it writes them)."""
-        params = {k: v for k, v in self.parameters().items() if k not in ("output", "dataset")}
-        return hashlib.sha256(orjson.dumps(params, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]
+        """12 hex of what the run collects: the input and the fields that change a rollout (as its run
+        identity has them), never parallelism, timeouts, retries, the deadline or where it writes."""
+        col = self.collection
+        collects = {
+            "input": self.input,
+            "format": self.format,
+            "backend": self.backend.model_dump(mode="json", include={"kind", "model"}),
+            "collection": col.model_dump(
+                mode="json",
+                include={"overrides", "agent_name", "agent_map", "repeat_seed", "limit", "skip_bad_rows"}
+                | {"seed", "num_repeats"},
+            ),
+            "verifier": self.verify.verifier,
+        }
+        return hashlib.sha256(orjson.dumps(collects, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]
 
     @model_validator(mode="after")
     def _runner_supports_parallelism(self) -> RunSpec:

@@ -18,7 +18,7 @@ from rollout_data import assert_complete, write_rows
 from served_runs import call, deployment, ok, serve, start_run, wait_final
 
 ROWS = 6
-NAME = re.compile(r"^rows-m-\d{4}-\d{4}-(nightly|every)$")
+NAME = re.compile(r"^rows-m-\d{4}-\d{6}-(nightly|every)$")
 
 
 def served_env(cli_env: dict[str, str], url: str, inp: Path, output: str) -> dict[str, str]:
@@ -74,7 +74,12 @@ def test_a_served_cron_schedule_keeps_its_timezone(cli_env, prefect_server, fast
 @pytest.mark.parametrize(("args", "needle"), [
     (("--cron", "0 2 * *"), "is not a cron expression"),
     (("--cron", "0 2 * * *", "--timezone", "Mars/Olympus"), "is not a timezone name"),
-    (("--interval-s", "0"), "positive number of seconds"),
+    (("--interval-s", "0"), "must be a number of seconds from 1"),
+    (("--interval-s", "0.001"), "must be a number of seconds from 1"),
+    (("--interval-s", "nan"), "must be a number of seconds from 1"),
+    (("--cron", ""), "is not a cron expression"),
+    (("--interval-s", "60", "--timezone", "Bad/Zone"), "is not a timezone name"),
+    (("--cron", "0 2 * * *", "--interval-s", "60"), "exclude each other"),
 ])  # fmt: skip
 def test_a_bad_schedule_is_one_usage_error(run_cli, fast_sim, tmp_path, args, needle) -> None:
     inp = write_rows(tmp_path / "rows.jsonl", 2)
@@ -138,3 +143,22 @@ def test_a_served_usage_error_ends_failed_in_one_line(cli_env, prefect_server, f
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_params_hash_names_what_is_collected_only() -> None:
+    """{params_hash} changed with parallelism, timeouts or the deadline, so a rerun that only changed those
+    (or dropped its deadline to resume) started over in a fresh folder."""
+    from rollflow.settings import RunSpec
+
+    base = RunSpec(input="rows.jsonl", output="runs/{params_hash}")
+    same = base.model_copy(
+        update={
+            "deadline_s": 600.0,
+            "collection": base.collection.model_copy(update={"parallelism": 5}),
+            "backend": base.backend.model_copy(update={"timeout_s": 300.0}),
+        }
+    )
+    other = base.model_copy(update={"collection": base.collection.model_copy(update={"num_repeats": 4})})
+    assert base.expanded({}).output == same.expanded({}).output != other.expanded({}).output
+    with pytest.raises(ValueError, match="no format or conversion"):
+        RunSpec(input="rows.jsonl", output="runs/{date:x}")

@@ -57,9 +57,14 @@ def owned_port(home: Path, default: int) -> int | None:
     if not (home / PID_FILE).exists() or not _pid_alive(home / PID_FILE):
         return None
     try:
-        return int((home / PORT_FILE).read_text().strip())
+        recorded = int((home / PORT_FILE).read_text().strip())
     except (OSError, ValueError):
         return default
+    if recorded != default and not answers(f"http://127.0.0.1:{recorded}/api"):
+        profile = f"http://127.0.0.1:{default}/api"
+        if answers(profile) and serves_home(profile, home):  # started by hand there since
+            return default
+    return recorded
 
 
 def serves_home(api_url: str, home: Path, timeout_s: float = 2.0) -> bool:
@@ -120,7 +125,13 @@ class LocalServer:
                 "--port",
                 str(self.port),
             ],
-            env={**os.environ, "PREFECT_HOME": str(self.home)},
+            env={
+                **os.environ,
+                "PREFECT_HOME": str(self.home),
+                # its own port, also where its UI sends the browser's API calls
+                "PREFECT_SERVER_API_PORT": str(self.port),
+                "PREFECT_UI_API_URL": self.api_url,
+            },
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

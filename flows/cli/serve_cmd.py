@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 from datetime import timedelta
 from typing import Any
 
 from rollflow.flows.cli.errors import UsageError, load_settings
 
 DEPLOYMENT = "rollflow"  # the deployments' default name (flows.serve, loaded with Prefect only to serve)
+MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 366 * 24 * 3600.0
 
 
 def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
@@ -24,20 +26,23 @@ def schedule_of(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, A
         )
     from prefect.schedules import Cron, Interval
 
-    if args.cron:
+    if args.cron is not None and args.interval_s is not None:
+        raise UsageError("--cron and --interval-s exclude each other: give one schedule.")
+    _check_timezone(args.timezone)
+    if args.cron is not None:
         _check_cron(args.cron, args.timezone)
         return {"schedules": [Cron(args.cron, timezone=args.timezone)]}
-    if args.interval_s <= 0:
-        raise UsageError(f"--interval-s must be a positive number of seconds, not {args.interval_s:g}.")
-    return {"schedules": [Interval(timedelta(seconds=args.interval_s), timezone=args.timezone)]}
+    seconds = args.interval_s
+    if not math.isfinite(seconds) or not MIN_INTERVAL_S <= seconds <= MAX_INTERVAL_S:
+        raise UsageError(
+            f"--interval-s must be a number of seconds from {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:,.0f} (a "
+            f"year), not {seconds:g}: a shorter one floods the Prefect server with runs."
+        )
+    return {"schedules": [Interval(timedelta(seconds=seconds), timezone=args.timezone)]}
 
 
-def _check_cron(expression: str, timezone: str) -> None:
-    """Prefect's own checks of the expression and the timezone, as one usage error each."""
+def _check_timezone(timezone: str) -> None:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-    from prefect.client.schemas.schedules import CronSchedule
-    from pydantic import ValidationError
 
     try:
         ZoneInfo(timezone)
@@ -45,9 +50,18 @@ def _check_cron(expression: str, timezone: str) -> None:
         raise UsageError(
             f"--timezone {timezone!r} is not a timezone name; give an IANA name such as UTC or Europe/Paris."
         ) from None
+
+
+def _check_cron(expression: str, timezone: str) -> None:
+    """Prefect's own check of the expression (five fields; six or seven with seconds and years)."""
+    from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
+
     try:
+        if not expression.strip():
+            raise ValueError("empty")
         CronSchedule(cron=expression, timezone=timezone)
-    except ValidationError:
+    except (ValidationError, ValueError, TypeError):
         raise UsageError(
             f"--cron {expression!r} is not a cron expression Prefect takes; give five fields, e.g. "
             '"0 2 * * *" for 02:00 daily.'
@@ -67,13 +81,21 @@ def add_serve_parser(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; schedules stay as set (not paused) when serving stops."""
     from prefect import serve
+    from pydantic import ValidationError
 
+    from rollflow.flows.cli.errors import validation_problems
+    from rollflow.flows.cli.flags import flag_label
     from rollflow.flows.serve import default_parameters, deployments
     from rollflow.settings import redact
 
     settings = load_settings()
     redact.register(settings)  # Prefect logs a run's parameters when they fail validation, before its flow
-    params = default_parameters(settings)
+    try:
+        params = default_parameters(settings)
+    except ValidationError as exc:
+        raise UsageError(
+            f"The served settings are invalid: {validation_problems(exc, flag_label)}."
+        ) from None
     schedule = schedule_of(args, params)
     serve(*deployments(args.name, params, schedule), pause_on_shutdown=False, limit=args.limit)
     return 0
