@@ -39,6 +39,10 @@ class LeaseLost(Exception):
     """Our lease was taken over (we were presumed dead); this run must stop writing."""
 
 
+RUN_RECORD = "run.json"  # the run's identity (the ledger's RUN): an output without it holds no run
+GONE_GRACE_S = 1.0  # a second look at an output whose lease object vanished
+
+
 class OutputGone(StorageError):
     """The output itself disappeared while the run wrote it (its bucket or directory was deleted)."""
 
@@ -165,7 +169,7 @@ class Lease:
             if info is not None and info.owner == self.owner:
                 self.token = token
                 return
-        if info is None and self._output_gone():
+        if info is None and self._output_going():
             self._lose(
                 f"The output {self.store.root_url} disappeared while this run was writing it (its bucket "
                 f"or directory was deleted): the chunks it had committed there are gone with it, and "
@@ -179,6 +183,16 @@ class Lease:
             f"so that only one run writes the output. Everything it committed is kept."
         )
         raise LeaseLost(self.lost_reason)
+
+    def _output_going(self) -> bool:
+        """The lease object is missing: the output is gone, or being deleted (its run.json gone, or gone a
+        moment later: a bucket is deleted object by object, and the lease may go before the rest)."""
+        for look in range(2):
+            if self._output_gone() or not self.store.exists(RUN_RECORD):
+                return True
+            if look == 0:
+                time.sleep(GONE_GRACE_S)
+        return False
 
     def _output_gone(self) -> bool:
         """Whether the output's location holds nothing any more (an S3 bucket gone, a directory removed)."""
