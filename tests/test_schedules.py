@@ -35,6 +35,21 @@ def served_env(cli_env: dict[str, str], url: str, inp: Path, output: str) -> dic
     }
 
 
+def runs_of(
+    api: str, dep: dict, proc, at_least: int, timeout_s: float, states: list[str] | None = None
+) -> list:
+    """The deployment's flow runs (in `states`, when given) once there are `at_least`, or at the timeout."""
+    query: dict = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}}
+    if states:
+        query["flow_runs"]["state"] = {"type": {"any_": states}}
+    deadline, found = time.monotonic() + timeout_s, []
+    while len(found) < at_least and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else "serve exited"
+        time.sleep(1)
+        found = ok(api, "/flow_runs/filter", query)
+    return found
+
+
 def run_logs(api: str, run_id: str, last: str, timeout_s: float = 30) -> list[str]:
     """The flow run's log lines once one starts with `last` (Prefect sends logs in batches)."""
     deadline, messages = time.monotonic() + timeout_s, []
@@ -56,11 +71,7 @@ def test_a_served_cron_schedule_keeps_its_timezone(cli_env, prefect_server, fast
         dep = deployment(api, "nightly", proc)
         (schedule,) = [s["schedule"] for s in dep["schedules"]]
         assert (schedule["cron"], schedule["timezone"]) == ("0 2 * * *", "Europe/Paris"), schedule
-        query = {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}}
-        deadline, runs = time.monotonic() + 60, []
-        while not runs and time.monotonic() < deadline:
-            time.sleep(1)
-            runs = ok(api, "/flow_runs/filter", query)
+        runs = runs_of(api, dep, proc, 1, 60)
         assert runs, "the scheduler queued no run within 60 s"
         for run in runs:
             when = datetime.fromisoformat(run["expected_start_time"]).astimezone(ZoneInfo("Europe/Paris"))
@@ -97,14 +108,7 @@ def test_an_interval_schedule_publishes_each_run_into_its_own_folder(
     api = prefect_server.env["PREFECT_API_URL"]
     try:
         dep = deployment(api, "every", proc)
-        query = {
-            "flow_runs": {"deployment_id": {"any_": [dep["id"]]}, "state": {"type": {"any_": ["COMPLETED"]}}}
-        }
-        deadline, done = time.monotonic() + 180, []
-        while len(done) < 2 and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
-            time.sleep(1)
-            done = ok(api, "/flow_runs/filter", query)
+        done = runs_of(api, dep, proc, 2, 180, ["COMPLETED"])
         ok(api, f"/deployments/{dep['id']}/pause_deployment", {})
         assert len(done) >= 2, "fewer than two scheduled runs completed within 180 s"
         for run in done[:2]:

@@ -214,9 +214,7 @@ async def _rollout_line(
 ) -> tuple[bytes, int]:
     """One rollout, verified, as its output JSONL line (bytes, no newline), and its output tokens."""
     t0 = time.perf_counter()
-    agent = ctx.backend.kind == "agent"
-    col = ctx.collection
-    sent, seed = seeded(row, col.seed, task_index, rollout, agent=agent, repeat_seed=col.repeat_seed)
+    sent, seed = _seeded(ctx, row, task_index, rollout)
     result: RolloutResult = await client.rollout(sent, task_index, rollout)
     t1 = time.perf_counter()
     reward = result.reward
@@ -239,7 +237,7 @@ async def _rollout_line(
     out["_ng_task_index"] = task_index
     out["_ng_rollout_index"] = rollout
     out.update(server_fields(ctx.backend, row))
-    out["_rf"] = rf = rollflow_fields(ctx, row, task_index, rollout, result.attempts, seed)
+    out["_rf"] = rf = rollflow_fields(result.attempts, seed)
     if ctx.collection.record_latency:
         rf["latency_s"] = round(result.latency_s, 6)
     return rowjson.dumps(out), result.output_tokens
@@ -273,18 +271,18 @@ def _unexpected(exc: Exception) -> BackendError:
     return BackendError(f"{type(exc).__name__}: {exc}", kind="rollout_error")
 
 
-_UNSET = object()
+def _seeded(
+    ctx: CollectContext, row: dict[str, Any], task_index: int, rollout: int
+) -> tuple[dict[str, Any], Any]:
+    """The row as sent and its seed, by the run's seed settings (an agent row's in metadata.extra_body)."""
+    col = ctx.collection
+    agent = ctx.backend.kind == "agent"
+    return seeded(row, col.seed, task_index, rollout, agent=agent, repeat_seed=col.repeat_seed)
 
 
-def rollflow_fields(
-    ctx: CollectContext, row: dict[str, Any], task_index: int, rollout: int, attempts: int, seed: Any = _UNSET
-) -> dict[str, Any]:
-    """A collected row's `_rf`: its attempts, and the seed it was sent (the same for a failure record,
+def rollflow_fields(attempts: int, seed: Any) -> dict[str, Any]:
+    """A collected row's `_rf`: its attempts, and the seed it was sent (a failure record keeps the same,
     so `reverify --failed-only` completes it into the row collection would have written)."""
-    if seed is _UNSET:
-        col = ctx.collection
-        agent = ctx.backend.kind == "agent"
-        seed = seeded(row, col.seed, task_index, rollout, agent=agent, repeat_seed=col.repeat_seed)[1]
     rf: dict[str, Any] = {"attempts": attempts}
     if seed is not None:
         rf["seed"] = seed
@@ -323,7 +321,8 @@ def _failure_line(
     output = getattr(exc, "output", None)  # a failed check's reply, so it can be scored again later
     if output is not None:
         record["output"] = output
-        record["_rf"] = rollflow_fields(ctx, row, task_index, rollout, exc.attempts)  # the row it completes
+        seed = _seeded(ctx, row, task_index, rollout)[1]
+        record["_rf"] = rollflow_fields(exc.attempts, seed)  # what the row it completes would carry
     try:
         return rowjson.dumps(record)
     except (TypeError, ValueError) as dump_error:
