@@ -70,6 +70,7 @@ def test_s3_input(run_cli, fast_sim: Service, moto_s3, input_2000: Path, tmp_pat
     assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 300, 1)
 
 
+@pytest.mark.alone  # the knee it finds is the client's when two other test processes share the cores
 def test_auto_parallelism_diagnoses_tunes_and_keeps_probes(run_cli, tmp_path: Path):
     """`rollflow run` by default: diagnose, tune, collect; every probe rollout ends up in the dataset."""
     sim = spawn_simulator("--latency-ms", "30", "--slots", "32")
