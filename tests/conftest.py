@@ -59,5 +59,6 @@ CONCURRENT = {
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         # A test that measures a rate in a module of the list says so with `alone` and runs one at a time.
-        if item.module is not None and item.module.__name__ in CONCURRENT and not item.get_closest_marker("alone"):
+        listed = item.module is not None and item.module.__name__ in CONCURRENT
+        if listed and not item.get_closest_marker("alone"):
             item.add_marker(pytest.mark.concurrent)

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from rollflow.tasks.collect.rows import MAX_BAD_TEXT, BadRow, InputError, iter_chunk_rows, scan_input
+from rollflow.tasks.storage import rowjson
 
 
 def good(i: int) -> bytes:
@@ -172,3 +173,33 @@ def test_scan_of_200k_rows_has_flat_memory(tmp_path: Path) -> None:
     assert (scan.rows, len(scan.chunks), count) == (200_000, 40, 5000)
     assert scan_peak < size / 20, f"scan peaked at {scan_peak} bytes for a {size}-byte file"
     assert iter_peak < size / 20, f"reading one chunk peaked at {iter_peak} bytes"
+
+
+CUT_OR_ODD = [
+    (b'{"_ng_task_index": 3, "_ng_rollout_index": 0, "response": {"out', "not valid JSON"),
+    (b'\xef\xbb\xbf{"_ng_task_index": 3, "_ng_rollout_index": 0}', "not valid JSON"),
+    (b'{"_ng_task_index": 3, "_ng_rollout_index": 0, "t": "\xff"}', "not UTF-8"),
+    (b'[{"_ng_task_index": 3}]', "expected a JSON object, got list"),
+    (b'{"_ng_task_index": true, "_ng_rollout_index": 0}', "whole numbers"),
+    (b'{"_ng_task_index": "3", "_ng_rollout_index": 0}', "whole numbers"),
+    (b'{"_ng_task_index": 3, "_ng_rollout_index": -1}', "whole numbers"),
+    (b'{"_ng_task_index": 3.0, "_ng_rollout_index": 0}', "whole numbers"),
+    (b'{"_ng_rollout_index": 0}', "whole numbers"),
+]
+
+
+@pytest.mark.parametrize(("line", "needle"), CUT_OR_ODD)
+def test_one_row_reader_refuses_each_odd_line_naming_file_and_line(line: bytes, needle: str) -> None:
+    """Collection, the audit, Parquet, reverify's plan and its chunks read rows with this one reader."""
+    with pytest.raises(rowjson.RowError) as caught:
+        rowjson.read_keyed(line, "s3://b/out/rollouts.jsonl", 7)
+    assert needle in caught.value.problem
+    assert str(caught.value).startswith("s3://b/out/rollouts.jsonl, line 7: ")
+
+
+def test_the_row_reader_keeps_exact_integers_and_the_key() -> None:
+    line = (
+        b'{"_ng_task_index": 2, "_ng_rollout_index": 1, "expected_answer": 1267650600228229401496703205376}'
+    )
+    row, key = rowjson.read_keyed(line)
+    assert key == (2, 1) and row["expected_answer"] == 2**100

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-
 from rollflow.tasks.collect.heap import tune_gc_for_collection
 from rollflow.tasks.collect.parts import chunk_part_rollouts, delete_parts, part_dir, write_part
 from rollflow.tasks.collect.progress import ProgressEvent, hub
@@ -26,6 +24,7 @@ from rollflow.tasks.collect.rollouts import (
     run_rollouts,
 )
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 log = logging.getLogger(__name__)
@@ -149,8 +148,7 @@ def committed_rows(ledger: Ledger, manifest: ChunkManifest) -> tuple[dict[Rollou
     kept: dict[RolloutKey, bytes] = {}
     for line in data.splitlines():
         if line.strip():
-            row = orjson.loads(line)
-            kept[(row["_ng_task_index"], row["_ng_rollout_index"])] = line
+            kept[rowjson.read_keyed(line)[1]] = line
     return kept, []
 
 

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 import orjson
 
 from rollflow.tasks.collect.rows import ChunkSpec
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.rowjson import RolloutKey
 from rollflow.tasks.storage.store import Store
 
 PARTS_DIR = "parts"
 HEADER_KEY = "_rf_part"
 
 PROBE, FLUSH = "probe", "flush"
-
-RolloutKey = tuple[int, int]
 
 
 @dataclass
@@ -72,10 +72,9 @@ def _parse_part(
     if header.get("run_id") != run_id or header.get("chunk") != chunk:
         raise ValueError(f"it belongs to run {header.get('run_id')!r}, chunk {header.get('chunk')!r}")
     found: dict[RolloutKey, bytes] = {}
-    for line in lines[1:]:
+    for lineno, line in enumerate(lines[1:], start=2):
         if line.strip():
-            row = orjson.loads(line)
-            key = (row["_ng_task_index"], row["_ng_rollout_index"])
+            _, key = rowjson.read_keyed(line, None, lineno)
             if key[0] not in keys or not 0 <= key[1] < repeats:
                 raise ValueError(f"it holds {key}, outside this chunk")
             found[key] = line

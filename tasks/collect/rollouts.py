@@ -22,9 +22,9 @@ from rollflow.tasks.collect.routing import agent_map_of, routed, row_agent
 from rollflow.tasks.collect.seeds import seeded
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.rowjson import RolloutKey
 from rollflow.tasks.verify.verifiers import Verifier
 
-RolloutKey = tuple[int, int]
 WorkItem = tuple[int, dict[str, Any], int]
 
 

@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from rollflow.tasks.backends.formats import request_problem
 from rollflow.tasks.collect.routing import AGENT_PROBLEMS, AgentCheck
 from rollflow.tasks.storage import rowjson
@@ -67,15 +65,9 @@ def row_problem(
     checks the parameters as sent, --overrides merged in.
     """
     try:
-        row = rowjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as uexc:
-            return None, f"the line is not UTF-8 ({uexc.reason} at byte {uexc.start})"
-        return None, f"the line is not valid JSON ({exc})"
-    if not isinstance(row, dict):
-        return None, f"expected a JSON object, got {type(row).__name__}"
+        row = rowjson.read_row(line)
+    except rowjson.RowError as exc:
+        return None, exc.problem
     params = row.get("responses_create_params")
     if params is None:
         return None, "the row has no 'responses_create_params' (required by the NeMo Gym row format)"

@@ -12,6 +12,7 @@ import orjson
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.rewards import RewardStats, TaskGrouper
 from rollflow.tasks.publish.story import RowStory
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 AUDIT_DIR = "audit"
@@ -146,11 +147,10 @@ class _LineCheck:
         audit = self.audit
         audit.rows += 1
         try:
-            row = orjson.loads(line)
-            key = (row["_ng_task_index"], row["_ng_rollout_index"])
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            row, key = rowjson.read_keyed(line)
+        except rowjson.RowError as exc:
             audit.invalid += 1
-            audit.problems.append(f"line {lineno}: not a valid output row ({exc})")
+            audit.problems.append(f"line {lineno}: not a valid output row ({exc.problem})")
             return
         if key[0] not in self.tasks or not 0 <= key[1] < self.num_repeats:
             audit.invalid += 1

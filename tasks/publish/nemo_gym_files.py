@@ -115,7 +115,7 @@ def write_sidecar(ledger: Ledger, indexes: Iterable[int], dataset_url: str, opti
                 continue
             for line in ledger.store.read_bytes(path).splitlines():
                 if line.strip():
-                    out.write(rowjson.dumps(sidecar_row(rowjson.loads(line))) + b"\n")
+                    out.write(rowjson.dumps(sidecar_row(rowjson.read_row(line))) + b"\n")
     return url
 
 
@@ -143,7 +143,7 @@ def _spool_by_server(
         for line in fh:
             if not line.strip():
                 continue
-            row = rowjson.loads(line)
+            row = rowjson.read_row(line)
             agent = row_agent(row)
             server = backend.agents.get(agent or "")
             if server is None or server.server is None:

@@ -77,7 +77,7 @@ def chunk_columns(ledger: Ledger, manifest: ChunkManifest) -> dict[str, str | No
     with ledger.open_chunk(manifest.chunk) as fh:
         for line in fh:
             if line.strip():
-                for key, value in rowjson.loads(line).items():
+                for key, value in rowjson.read_row(line).items():
                     columns[key] = _merge(columns.get(key), _kind(value), key)
     store.write_bytes(cache, orjson.dumps({"sha256": manifest.sha256, "columns": columns}))
     return columns
@@ -131,7 +131,7 @@ def _batches(ledger: Ledger, shard: Shard, schema: pa.Schema) -> Iterator[pa.Rec
                 digest.update(line)
                 if not line.strip():
                     continue
-                row = rowjson.loads(line)
+                row = rowjson.read_row(line)
                 for name, values in cols.items():
                     value = row.get(name)
                     if name in json_cols and value is not None:

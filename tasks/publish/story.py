@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from rollflow.settings import RunSpec, VerifySettings, redact
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 
 MAX_DISTINCT = 20  # distinct values kept per sampling parameter; the rest are counted as "(other)"
@@ -202,7 +203,7 @@ def failures_by_kind(ledger: Ledger, manifests: dict[int, ChunkManifest]) -> dic
         if manifest.failed:
             for line in ledger.store.read_bytes(ledger.failures_path(index)).splitlines():
                 if line.strip():
-                    kinds[str((orjson.loads(line).get("error") or {}).get("kind"))] += 1
+                    kinds[rowjson.failure_kind(line)] += 1
     return dict(kinds.most_common())
 
 

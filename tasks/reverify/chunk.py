@@ -83,12 +83,11 @@ class _Work:
             self.results[i] = line  # a committed rollout of the source: not scored again
             return None
         t0 = time.perf_counter()
-        parsed = rowjson.loads(line)
+        parsed, key = rowjson.read_keyed(line)
         if failed and not is_rescorable(parsed):
-            self.failures[(parsed["_ng_task_index"], parsed["_ng_rollout_index"])] = line  # stays failed
+            self.failures[key] = line  # stays failed
             return None
         row = row_of_failure(parsed) if failed else parsed
-        key = (row["_ng_task_index"], row["_ng_rollout_index"])
         self.parse_s += time.perf_counter() - t0
         if key in self.kept:
             self.results[i] = self.kept[key]

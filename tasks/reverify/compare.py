@@ -16,6 +16,7 @@ from rollflow.tasks.publish.audit import AUDIT_DIR, tasks_path
 from rollflow.tasks.publish.rewards import RewardStats, TaskRewards
 from rollflow.tasks.publish.story import RowStory
 from rollflow.tasks.reverify.source import SourceChunk
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 TOP_TASKS = 10
@@ -119,13 +120,13 @@ class _Pass:
         out = self.out
         out.rows += 1
         try:
-            row = orjson.loads(line)
-            key = (row["_ng_task_index"], row["_ng_rollout_index"])
+            row, key = rowjson.read_keyed(line)
             reward = row["reward"]
             rf = row.get("_rf") or {}
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        except (rowjson.RowError, KeyError) as exc:
             out.invalid += 1
-            out.problems.append(f"line {lineno}: not a valid output row ({exc})")
+            problem = exc.problem if isinstance(exc, rowjson.RowError) else f"it has no {exc}"
+            out.problems.append(f"line {lineno}: not a valid output row ({problem})")
             return
         if not _number(reward) or key <= self.last:
             out.invalid += 1

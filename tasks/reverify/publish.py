@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import orjson
-
 from rollflow.tasks.publish.concat import concatenate, concatenate_chunk_files, concatenate_tasks
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChunk
+from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 FAILURES_NAME = "failures.jsonl"
@@ -25,7 +24,7 @@ def write_failures(
     def count(block: bytes) -> None:
         for line in block.splitlines():
             if line.strip():
-                kinds[str((orjson.loads(line).get("error") or {}).get("kind"))] += 1
+                kinds[rowjson.failure_kind(line)] += 1
 
     failed = [c.index for c in chunks if (m := manifests.get(c.index)) is not None and m.failed]
     with ledger.store.open_write(FAILURES_NAME) as out:

@@ -9,18 +9,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import fsspec
-import orjson
 
 from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
 from rollflow.tasks.collect.rows import InputError, ScanStopped, open_checked, scan_checkpoint
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.rowjson import RolloutKey
 from rollflow.tasks.storage.store import Store, describe_error, open_input, storage_options_for
 
 DATASET_NAME = "rollouts.jsonl"
 
 Mode = Literal["dataset", "failed"]
-RolloutKey = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -48,20 +47,6 @@ class SourcePlan:
     max_k: int  # most rollouts of one task: the pass@k the report can give
     chunks: list[SourceChunk]
     to_rescore: int
-
-
-def line_key(line: bytes) -> RolloutKey:
-    """(task, rollout) of an output line, read whole by the one row reader: a line cut after its keys, a
-    BOM or a truncated last line is refused here, at its line, never later in a chunk."""
-    row = rowjson.loads(line)
-    if not isinstance(row, dict):
-        raise TypeError(f"expected a JSON object, got {type(row).__name__}")
-    task, rollout = row["_ng_task_index"], row["_ng_rollout_index"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (task, rollout)):
-        raise ValueError(
-            f"_ng_task_index and _ng_rollout_index must be whole numbers, got {task!r}, {rollout!r}"
-        )
-    return task, rollout
 
 
 def _is_dir(url: str, options: dict[str, Any]) -> bool:
@@ -149,11 +134,12 @@ def scan_dataset(
             if not line.strip():
                 continue
             try:
-                key = line_key(line)
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                key = rowjson.read_keyed(line)[1]
+            except rowjson.RowError as exc:
                 raise InputError(
-                    f"Source {url}, line {lineno}: not an output row of rollflow or NeMo Gym ({exc}). Each "
-                    f"line must be a JSON object with _ng_task_index, _ng_rollout_index and response."
+                    f"Source {url}, line {lineno}: not an output row of rollflow or NeMo Gym "
+                    f"({exc.problem}). Each line must be a JSON object with _ng_task_index, "
+                    f"_ng_rollout_index and response."
                 ) from None
             if key <= last:
                 raise InputError(
@@ -225,7 +211,7 @@ def scan_failed(url: str, options: dict[str, Any], stopped: Callable[[], bool] |
         fails = _failure_records(ledger, spec["index"]) if manifest.failed else []
         for raw in fails:
             digest.update(raw)
-        to_rescore += sum(is_rescorable(orjson.loads(raw)) for raw in fails)
+        to_rescore += sum(is_rescorable(rowjson.read_row(raw)) for raw in fails)
         rows += manifest.rows + manifest.failed
         chunks.append(
             SourceChunk(spec["index"], spec["first_task"], spec["num_tasks"], manifest.rows + manifest.failed)
@@ -249,8 +235,8 @@ def iter_failed_chunk(url: str, chunk: SourceChunk, options: dict[str, Any]) -> 
     with ledger.open_chunk(chunk.index) as fh:
         rows = [line.rstrip(b"\r\n") for line in fh if line.strip()]
     fails = _failure_records(ledger, chunk.index)
-    keyed = [(line_key(line), line, False) for line in rows]
-    keyed += [(_failure_key(raw), raw, True) for raw in fails]
+    keyed = [(rowjson.read_keyed(line)[1], line, False) for line in rows]
+    keyed += [(rowjson.read_keyed(raw)[1], raw, True) for raw in fails]
     keyed.sort(key=lambda item: item[0])
     for _, line, failed in keyed:
         yield line, failed
@@ -258,10 +244,5 @@ def iter_failed_chunk(url: str, chunk: SourceChunk, options: dict[str, Any]) -> 
 
 def rescorable_keys(url: str, chunk: SourceChunk, options: dict[str, Any]) -> set[RolloutKey]:
     """--failed-only: the rollouts of a source chunk this run scores (its rescorable failures)."""
-    records = (rowjson.loads(raw) for raw in _failure_records(Ledger(Store(url, options)), chunk.index))
-    return {(int(r["_ng_task_index"]), int(r["_ng_rollout_index"])) for r in records if is_rescorable(r)}
-
-
-def _failure_key(raw: bytes) -> RolloutKey:
-    record = rowjson.loads(raw)
-    return int(record["_ng_task_index"]), int(record["_ng_rollout_index"])
+    records = (rowjson.read_row(raw) for raw in _failure_records(Ledger(Store(url, options)), chunk.index))
+    return {rowjson.rollout_key(r) for r in records if is_rescorable(r)}

@@ -59,3 +59,61 @@ def depth(value: Any) -> int:
 def too_deep(line: bytes, value: Any) -> bool:
     """Whether `value` nests beyond MAX_ROW_DEPTH; the bracket count spares most rows the walk."""
     return line.count(b"[") + line.count(b"{") > MAX_ROW_DEPTH and depth(value) > MAX_ROW_DEPTH
+
+
+RolloutKey = tuple[int, int]  # (_ng_task_index, _ng_rollout_index): one rollout of the dataset
+
+
+class RowError(ValueError):
+    """A line that is not a dataset row: what is wrong, and where when the reader knows it."""
+
+    def __init__(self, problem: str, where: str | None = None, line: int | None = None) -> None:
+        self.problem, self.where, self.line = problem, where, line
+        place = f"{where}, line {line}: " if where and line else (f"line {line}: " if line else "")
+        super().__init__(place + problem)
+
+    def at(self, where: str | None, line: int) -> RowError:
+        return RowError(self.problem, where, line)
+
+
+def read_row(line: bytes, where: str | None = None, lineno: int | None = None) -> dict[str, Any]:
+    """The one reader of dataset rows and failure records: a JSON object with exact integers, or RowError."""
+    try:
+        row = loads(line)
+    except orjson.JSONDecodeError as exc:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as uexc:
+            raise RowError(
+                f"the line is not UTF-8 ({uexc.reason} at byte {uexc.start})", where, lineno
+            ) from None
+        raise RowError(f"the line is not valid JSON ({exc})", where, lineno) from None
+    if not isinstance(row, dict):
+        raise RowError(f"expected a JSON object, got {type(row).__name__}", where, lineno)
+    return row
+
+
+def rollout_key(row: dict[str, Any], where: str | None = None, lineno: int | None = None) -> RolloutKey:
+    """(task, rollout) of a row or failure record: both whole numbers, or RowError."""
+    task, rollout = row.get("_ng_task_index"), row.get("_ng_rollout_index")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (task, rollout)):
+        raise RowError(
+            f"_ng_task_index and _ng_rollout_index must be whole numbers, got {task!r}, {rollout!r}",
+            where,
+            lineno,
+        )
+    return task, rollout  # type: ignore[return-value]
+
+
+def read_keyed(
+    line: bytes, where: str | None = None, lineno: int | None = None
+) -> tuple[dict[str, Any], RolloutKey]:
+    """A row read whole and its (task, rollout): a line cut after its keys is refused, never half-read."""
+    row = read_row(line, where, lineno)
+    return row, rollout_key(row, where, lineno)
+
+
+def failure_kind(line: bytes) -> str:
+    """The `error.kind` of a failure record, as counted by collection and reverify alike."""
+    error = read_row(line).get("error")
+    return str(error.get("kind") if isinstance(error, dict) else None)
