@@ -47,9 +47,9 @@ from rollflow.tasks.publish.plot import (
     data_uri,
     diagnosis_markdown,
     steps_table,
-    throughput_png,
     tuning_markdown,
 )
+from rollflow.tasks.publish.report import write_throughput_png
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.fail_fast import FAILURES_FILE, BackendRejects
 from rollflow.tasks.tuning.per_endpoint import (
@@ -79,8 +79,7 @@ async def _publish(handles: RunHandles, found: dict[str, Any]) -> None:
         parts.append(diagnosis_markdown(found["diagnosis"]))
     if "tuning" in found:
         tuning = found["tuning"]
-        png = throughput_png(tuning)
-        await asyncio.to_thread(handles.store.write_bytes, "throughput.png", png)
+        png = await asyncio.to_thread(write_throughput_png, handles.store, tuning)
         await acreate_table_artifact(
             steps_table(tuning), key="rollflow-tuning-steps", description="tune-parallelism steps"
         )

@@ -254,3 +254,33 @@ def test_disk_full_while_writing_parquet_is_one_paragraph(run_cli, fast_sim, tmp
         report = orjson.loads((out / "report.json").read_bytes())
         assert report["published"] is False and "ENOSPC" in report["publish_error"]
         assert not [p for p in (out / "data").iterdir() if p.name.endswith(".parquet")]
+
+
+def test_a_restart_removes_all_the_discarded_run_published_and_only_that(run_cli, fast_sim, tmp_path: Path):
+    """What a run owns was written in five places, and rewards.png was in none: a --restart that did not
+    publish kept the discarded run's plot. Every object a publish writes is in the output's one record, and
+    a restart removes exactly those, in the output and beside a dataset elsewhere."""
+    from cli_runs import run_args
+
+    from rollflow.infra.local import free_port
+
+    inp, out, elsewhere = write_rows(tmp_path / "rows.jsonl", 20), tmp_path / "out", tmp_path / "results"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_bytes(USER_FILE)
+    dataset = elsewhere / "math.jsonl"
+    args = [*run_args(inp, str(out), fast_sim), "--verifier", "exact_match", "--dataset", str(dataset)]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    record = orjson.loads((out / "published.json").read_bytes())
+    assert set(record) >= {"dataset", "tasks", "cards", "report"}, record
+    assert {"report.json", "report.md", "rewards.png"} <= set(record["report"]), record
+    assert record["dataset"] == [str(dataset)] and (out / "rewards.png").exists()
+    owned = [out / p if not p.startswith("/") else Path(p) for kind in record.values() for p in kind]
+    assert all(p.exists() for p in owned), owned
+    dead = f"http://127.0.0.1:{free_port()}"
+    restart = [a if a != fast_sim.url else dead for a in args]
+    res = run_cli(*restart, "--restart", "--num-repeats", "3")
+    assert res.returncode == 2, res.stderr
+    assert [p for p in owned if p.exists()] == [] and not (out / "published.json").exists()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
+    assert (elsewhere / "notes.txt").read_bytes() == USER_FILE

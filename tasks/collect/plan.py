@@ -14,13 +14,7 @@ import orjson
 
 from rollflow.settings import RunSpec
 from rollflow.tasks.backends.formats import overrides_problem
-from rollflow.tasks.collect.paths import (
-    card_url,
-    check_paths,
-    remove_output_dataset,
-    remove_published,
-    same_object,
-)
+from rollflow.tasks.collect.paths import card_url, check_paths
 from rollflow.tasks.collect.routing import AgentCheck, agent_map_of
 from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input, stop_before_writing
 from rollflow.tasks.collect.stoppable import run_stoppable
@@ -180,21 +174,11 @@ def plan_run(
             dataset_url=spec.dataset_url(),
         )
         stop_before_writing(stopped, spec.input)
-        identity = ledger.open_run(identity, restart=spec.restart)
-        if stored is not None and identity.run_id != stored.run_id:
-            _remove_discarded_dataset(stored.dataset_url or spec.dataset_url(), spec, dataset_options, store)
+        identity = ledger.open_run(identity, restart=spec.restart, options=dataset_options, keep=spec.input)
         if scan.bad_rows:
             bad.seek(0)
             ledger.write_bad_rows(bad)
     return RunPlan(scan=scan, identity=identity, committed=ledger.committed())
-
-
-def _remove_discarded_dataset(url: str, spec: RunSpec, options: dict[str, Any], store: Store) -> None:
-    """A restart publishes nothing of the run it discards, also where it published outside the output:
-    its JSONL dataset, or its Parquet shards, and its card."""
-    if not same_object(url, spec.input, options):
-        remove_published(url, options, store)
-    remove_output_dataset(store)
 
 
 def _chunk_dict(chunk: Any) -> dict[str, Any]:

@@ -10,8 +10,9 @@ from typing import Any
 import orjson
 import yaml
 
-from rollflow.tasks.collect.paths import card_url, owns_card_folder, published_files, record_files
+from rollflow.tasks.collect.paths import card_url
 from rollflow.tasks.publish.concat import split_url
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
 SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
@@ -207,12 +208,10 @@ def parquet_features(store: Store, shard: str) -> list[dict[str, str]]:
 def write_card(dataset_url: str, options: dict[str, Any], report: dict[str, Any], output: Store) -> str:
     """The card in the dataset's folder (for Parquet, the folder above data/); returns its URL.
 
-    A card outside the output's own folder is recorded in the output before it is written, so a
-    --restart removes it and nothing else."""
+    The card is recorded in the output before it is written, so a --restart removes it and nothing else."""
     parent, name = split_url(dataset_url)
     card = card_url(dataset_url, output.root_url)
-    if not owns_card_folder(card):
-        record_files(output, "cards", [*published_files(output, "cards"), card], options)
+    owned.add(output, owned.CARDS, [card], options)
     store = Store(parent, options)
     features = None
     if report.get("format") == "parquet":

@@ -7,9 +7,10 @@ import posixpath
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
-from rollflow.tasks.collect.paths import published_tasks, record_tasks, tasks_url
+from rollflow.tasks.collect.paths import tasks_url
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import tasks_path
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 from rollflow.tasks.storage.store import StorageError, Store, describe_error
 
@@ -58,6 +59,7 @@ def concatenate(
     """
     parent, name = split_url(dataset_url)
     target = Store(parent, storage_options)
+    owned.add(ledger.store, owned.DATASET, [dataset_url], storage_options)  # before it exists
     target.remove_stale_copies(name)
     needed = sum(m.bytes for i, m in manifests.items() if i in {c.index for c in chunks})
     try:
@@ -106,7 +108,7 @@ def concatenate_tasks(
     parent, name = split_url(url)
     target = Store(parent, storage_options)
     try:
-        record_tasks(ledger.store, [*published_tasks(ledger.store), url], storage_options)
+        owned.add(ledger.store, owned.TASKS, [url], storage_options)
         target.remove_stale_copies(name)
         with target.open_write(name) as out:
             committed = [spec.index for spec in chunks if spec.index in manifests]

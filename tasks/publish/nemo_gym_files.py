@@ -16,10 +16,9 @@ import aiohttp
 import orjson
 
 from rollflow.settings import BackendParams
-from rollflow.tasks.collect.paths import published_files, record_files
 from rollflow.tasks.collect.routing import row_agent
 from rollflow.tasks.publish.concat import split_url
-from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage import owned, rowjson
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store, open_input
 
@@ -121,7 +120,7 @@ def write_sidecar(ledger: Ledger, indexes: Iterable[int], dataset_url: str, opti
 
 def _record(store: Store, url: str, options: dict[str, Any]) -> None:
     """Recorded before it is written, so a --restart removes it and nothing else."""
-    record_files(store, NEMO_GYM_FILES, [*published_files(store, NEMO_GYM_FILES), url], options)
+    owned.add(store, owned.NEMO_GYM, [url], options)
 
 
 def stripped(row: dict[str, Any]) -> dict[str, Any]:

@@ -21,10 +21,10 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollflow.tasks.collect.paths import SHARD, SHARD_MARKS
 from rollflow.tasks.publish.concat import publish_failed
-from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage import owned, rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
+from rollflow.tasks.storage.owned import SHARD, SHARD_MARKS
 from rollflow.tasks.storage.store import Store
 
 SHARD_ROWS = 250_000
@@ -184,6 +184,7 @@ def _write_parquet(
     shards = plan_shards(manifests, shard_rows, shard_bytes)
     target = Store(data_url, options)
     names = [shard_name(s.index, len(shards)) for s in shards]
+    owned.record(ledger.store, owned.SHARDS, [target.url(n) for n in names], options)  # before they exist
     target.remove_stale_in("", SHARD)  # dead partial copies a killed publish left
     for shard, name in zip(shards, names, strict=True):
         mark_rel = f"{MARKS}/{name}.json"

@@ -10,9 +10,10 @@ import orjson
 
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.endpoints import endpoints_markdown
-from rollflow.tasks.publish.plot import data_uri, diagnosis_markdown, tuning_markdown
+from rollflow.tasks.publish.plot import data_uri, diagnosis_markdown, throughput_png, tuning_markdown
 from rollflow.tasks.publish.rewards import rewards_markdown, rewards_png
 from rollflow.tasks.publish.story import story_markdown
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
 REWARDS_PNG, THROUGHPUT_PNG = "rewards.png", "throughput.png"
@@ -199,10 +200,20 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
 
 def write_report(store: Store, report: dict[str, Any]) -> None:
     """report.json, report.md and rewards.png (throughput.png is written by tuning, when it ran)."""
+    names = ["report.json", "report.md", *([REWARDS_PNG] if report.get("rewards") else [])]
+    owned.add(store, owned.REPORT, [store.url(n) for n in names])
     if report.get("rewards"):
         store.write_bytes(REWARDS_PNG, rewards_png(report["rewards"]))
     store.write_bytes("report.json", orjson.dumps(report, option=orjson.OPT_INDENT_2))
     store.write_bytes("report.md", render_markdown(report).encode())
+
+
+def write_throughput_png(store: Store, tuning: dict[str, Any]) -> bytes:
+    """throughput.png in the output, recorded as the report's; returns the plot."""
+    png = throughput_png(tuning)
+    owned.add(store, owned.REPORT, [store.url(THROUGHPUT_PNG)])
+    store.write_bytes(THROUGHPUT_PNG, png)
+    return png
 
 
 def embedded_images(store: Store, report: dict[str, Any]) -> dict[str, str]:

@@ -13,12 +13,12 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from rollflow.settings.reverify import ReverifySpec
-from rollflow.tasks.collect.paths import location
 from rollflow.tasks.collect.plan import config_hash
 from rollflow.tasks.collect.rows import InputError, stop_before_writing
 from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
+from rollflow.tasks.storage.owned import location
 from rollflow.tasks.storage.store import Store
 
 
@@ -102,5 +102,5 @@ def plan_reverify(
         dataset_url=spec.dataset_url(),
     )
     stop_before_writing(stopped, spec.source)
-    identity = ledger.open_run(identity, restart=spec.restart)
+    identity = ledger.open_run(identity, restart=spec.restart, options=output_options, keep=spec.source)
     return ReverifyPlan(source, identity, ledger.committed())

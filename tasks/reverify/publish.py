@@ -9,7 +9,7 @@ from typing import Any
 from rollflow.tasks.publish.concat import concatenate, concatenate_chunk_files, concatenate_tasks
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChunk
-from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage import owned, rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 FAILURES_NAME = "failures.jsonl"
@@ -27,6 +27,7 @@ def write_failures(
                 kinds[rowjson.failure_kind(line)] += 1
 
     failed = [c.index for c in chunks if (m := manifests.get(c.index)) is not None and m.failed]
+    owned.add(ledger.store, owned.FAILURES, [ledger.store.url(FAILURES_NAME)])
     with ledger.store.open_write(FAILURES_NAME) as out:
         concatenate_chunk_files(ledger.store, failed, ledger.failures_path, out, count)
     return kinds

@@ -13,6 +13,7 @@ from rollflow.tasks.publish.rewards import rewards_markdown
 from rollflow.tasks.publish.story import verifier_story
 from rollflow.tasks.reverify.compare import FAILED, Comparison
 from rollflow.tasks.reverify.plan import rollflow_version
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
 SIDES = ("correct", "incorrect", FAILED)
@@ -164,5 +165,6 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(store: Store, report: dict[str, Any]) -> None:
+    owned.add(store, owned.REPORT, [store.url("report.json"), store.url("report.md")])
     store.write_bytes("report.json", orjson.dumps(report, option=orjson.OPT_INDENT_2))
     store.write_bytes("report.md", render_markdown(report).encode())

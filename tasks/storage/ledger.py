@@ -11,12 +11,13 @@ from typing import IO, Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
 RUN = "run.json"
 CHUNKS, FAILURES = "chunks", "failures"
 BAD_ROWS = "bad_rows.jsonl"
-RUN_OUTPUTS = ("rollouts.jsonl", "report.json", "report.md", "throughput.png", BAD_ROWS)
+RUN_OUTPUTS = (BAD_ROWS,)  # what the run writes beside its state; what it publishes is in owned.py
 RUN_DIRS = (CHUNKS, FAILURES, "audit", "parts")
 
 
@@ -130,8 +131,16 @@ class Ledger:
             return None
         return RunIdentity.model_validate_json(self.store.read_bytes(RUN))
 
-    def open_run(self, identity: RunIdentity, restart: bool) -> RunIdentity:
-        """Bind the output to this run: new, resumed, refused (IdentityMismatch) or restarted."""
+    def open_run(
+        self,
+        identity: RunIdentity,
+        restart: bool,
+        options: dict[str, Any] | None = None,
+        keep: str | None = None,
+    ) -> RunIdentity:
+        """Bind the output to this run: new, resumed, refused (IdentityMismatch) or restarted. A run it
+        replaces leaves nothing: its run state here, and all it published (`options` reach the dataset's
+        store; `keep`, the input, is never removed)."""
         stored = self.stored_identity()
         if stored is not None:
             changes = identity_changes(stored, identity)
@@ -158,6 +167,8 @@ class Ledger:
         self._run_id = identity.run_id
         if stored is not None or restart:
             self.discard_run(keep_identity=True)
+            dataset = (stored.dataset_url or identity.dataset_url) if stored is not None else None
+            owned.discard(self.store, options or {}, dataset, keep=keep)
         return identity
 
     def discard_run(self, keep_identity: bool = False) -> None:
