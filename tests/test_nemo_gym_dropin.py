@@ -396,3 +396,101 @@ def test_a_failed_model_call_lands_in_the_failures_sidecar(
     assert failure["_ng_task_index"] == 0
     assert failure["_ng_environment_server"] == "agent_a_environment_server"
     assert "stub A refuses" in failure["_ng_failure_response_body"]
+
+
+def test_collect_with_long_flags_alone_asks_nemo_gyms_head_server(run_cli, tmp_path: Path) -> None:
+    """`collect --input x --output y.jsonl` (gym eval run's long flags) went to a responses server at
+    127.0.0.1:8000, where a NeMo Gym user's vLLM often listens; it is an agent run through the head server."""
+    inp = write(tmp_path / "in.jsonl", [row("q", "a")])
+    res = run_cli("collect", "--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--no-progress")
+    assert res.returncode == 2, res.stderr
+    assert "head server at http://127.0.0.1:11000" in res.stderr and ":8000" not in res.stderr, res.stderr
+
+
+def test_short_output_names_the_dataset_file_whatever_its_suffix(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    """`-o out.json` made a folder `out.json/`; NeMo Gym writes that file."""
+    inp = write(tmp_path / "in.jsonl", [row(f"j{i}", f"answer from A: j{i}") for i in range(2)])
+    out = tmp_path / "out.json"
+    res = run_cli(
+        "collect", "-a", "agent_a", "-i", str(inp), "-o", str(out),
+        "--head-server", nemo_gym_stack.head_url, "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert out.is_file() and [stub_of(r) for r in read_jsonl(out)] == ["A", "A"]
+
+
+def test_files_of_others_at_the_published_paths_are_never_overwritten(
+    run_cli, fast_sim, tmp_path: Path
+) -> None:
+    """An input at `<stem>_failures.jsonl` (re-collecting failures) was emptied, and NeMo Gym's own output at
+    the dataset path was overwritten with no word (resume_from_cache adopts nothing of another tool)."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    failures = write(folder / "out_failures.jsonl", [row("q", "a")])
+    before = failures.read_bytes()
+    res = run_cli(
+        "collect", "--backend-url", fast_sim.url, f"+input_jsonl_fpath={failures}",
+        f"+output_jsonl_fpath={folder / 'out.jsonl'}", "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "failures sidecar" in res.stderr, res.stderr
+    assert failures.read_bytes() == before
+    theirs = folder / "ng.jsonl"
+    theirs.write_bytes(b'{"written": "by ng_collect_rollouts"}\n')
+    inp = write(tmp_path / "in.jsonl", [row("q", "a")])
+    res = run_cli(
+        "collect", "--backend-url", fast_sim.url, f"+input_jsonl_fpath={inp}",
+        f"+output_jsonl_fpath={theirs}", "+resume_from_cache=true", "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "was not written by this output" in res.stderr, res.stderr
+    assert theirs.read_bytes() == b'{"written": "by ng_collect_rollouts"}\n'
+
+
+def test_a_flag_carrying_a_key_is_refused_without_echoing_it(run_cli, tmp_path: Path) -> None:
+    """`--model-api-key=sk-...` was echoed in 'Unrecognised argument'; gym eval run's flags that configure
+    the servers NeMo Gym would start are refused by name, and no unknown argument's value is shown."""
+    inp = write(tmp_path / "in.jsonl", [row("q", "a")])
+    base = ["collect", "-i", str(inp), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
+    for extra in (
+        ["--model-api-key=sk-SECRET-1"],
+        ["--model-api-key", "sk-SECRET-1"],
+        ["--api-tokn=sk-SECRET-1"],
+    ):
+        res = run_cli(*base, *extra)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "SECRET" not in res.stderr and extra[0].partition("=")[0] in res.stderr, res.stderr
+
+
+def test_a_head_server_naming_a_port_that_is_none_is_one_error(run_cli, tmp_path: Path) -> None:
+    """A head-server config whose agent port was not a number ended in pydantic's traceback."""
+    import http.server
+    import threading
+
+    config = {
+        "agent_a": {"responses_api_agents": {"simple_agent": {"host": "127.0.0.1", "port": "eighty"}}},
+    }
+    body = json.dumps(json.dumps(config)).encode()  # the head server answers the YAML text as a JSON string
+
+    class Head(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    head = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Head)
+    threading.Thread(target=head.serve_forever, daemon=True).start()
+    try:
+        inp = write(tmp_path / "in.jsonl", [row("q", "a")])
+        res = run_cli(
+            "collect", "-a", "agent_a", "-i", str(inp), "-o", str(tmp_path / "o.jsonl"),
+            "--head-server", f"http://127.0.0.1:{head.server_address[1]}", "--no-progress",
+        )  # fmt: skip
+    finally:
+        head.shutdown()
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "'agent_a'" in res.stderr and "'eighty'" in res.stderr, res.stderr

@@ -6,6 +6,7 @@ Each command imports its module when it runs, so `rollflow simulate` starts with
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import sys
 import time
@@ -100,9 +101,12 @@ def _apply_nemo_gym(extra: list[str], groups: dict[str, dict[str, Any]], args: a
     top = groups[""]
     if short["input"]:
         top["input"] = short["input"]
-    if short["output"]:  # -o x.jsonl: the dataset file; -o folder: the output folder
-        top["output"] = short["output"]
-        _dataset_file_output(groups, {"": {"output": short["output"]}})
+    if short["output"]:  # -o names the dataset file, as NeMo Gym writes it; -o dir/ names the output folder
+        out = short["output"]
+        if out.endswith("/") or os.path.isdir(out):
+            top["output"] = out
+        elif not top.get("dataset"):
+            top["dataset"], top["output"] = out, out + ".rollflow"
     dataset = top.get("dataset")
     if found.get("output_jsonl_fpath") and dataset and not args.output:
         top["output"] = dataset + ".rollflow"
@@ -166,7 +170,11 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
-    defaults = {"collection": {"parallelism": "auto"}} if flow_name == "run" else None
+    # `collect` is ng_collect_rollouts' and gym eval run's command: its rows go to NeMo Gym agents
+    # (through the head server unless a URL is given), whichever of their flags is used.
+    defaults = (
+        {"collection": {"parallelism": "auto"}} if flow_name == "run" else {"backend": {"kind": "agent"}}
+    )
     spec = build_spec(args, extra, defaults)
     check_engine(spec)
     quiet_prefect(args.verbose)
@@ -243,7 +251,9 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
             _add_run_flags(stage, tuning=True)
     collect = sub.add_parser(
         "collect",
-        help="collect at a fixed parallelism (accepts ng_collect_rollouts' +key=value arguments)",
+        help="NeMo Gym's collection at a fixed parallelism: rows go to agents (--backend-kind agent), found "
+        "through the head server unless --backend-url is given; takes ng_collect_rollouts' +key=value "
+        "arguments and gym eval run's flags",
     )
     if wanted("collect"):
         _add_run_flags(collect)

@@ -232,6 +232,21 @@ EVAL_FLAGS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
     ),
 )
 
+# gym eval run's flags that configure what NeMo Gym starts: rollflow starts nothing, so each is refused by
+# name with the reason (its value, which may be a key, is never echoed).
+_STARTS_NOTHING = "rollflow starts no servers; configure the model in the NeMo Gym servers it talks to"
+REFUSED_EVAL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--model-url",), _STARTS_NOTHING),
+    (("--model-api-key",), _STARTS_NOTHING),
+    (("--split",), "rollflow collects the rows of the input file; give the split's file with -i"),
+    (("--prompt-config",), "build responses_create_params.input first (ng_materialize_prompts)"),
+    (("--health-check-workers",), "rollflow does not run NeMo Gym's health checks; run them on the dataset"),
+)
+
+
+def _refused_dest(names: tuple[str, ...]) -> str:
+    return "ng_refused_" + names[-1].lstrip("-").replace("-", "_")
+
 
 def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
@@ -244,6 +259,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             *names, dest=f"ng_{names[-1].lstrip('-').replace('-', '_')}", default=None, **kwargs
         )
+    for names, why in REFUSED_EVAL_FLAGS:
+        group.add_argument(*names, dest=_refused_dest(names), default=None, help=f"refused: {why}")
 
 
 def hydra_value(text: str) -> Any:
@@ -254,9 +271,26 @@ def hydra_value(text: str) -> Any:
         raise UsageError(f"The value {text!r} cannot be read: {exc}. Quote it or fix its braces.") from None
 
 
+def _unrecognised(token: str) -> str:
+    """Names the argument, never its value: a misspelt key flag may carry a secret."""
+    name, sep, _ = token.partition("=")
+    if token.startswith(("-", "+")):
+        shown = f"{name!r}" + (" (its value not shown)" if sep else "")
+    else:
+        shown = "a value that follows no known flag (not shown)"
+    return f"Unrecognised argument {shown}. See `rollflow collect --help`."
+
+
 def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """The Hydra overrides (`+k=v`, `++k=v`, `k=v`) and gym eval run flags as {dotted key: value}."""
     found: dict[str, Any] = {}
+    refused = [
+        f"{names[-1]}: {why}"
+        for names, why in REFUSED_EVAL_FLAGS
+        if getattr(args, _refused_dest(names), None)
+    ]
+    if refused:
+        raise UsageError("Not supported: " + "; ".join(refused) + ". Leave them out.")
     for names, key, _ in EVAL_FLAGS:
         value = getattr(args, f"ng_{names[-1].lstrip('-').replace('-', '_')}", None)
         if key and value not in (None, False):
@@ -264,7 +298,7 @@ def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
     for token in tokens:
         key, sep, text = token.lstrip("+").partition("=")
         if not sep or not key or (token.startswith("-") and not token.startswith("+")):
-            raise UsageError(f"Unrecognised argument {token!r}. See `rollflow collect --help`.")
+            raise UsageError(_unrecognised(token))
         found[key] = hydra_value(text)
     return found
 

@@ -32,10 +32,23 @@ class AgentRoute:
     server_type: str
 
 
-def _address(block: Any) -> str | None:
-    if isinstance(block, dict) and block.get("host") is not None and block.get("port") is not None:
-        return f"http://{block['host']}:{block['port']}"
-    return None
+def _address(block: Any, name: str) -> str | None:
+    """A server's base URL from its host and port; a port that is not one is refused, naming the server."""
+    if not (isinstance(block, dict) and block.get("host") is not None and block.get("port") is not None):
+        return None
+    host, port = str(block["host"]).strip(), str(block["port"]).strip()
+    if (
+        not host
+        or any(c.isspace() or c in "/@?#" for c in host)
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+    ):
+        raise HeadServerError(
+            f"The head server's config gives the server {name!r} host {block['host']!r} and port "
+            f"{block['port']!r}, which is not an address (a host name and a port from 1 to 65535). Fix that "
+            f"server's config and start it again. No request was sent."
+        )
+    return f"http://{host}:{int(port)}"
 
 
 def _instances(config: dict[str, Any], kind: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -66,7 +79,7 @@ def agent_routes(config: dict[str, Any]) -> dict[str, AgentRoute]:
     environment servers is left out (NeMo Gym refuses to choose between them too)."""
     fronts: dict[str, list[AgentRoute]] = {}
     for name, (impl, server) in _instances(config, ENVIRONMENTS_KEY).items():
-        url = _address(server)
+        url = _address(server, name)
         for agent in _fronted(server) if url else []:
             fronts.setdefault(agent, []).append(AgentRoute(url, name, impl))  # type: ignore[arg-type]
     routes: dict[str, AgentRoute] = {}
@@ -75,7 +88,7 @@ def agent_routes(config: dict[str, Any]) -> dict[str, AgentRoute]:
             if len(fronts[name]) == 1:
                 routes[name] = fronts[name][0]
             continue
-        url = _address(server)
+        url = _address(server, name)
         if url:
             routes[name] = AgentRoute(url, name, impl)
     return routes
@@ -97,7 +110,7 @@ def environment_servers(config: dict[str, Any]) -> dict[str, str]:
     """Environment server name -> its base URL (where `/aggregate_metrics` is asked)."""
     found = {}
     for name, (_impl, server) in _instances(config, ENVIRONMENTS_KEY).items():
-        url = _address(server)
+        url = _address(server, name)
         if url:
             found[name] = url
     return found

@@ -9,7 +9,8 @@ import posixpath
 from typing import Any
 
 from rollflow.tasks.collect.rows import InputError
-from rollflow.tasks.storage.owned import CARDS, TASKS, is_owned, location
+from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.storage.owned import CARDS, DATASET, TASKS, is_owned, location, same_object
 from rollflow.tasks.storage.store import Store
 
 TASKS_SUFFIX = ".tasks.jsonl"  # per-task reward lines, published beside the dataset
@@ -26,6 +27,21 @@ def _beside(dataset_url: str, suffix: str) -> str:
 def tasks_url(dataset_url: str) -> str:
     """`results/math.jsonl` -> `results/math.tasks.jsonl`: two datasets in one folder keep their own."""
     return _beside(dataset_url, TASKS_SUFFIX)
+
+
+def sidecar_url(dataset_url: str) -> str:
+    """`out/rollouts.jsonl` -> `out/rollouts_failures.jsonl` (NeMo Gym's failures_path_for)."""
+    return _stem(dataset_url) + "_failures.jsonl"
+
+
+def metrics_url(dataset_url: str) -> str:
+    """`out/rollouts.jsonl` -> `out/rollouts_aggregate_metrics.json` (as NeMo Gym names it)."""
+    return _stem(dataset_url) + "_aggregate_metrics.json"
+
+
+def _stem(url: str) -> str:
+    root, ext = posixpath.splitext(url)
+    return root if ext else url
 
 
 def card_url(published_url: str, output_url: str) -> str:
@@ -73,10 +89,37 @@ def check_paths(
             f"The dataset path {dataset_url} is a directory; it must name a file (e.g. "
             f"{dataset_url.rstrip('/')}/rollouts.jsonl). No request was sent."
         )
+    _check_dataset_owned(dataset_url, output_url, dataset_options, store, ds_fs.exists(dataset))
+    for name, published in (("failures sidecar", sidecar_url), ("aggregate metrics", metrics_url)):
+        if location(published(dataset_url), dataset_options)[:2] == (where, inp):
+            raise InputError(
+                f"The input {input_url} is where the run publishes NeMo Gym's {name} beside the dataset "
+                f"{dataset_url}; publishing would overwrite it. Copy the input elsewhere first (to collect "
+                f"the failures again, copy them out), or choose another dataset path. No request was sent."
+            )
     beside = tasks_url(dataset_url)
     _check_beside(input_url, beside, TASKS, (where, inp), dataset_options, store, dataset_url)
     if card is not None and not owns_card_folder(card):  # the output's own README.md is rewritten freely
         _check_beside(input_url, card, CARDS, (where, inp), dataset_options, store, dataset_url)
+
+
+def _check_dataset_owned(
+    dataset_url: str, output_url: str, options: dict[str, Any], store: Store, exists: bool
+) -> None:
+    """A dataset file outside the output is replaced only when this output wrote it (NeMo Gym's own
+    output, or a user's file, is never overwritten)."""
+    parent = posixpath.split(dataset_url.rstrip("/"))[0] or "."
+    inside = posixpath.normpath(parent) == posixpath.normpath(output_url.rstrip("/") or "/")
+    if not exists or inside or is_owned(dataset_url, DATASET, store, options):
+        return
+    stored = Ledger(store).stored_identity()
+    if stored is not None and stored.dataset_url and same_object(stored.dataset_url, dataset_url, options):
+        return  # published before the output kept its record of what it owns
+    raise InputError(
+        f"The dataset path {dataset_url} exists and was not written by this output ({store.root_url}); "
+        f"rollflow never replaces a file it did not write (it resumes from its own output, not from a file "
+        f"another tool wrote there). Move that file, or choose another dataset path. No request was sent."
+    )
 
 
 _WHAT = {"tasks": ("per-task file", "per-task reward lines"), "cards": ("dataset card", "dataset card")}

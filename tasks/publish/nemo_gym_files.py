@@ -6,7 +6,6 @@ NeMo Gym's row format) and `<stem>_aggregate_metrics.json` (each environment ser
 from __future__ import annotations
 
 import asyncio
-import posixpath
 import tempfile
 from collections.abc import AsyncIterator, Iterable
 from http import HTTPStatus
@@ -16,6 +15,7 @@ import aiohttp
 import orjson
 
 from rollflow.settings import BackendParams
+from rollflow.tasks.collect.paths import metrics_url, sidecar_url
 from rollflow.tasks.collect.routing import row_agent
 from rollflow.tasks.publish.concat import split_url
 from rollflow.tasks.storage import owned, rowjson
@@ -32,21 +32,6 @@ HEAVY = (
     "ng_trajectory",
 )
 MAX_BODY_CHARS = 2000
-
-
-def sidecar_url(dataset_url: str) -> str:
-    """`out/rollouts.jsonl` -> `out/rollouts_failures.jsonl` (NeMo Gym's failures_path_for)."""
-    return _stem(dataset_url) + "_failures.jsonl"
-
-
-def metrics_url(dataset_url: str) -> str:
-    """`out/rollouts.jsonl` -> `out/rollouts_aggregate_metrics.json` (as NeMo Gym names it)."""
-    return _stem(dataset_url) + "_aggregate_metrics.json"
-
-
-def _stem(url: str) -> str:
-    root, ext = posixpath.splitext(url)
-    return root if ext else url
 
 
 def failure_class(error: dict[str, Any]) -> str:
