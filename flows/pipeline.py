@@ -318,6 +318,7 @@ async def report_step(
         extra={
             **collected.extra,
             "chunk_errors": result.errors[:20],
+            "warnings": plan.scan.warnings,
             "stopped_at_deadline": result.stopped,
             "ignored_parts": ignored[:20],
             "parts_not_deleted": [o.parts_left for o in result.outcomes if o.parts_left][:20],
@@ -357,6 +358,8 @@ def _log_outcome(report: dict[str, Any], published: bool) -> None:
         + (f" at {rate:,.1f} rollouts/s" if isinstance(rate, int | float) and rate > 0 else "")
         + f"{where}; report {str(report.get('output', '')).rstrip('/')}/report.md"
     )
+    for said in report.get("warnings") or []:
+        run_log(said, logging.WARNING)
     for key in ("tuning_skipped", "tuning_stopped", "publish_error"):
         if report.get(key):
             run_log(f"{key.replace('_', ' ')}: {report[key]}", logging.WARNING)

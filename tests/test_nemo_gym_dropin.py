@@ -271,7 +271,7 @@ def test_routing_that_would_mislabel_rows_is_refused(run_cli, nemo_gym_stack: St
         "collect", "+num_repeats={agent_a: 2}", f"+input_jsonl_fpath={inp}",
         f"+output_jsonl_fpath={tmp_path / 'rep.jsonl'}", *head_args(nemo_gym_stack), "--no-progress",
     )  # fmt: skip
-    assert res.returncode == 2 and "no entry for its agent 'agent_b'" in res.stderr, res.stderr
+    assert res.returncode == 2 and "no entry for its routing keys agent_b" in res.stderr, res.stderr
     assert not (tmp_path / "one.jsonl").exists() and not (tmp_path / "rep.jsonl").exists()
 
 
@@ -494,3 +494,29 @@ def test_a_head_server_naming_a_port_that_is_none_is_one_error(run_cli, tmp_path
         head.shutdown()
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "'agent_a'" in res.stderr and "'eighty'" in res.stderr, res.stderr
+
+
+def test_per_agent_num_repeats_match_either_side_of_a_re_route_as_nemo_gym_does(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    """`agent_map={agent_a: agent_b} num_repeats={agent_a: 2}` was refused (NeMo Gym matches the row's own
+    agent too); `+agent_name=agent_a num_repeats={agent_b: 3}` on rows naming no agent collected 3 each where
+    NeMo Gym refuses; the override of agent_refs in the data and a misspelt key went without a warning."""
+    inp = write(tmp_path / "in.jsonl", [row(f"m{i}", f"answer from B: m{i}", "agent_a") for i in range(2)])
+    out = tmp_path / "mapped.jsonl"
+    res = run_cli(
+        "collect", "+agent_map={agent_a: agent_b}", "+num_repeats={agent_a: 2, agnet_c: 2}",
+        f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}", *head_args(nemo_gym_stack),
+        "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = read_jsonl(out)
+    assert len(rows) == 4 and {stub_of(r) for r in rows} == {"B"}
+    assert "agent_a -> agent_b" in res.stderr and "agnet_c" in res.stderr, res.stderr
+    bare = write(tmp_path / "bare.jsonl", [row("n", "answer from A: n")])
+    res = run_cli(
+        "collect", "+agent_name=agent_a", "+num_repeats={agent_b: 3}", f"+input_jsonl_fpath={bare}",
+        f"+output_jsonl_fpath={tmp_path / 'bare_out.jsonl'}", *head_args(nemo_gym_stack), "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 2 and "no entry for its routing keys agent_a" in res.stderr, res.stderr
+    assert not (tmp_path / "bare_out.jsonl").exists()

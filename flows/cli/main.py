@@ -6,8 +6,8 @@ Each command imports its module when it runs, so `rollflow simulate` starts with
 from __future__ import annotations
 
 import argparse
-import os
 import asyncio
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any

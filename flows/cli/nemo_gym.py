@@ -62,8 +62,7 @@ def _num_repeats(value: Any, groups: dict[str, dict[str, Any]]) -> None:
         collection["num_repeats"] = value
         return
     agent = collection.get("agent_name")
-    entry = value.get(agent, value.get("_default")) if agent else None
-    counts = {entry} if entry is not None else set(value.values())
+    counts = {value[agent]} if agent in value else set(value.values())
     if len(counts) != 1:
         raise UsageError(
             f"+num_repeats={value}: rollflow collects one number of rollouts per row in a run, and this "
@@ -71,8 +70,7 @@ def _num_repeats(value: Any, groups: dict[str, dict[str, Any]]) -> None:
             "with its own +output_jsonl_fpath)."
         )
     collection["num_repeats"] = counts.pop()
-    if not agent:
-        collection["num_repeats_by_agent"] = {str(k): v for k, v in value.items()}
+    collection["num_repeats_by_agent"] = {str(k): v for k, v in value.items()}  # each row checked by it
 
 
 def _sidecar(value: Any, groups: dict[str, dict[str, Any]]) -> None:

@@ -152,6 +152,8 @@ def _print_report(console: Console, report: dict[str, Any], note: str | None, pr
     """The note on the report's own file (if any), the tuning, the summary, rewards, endpoints, the JSON."""
     if note:
         console.print(f"[yellow]rollflow:[/] {note}", highlight=False, soft_wrap=True)
+    for said in report.get("warnings") or []:  # NeMo Gym's warnings of routing, as its collector prints
+        console.print(f"[yellow]rollflow: warning:[/] {said}", highlight=False, soft_wrap=True)
     if report.get("diagnosis"):
         print_tuning(console, report, report["output"])
     console.print(summary_table(report))

@@ -72,6 +72,7 @@ def agent_check(spec: RunSpec) -> AgentCheck | None:
         frozenset(backend.agents) if backend.agents else None,
         backend.sources,
         col.num_repeats_by_agent,
+        col.num_repeats if col.num_repeats_by_agent else None,
     )
 
 

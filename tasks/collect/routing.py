@@ -17,7 +17,7 @@ from rollflow.tasks.backends.head_server import HeadServerError, discover, head_
 
 DEFAULT_KEY = "_default"
 # How each of the scan's routing problems begins, so the error says "cannot be routed", not "bad JSON".
-AGENT_PROBLEMS = ("agent ", "its agent", "its task_source", "it names no agent", "+num_repeats has no entry")
+AGENT_PROBLEMS = ("agent ", "its agent", "its task_source", "it names no agent", "+num_repeats ")
 
 
 def agent_map_of(agent_name: str | None, agent_map: Mapping[str, str]) -> dict[str, str]:
@@ -74,6 +74,8 @@ class AgentCheck:
     known: frozenset[str] | None
     sources: Mapping[str, str] = field(default_factory=dict)
     repeats: Mapping[str, int] = field(default_factory=dict)  # NeMo Gym's per-agent num_repeats, if given
+    run_repeats: int | None = None  # the one count the run collects per row (with `repeats`)
+    repeat_keys_seen: set[str] = field(default_factory=set)
     # (from, to): agent_refs already in the data that the map replaced (NeMo Gym warns of them)
     overridden: set[tuple[str, str]] = field(default_factory=set)
     used: dict[str, int] = field(default_factory=dict)  # the agents the rows go to, and their rows
@@ -101,13 +103,43 @@ class AgentCheck:
                 "was given: each agent needs its own server. Leave out --backend-url to find each agent "
                 "through NeMo Gym's head server (or +head_server.host/port)"
             )
-        if self.repeats and name not in self.repeats and DEFAULT_KEY not in self.repeats:
-            return (
-                f"+num_repeats has no entry for its agent {name!r} and no '_default' "
-                f"(entries: {', '.join(sorted(self.repeats))})"
-            )
+        if self.repeats:
+            basis = before if before is not None else row.get("task_source")
+            problem = self._repeats_problem(name, basis if isinstance(basis, str) else None)
+            if problem:
+                return problem
         self.used[name] = self.used.get(name, 0) + 1
         return None
+
+    def _repeats_problem(self, target: str, basis: str | None) -> str | None:
+        """NeMo Gym's rule: a key matches the agent the row goes to, else its agent_ref or task_source as
+        written, else '_default'; rollflow collects one count per run, so another count is refused."""
+        keys = list(dict.fromkeys(k for k in (target, basis) if k is not None))
+        self.repeat_keys_seen.update(keys)
+        matched = next((k for k in keys if k in self.repeats and k != DEFAULT_KEY), None)
+        count = self.repeats[matched] if matched is not None else self.repeats.get(DEFAULT_KEY)
+        if count is None:
+            return (
+                f"+num_repeats has no entry for its routing keys {' / '.join(keys)} and no '_default' "
+                f"(entries: {', '.join(sorted(self.repeats))})"
+            )
+        if self.run_repeats is not None and count != self.run_repeats:
+            return (
+                f"+num_repeats gives it {count} rollouts ({matched or DEFAULT_KEY}), other rows "
+                f"{self.run_repeats}; rollflow collects one count per run: collect each agent as its own run"
+            )
+        return None
+
+    def warnings(self) -> list[str]:
+        """What NeMo Gym warns of: agent_refs in the data that routing replaced, unknown num_repeats keys."""
+        said = []
+        if self.overridden:
+            pairs = ", ".join(f"{a} -> {b}" for a, b in sorted(self.overridden))
+            said.append(f"agent_map (or +agent_name) overrode agent_ref values already in the data: {pairs}")
+        unseen = sorted(set(self.repeats) - self.repeat_keys_seen - {DEFAULT_KEY})
+        if unseen:
+            said.append(f"+num_repeats names agents no row routes by (a typo?): {', '.join(unseen)}")
+        return said
 
 
 async def with_agents(spec: RunSpec) -> RunSpec:

@@ -54,6 +54,7 @@ class InputScan:
     tasks: int
     chunks: list[ChunkSpec]
     agents: dict[str, int] = field(default_factory=dict)  # agent -> its rows, when rows are routed by agent
+    warnings: list[str] = field(default_factory=list)  # what routing warns of (NeMo Gym's warnings)
 
 
 def row_problem(
@@ -221,7 +222,8 @@ def scan_input(
             f"per line. No request was sent."
         )
     used = dict(agents.used) if agents is not None else {}
-    return InputScan(url, digest.hexdigest(), good, bad, tasks, cutter.chunks, used)
+    said = agents.warnings() if agents is not None else []
+    return InputScan(url, digest.hexdigest(), good, bad, tasks, cutter.chunks, used, said)
 
 
 def iter_chunk_rows(
