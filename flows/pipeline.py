@@ -171,7 +171,10 @@ async def _collect_verify_publish(
         published, failed = False, exc
         collected.extra["publish_error"] = str(exc)
     if published and nemo_gym_style(spec):
-        collected.extra["nemo_gym_files"] = await nemo_gym_files_task(handles, plan)
+        files = collected.extra["nemo_gym_files"] = await nemo_gym_files_task(handles, plan)
+        plan.scan.warnings.extend(
+            f"aggregate metrics: {p}" for p in files.get("aggregate_metrics_problems", [])
+        )
     clock.mark("publish")
     try:
         report = await report_step(asked, handles, plan, summary, collected, published)
@@ -190,9 +193,13 @@ async def _collect_verify_publish(
 
 
 def nemo_gym_style(spec: RunSpec) -> bool:
-    """An agent run whose servers the head server named, published as JSONL: NeMo Gym's files too."""
-    servers = spec.backend.agents.values()
-    return spec.format == "jsonl" and any(server.server is not None for server in servers)
+    """An agent run published as JSONL whose servers the head server named, or that names its dataset file
+    as NeMo Gym's +output_jsonl_fpath and -o do: NeMo Gym's files beside the dataset too."""
+    if spec.format != "jsonl" or spec.backend.kind.value != "agent":
+        return False
+    return spec.dataset is not None or any(
+        server.server is not None for server in spec.backend.agents.values()
+    )
 
 
 async def choose_step(

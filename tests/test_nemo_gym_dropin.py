@@ -520,3 +520,26 @@ def test_per_agent_num_repeats_match_either_side_of_a_re_route_as_nemo_gym_does(
     )  # fmt: skip
     assert res.returncode == 2 and "no entry for its routing keys agent_a" in res.stderr, res.stderr
     assert not (tmp_path / "bare_out.jsonl").exists()
+
+
+def test_one_agent_server_by_url_still_writes_nemo_gyms_sidecar(
+    run_cli, nemo_gym_stack: Stack, tmp_path: Path
+) -> None:
+    """With --backend-url at an agent server (one server, one agent) no failures sidecar was written, even
+    with +route_failures_to_sidecar=true; the aggregate metrics, which need the head server, are said to be
+    missing and why."""
+    inp = write(
+        tmp_path / "in.jsonl",
+        [row(f"{FAIL_MARKER} url", "x", "agent_a"), row("ok", "answer from A: ok", "agent_a")],
+    )
+    out = tmp_path / "u.jsonl"
+    res = run_cli(
+        "collect", "--backend-url", nemo_gym_stack.environment_server("agent_a").url,
+        f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}", "+route_failures_to_sidecar=true",
+        "--max-retries", "0", "--no-progress",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert len(read_jsonl(out)) == 1
+    sidecar = read_jsonl(tmp_path / "u_failures.jsonl")
+    assert len(sidecar) == 1 and sidecar[0]["agent_ref"] == {"name": "agent_a"}, sidecar
+    assert "aggregate metrics: not written" in res.stderr and "head_server" in res.stderr, res.stderr

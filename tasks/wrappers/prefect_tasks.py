@@ -158,7 +158,12 @@ async def nemo_gym_files_task(handles: RunHandles, plan: RunPlan) -> dict[str, A
     found: dict[str, Any] = {
         "failures": await asyncio.to_thread(write_sidecar, handles.ledger, indexes, url, options)
     }
-    if spec.collection.aggregate_metrics:
+    if spec.collection.aggregate_metrics and not any(s.server for s in spec.backend.agents.values()):
+        found["aggregate_metrics_problems"] = [
+            "not written: the resources servers that compute them are named only by NeMo Gym's head server; "
+            "give +head_server.host/port (or --head-server) instead of --backend-url"
+        ]
+    elif spec.collection.aggregate_metrics:
         found["aggregate_metrics"], problems = await write_aggregate_metrics(
             url, options, spec.backend, handles.store
         )
