@@ -103,6 +103,11 @@ def test_mixed_agents_go_each_to_their_own_server(run_cli, nemo_gym_stack: Stack
     report = json.loads((Path(f"{out}.rollflow") / "report.json").read_text())
     served = {tuple(e["agents"]): e["rollouts"] for e in report["endpoints"]}
     assert served == {("agent_a",): 10, ("agent_b",): 10}
+    each = {"rollouts": 10, "failed": 0, "reward_mean": 1.0}
+    assert report["agents"] == {"agent_a": each, "agent_b": each}, report["agents"]
+    card = (tmp_path / "out.README.md").read_text()
+    assert "## Agents" in card and "| agent_b | 10 | 0 | 1.0000 |" in card, card
+    assert "agents" in res.stderr and "reward mean" in res.stderr, res.stderr
     metrics = json.loads((tmp_path / "out_aggregate_metrics.json").read_text())
     assert sorted(m["_ng_environment_server"] for m in metrics) == [
         "agent_a_environment_server",
@@ -211,6 +216,8 @@ def test_a_failed_rollout_lands_in_nemo_gyms_sidecar(run_cli, nemo_gym_stack: St
     assert failure["_ng_environment_server"] == "agent_a_environment_server"
     assert failure["agent_ref"] == {"name": "agent_a"} and failure["_rf"]["attempts"] == 1
     assert "reward" not in failure and "response" not in failure
+    report = json.loads((Path(f"{out}.rollflow") / "report.json").read_text())
+    assert report["agents"] == {"agent_a": {"rollouts": 1, "failed": 1, "reward_mean": 1.0}}, report["agents"]
 
 
 def test_a_bad_prompt_uses_its_own_retries_and_no_more(

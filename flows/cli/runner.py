@@ -29,7 +29,7 @@ from rollflow.flows.parameters import COMMAND_STARTED
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RollflowSettings, RunSpec, redact
 from rollflow.tasks.publish.amend import amend_report
-from rollflow.tasks.publish.endpoints import endpoint_cells
+from rollflow.tasks.publish.endpoints import AGENT_COLUMNS, agent_cells, endpoint_cells
 from rollflow.tasks.publish.rewards import summary_line
 from rollflow.tasks.publish.story import story_line
 from rollflow.tasks.storage.store import Store
@@ -62,6 +62,15 @@ def summary_table(report: dict[str, Any]) -> Table:
     ]
     for key, value in rows:
         table.add_row(key, value)
+    return table
+
+
+def agents_table(agents: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="agents", show_header=True)
+    for i, column in enumerate(AGENT_COLUMNS):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for name, row in agents.items():
+        table.add_row(*agent_cells(name, row))
     return table
 
 
@@ -161,6 +170,8 @@ def _print_report(console: Console, report: dict[str, Any], note: str | None, pr
         console.print(summary_line(report["rewards"]), highlight=False, soft_wrap=True)
     if report.get("story"):
         console.print(story_line(report["story"]), highlight=False, soft_wrap=True)
+    if report.get("agents"):
+        console.print(agents_table(report["agents"]))
     endpoints = endpoints_table(report)
     if endpoints is not None:
         console.print(endpoints)

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from rollflow.tasks.collect.routing import row_agent
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.rewards import RewardStats, TaskGrouper
 from rollflow.tasks.publish.story import RowStory
@@ -39,13 +40,34 @@ class ChunkAudit:
     problems: list[str] = field(default_factory=list)
     rewards: dict[str, Any] = field(default_factory=dict)  # RewardStats.state() of its rewarded rows
     story: dict[str, Any] = field(default_factory=dict)  # RowStory.state(): tokens, finish reasons, params
+    agents: dict[str, dict[str, float]] = field(default_factory=dict)  # agent -> AGENT_FIGURES
 
     @property
     def missing(self) -> int:
         return max(0, self.expected - self.unique)
 
 
-AUDIT_FIELDS = {f.name for f in fields(ChunkAudit)}  # a cached audit of an older version may hold more
+AUDIT_FIELDS = {f.name for f in fields(ChunkAudit)}
+AGENT_FIGURES = ("rollouts", "rewarded", "reward_sum", "failed")  # per agent, summed over chunks
+
+
+def _agent_add(agents: dict[str, dict[str, float]], name: str, **figures: float) -> None:
+    into = agents.setdefault(name, dict.fromkeys(AGENT_FIGURES, 0))
+    for key, value in figures.items():
+        into[key] += value
+
+
+def agent_rows(agents: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """report.json's `agents`: each agent's rollouts, failed rollouts and reward mean (NeMo Gym's per-agent
+    view of a dataset that mixes agents)."""
+    return {
+        name: {
+            "rollouts": int(f["rollouts"]),
+            "failed": int(f["failed"]),
+            "reward_mean": round(f["reward_sum"] / f["rewarded"], 6) if f["rewarded"] else None,
+        }
+        for name, f in sorted(agents.items())
+    }  # a cached audit of an older version may hold more
 
 
 def _is_number(value: Any) -> bool:
@@ -75,7 +97,7 @@ def audit_chunk(
         return _lost_data(spec, manifest, num_repeats)
     if store.exists(cache_rel) and store.exists(tasks_path(spec.index)):
         cached = orjson.loads(store.read_bytes(cache_rel))
-        same = cached.get("rewards", {}).get("threshold") == threshold and "story" in cached
+        same = cached.get("rewards", {}).get("threshold") == threshold and "agents" in cached
         if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256 and same:
             return ChunkAudit(**{k: v for k, v in cached.items() if k in AUDIT_FIELDS})
     check = _LineCheck(
@@ -92,6 +114,7 @@ def audit_chunk(
             check.line(lineno, line)
     check.task_done(check.grouper.finish())
     audit = check.audit
+    _count_failures_by_agent(ledger, spec.index, audit.agents)
     audit.rewards = check.stats.state()
     audit.story = check.story.state()
     audit.unique = len(check.seen)
@@ -107,6 +130,19 @@ def audit_chunk(
         store.write_bytes(tasks_path(spec.index), b"".join(check.task_lines))
         store.write_bytes(cache_rel, orjson.dumps({**asdict(audit), "stamp": stamp}))
     return audit
+
+
+def _count_failures_by_agent(ledger: Ledger, chunk: int, agents: dict[str, dict[str, float]]) -> None:
+    """Each failure record's agent (the row it failed for names it), beside the agents' rollouts."""
+    path = ledger.failures_path(chunk)
+    if not ledger.store.exists(path):
+        return
+    for line in ledger.store.read_bytes(path).splitlines():
+        if line.strip():
+            record = rowjson.read_row(line)
+            name = row_agent(record.get("row") if isinstance(record.get("row"), dict) else record)
+            if name is not None:
+                _agent_add(agents, name, failed=1)
 
 
 def _lost_data(spec: ChunkSpec, manifest: ChunkManifest, num_repeats: int) -> ChunkAudit:
@@ -163,6 +199,16 @@ class _LineCheck:
         audit.out_of_order += int(key < self.last)
         self.last = key
         reward = row.get("reward")
+        agent = row_agent(row)
+        if agent is not None:
+            rewarded = _is_number(reward)
+            _agent_add(
+                self.audit.agents,
+                agent,
+                rollouts=1,
+                rewarded=int(rewarded),
+                reward_sum=reward if rewarded else 0,
+            )
         if _is_number(reward):
             self.stats.add_reward(float(reward))
             self.task_done(self.grouper.add(key[0], float(reward)))
@@ -197,6 +243,7 @@ class AuditSummary:
     problems: list[str] = field(default_factory=list)
     rewards: RewardStats | None = None
     story: RowStory = field(default_factory=RowStory)
+    agents: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -233,6 +280,8 @@ class AuditSummary:
         self.out_of_order += audit.out_of_order
         self.missing_reward += audit.missing_reward
         self.output_tokens += audit.output_tokens
+        for name, figures in audit.agents.items():
+            _agent_add(self.agents, name, **figures)
         if audit.story:
             self.story.merge(RowStory.from_state(audit.story))
         if audit.rewards:
@@ -246,6 +295,7 @@ class AuditSummary:
         out = asdict(self)
         out["rewards"] = self.rewards.as_dict() if self.rewards is not None else None
         out["story"] = self.story.as_dict()
+        out["agents"] = agent_rows(self.agents)
         out["ok"] = self.ok
         out["reward_mean"] = self.reward_mean
         return out

@@ -12,6 +12,7 @@ import yaml
 
 from rollflow.tasks.collect.paths import card_url
 from rollflow.tasks.publish.concat import split_url
+from rollflow.tasks.publish.endpoints import agents_markdown
 from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
@@ -178,6 +179,7 @@ def render_card(report: dict[str, Any], data_files: str, features: list[dict[str
         *_story(facts),
         "",
         *_tables(facts),
+        *(["", agents_markdown(report["agents"])] if report.get("agents") else []),
         "",
         "## Loading",
         "",

@@ -22,8 +22,9 @@ def engine_cell(engine: dict[str, Any] | None) -> str:
 def endpoint_cells(row: dict[str, Any]) -> tuple[str, ...]:
     """One row's cells, the same in report.md and the CLI."""
     rate = row.get("rollouts_per_s")
+    agents = row.get("agents") or []
     return (
-        row["url"],
+        row["url"] + (f" ({', '.join(agents)})" if agents else ""),
         f"{row['rollouts']:,}",
         "-" if rate is None else f"{rate:,.1f}",
         f"{row['errors']:,}",
@@ -41,6 +42,22 @@ def endpoints_markdown(rows: list[dict[str, Any]]) -> str:
         "|---|" + "---:|" * (len(ENDPOINT_COLUMNS) - 2) + "---|",
     ]
     lines += ["| " + " | ".join(endpoint_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+AGENT_COLUMNS = ("agent", "rollouts", "failed", "reward mean")
+
+
+def agent_cells(name: str, row: dict[str, Any]) -> tuple[str, ...]:
+    """One agent's cells, the same in report.md, the card and the CLI."""
+    mean = row.get("reward_mean")
+    return (name, f"{row['rollouts']:,}", f"{row['failed']:,}", "-" if mean is None else f"{mean:.4f}")
+
+
+def agents_markdown(agents: dict[str, dict[str, Any]]) -> str:
+    """## Agents: a dataset that mixes agents, told agent by agent (rows, failures, reward)."""
+    lines = ["## Agents", "", "| " + " | ".join(AGENT_COLUMNS) + " |", "|---|---:|---:|---:|"]
+    lines += ["| " + " | ".join(agent_cells(name, row)) + " |" for name, row in agents.items()]
     return "\n".join(lines)
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
-from rollflow.tasks.publish.audit import AuditSummary
-from rollflow.tasks.publish.endpoints import endpoints_markdown
+from rollflow.tasks.publish.audit import AuditSummary, agent_rows
+from rollflow.tasks.publish.endpoints import agents_markdown, endpoints_markdown
 from rollflow.tasks.publish.plot import data_uri, diagnosis_markdown, throughput_png, tuning_markdown
 from rollflow.tasks.publish.rewards import rewards_markdown, rewards_png
 from rollflow.tasks.publish.story import story_markdown
@@ -100,6 +100,7 @@ def build_report(
         "stages": metrics.stages,
         "parallelism": metrics.parallelism,
         "limit_at_end": metrics.limit_at_end,
+        "agents": agent_rows(summary.agents),
         "audit_ok": summary.ok,
         "audit_problems": summary.problems[:50],
         "metrics": asdict(metrics),
@@ -182,6 +183,8 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
         lines += ["", rewards_markdown(report["rewards"], image=images.get(REWARDS_PNG, REWARDS_PNG))]
     if report.get("story"):
         lines += ["", story_markdown(report["story"])]
+    if report.get("agents"):
+        lines += ["", agents_markdown(report["agents"])]
     if report.get("endpoints"):
         lines += ["", endpoints_markdown(report["endpoints"])]
     if report.get("diagnosis"):
