@@ -17,6 +17,8 @@ rollflow collect +agent_name=math_simple_agent +input_jsonl_fpath=data/train.jso
   +output_jsonl_fpath=results/rollouts.jsonl +num_samples_in_parallel=64 +num_repeats=4
 ```
 
+- **Always agents.** `rollflow collect` is an agent run whichever of NeMo Gym's forms is used (`+key=value`,
+  `-i/-o`, `--input/--output`): its rows never go to a model server directly.
 - **The head server.** With no `--backend-url`, rollflow asks NeMo Gym's head server
   (`GET /global_config_dict_yaml`, at 127.0.0.1:11000 unless `+head_server.host/port` or `--head-server`
   say otherwise) where each agent runs, and posts each row to `/run` of the environment server that fronts
@@ -29,7 +31,11 @@ rollflow collect +agent_name=math_simple_agent +input_jsonl_fpath=data/train.jso
   `<stem>_failures.jsonl` in NeMo Gym's row format, and `<stem>_aggregate_metrics.json` from each
   environment server's `/aggregate_metrics`, written when the dataset is published. Rows carry
   `_ng_task_index`, `_ng_rollout_index`, `agent_ref`, `_ng_environment_server` and `_ng_result_type`.
-  rollflow's own files (ledger, report, card) sit in `<file>.rollflow/`.
+  Beside the dataset rollflow adds its card (`<stem>.README.md`) and per-task rewards
+  (`<stem>.tasks.jsonl`); its ledger and report sit in `<file>.rollflow/`. With one agent server given by
+  `--backend-url` the sidecar is written too; the aggregate metrics need the resources servers that only
+  the head server names, and the run says so. The report, the card and the summary give each agent's
+  rollouts, failed rollouts and reward mean.
 - **One server, one agent.** `--backend-url URL` sends every row to that one server: rows naming
   several agents are refused there (line and agents named), so that no row is answered by another
   agent's server. A `--backend-url` at the head server itself is taken as the head server.
@@ -40,7 +46,13 @@ rollflow collect +agent_name=math_simple_agent +input_jsonl_fpath=data/train.jso
   not published (with it, what succeeded is, as in NeMo Gym). Rows keep every field of the input row
   (NeMo Gym keeps only what the agent echoes) and rollflow's `_rf` (attempts; the seed with `--seed`).
   Each input line is its own task: NeMo Gym gives identical lines one task index, rollflow one each
-  (deduplicate the input, or use `num_repeats`).
+  (deduplicate the input, or use `num_repeats`), and an `_ng_task_index` already in an input row is
+  replaced by the line's own (split an input across machines with the Dask or Ray runners, which keep one
+  numbering, rather than by hand). A file rollflow did not write is never replaced: NeMo Gym's own output
+  at the dataset path, or an input at the sidecar's path, is refused before any request, not resumed.
+  `+num_repeats` per agent matches keys as NeMo Gym does (the agent a row goes to, else its own
+  `agent_ref` or `task_source`, else `_default`), but a run collects one count per row: a mix of counts is
+  refused (collect each agent as its own run).
 - **Seeds.** `+num_repeats_add_seed=true` sends each rollout's index as `seed` in
   `metadata.extra_body`, as NeMo Gym does; `--seed N` sends a stable hash of (N, task, rollout) there.
 

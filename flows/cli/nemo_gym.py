@@ -381,10 +381,12 @@ def compatibility_rows() -> list[tuple[str, str]]:
     rows += [
         ("-i / --input", "the input"),
         (
-            "-o / --output x.jsonl",
-            "the dataset file, as NeMo Gym writes it; rollflow's own files go to x.jsonl.rollflow/",
+            "-o / --output FILE",
+            "the dataset file whatever its suffix, as NeMo Gym writes it (`-o DIR/` names an output folder); "
+            "rollflow's own files go to FILE.rollflow/",
         ),
     ]
     rows += [(" / ".join(names), f"+{key}" if key else "accepted") for names, key, _ in EVAL_FLAGS]
+    rows += [(" / ".join(names), f"refused: {why}") for names, why in REFUSED_EVAL_FLAGS]
     rows.append((ATTEMPTS_ENV, "each rollout is tried at most N times (N-1 retries, --max-retries)"))
     return rows
