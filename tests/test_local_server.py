@@ -158,11 +158,45 @@ def test_pid_file_of_a_server_that_never_answers(tmp_path: Path) -> None:
     """A PID file naming a live process that does not answer: no second server, and a clear way out."""
     from rollflow.flows.cli.local_server import LocalServer, LocalServerError
 
-    (tmp_path / "server.pid").write_text(str(os.getpid()))
-    server = LocalServer(tmp_path, free_port())
-    assert server.start() is False
-    with pytest.raises(LocalServerError, match="prefect server stop"):
-        server.wait(timeout_s=0.5)
+    stand_in = _prefect_stand_in()
+    try:
+        (tmp_path / "server.pid").write_text(str(stand_in.pid))
+        server = LocalServer(tmp_path, free_port())
+        assert server.start() is False
+        with pytest.raises(LocalServerError, match="prefect server stop"):
+            server.wait(timeout_s=0.5)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def _prefect_stand_in() -> subprocess.Popen[bytes]:
+    """A live process whose command line says prefect, as a kept server's does (it answers nothing)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "prefect", "server"])
+
+
+def test_a_pid_file_and_port_file_never_adopt_what_is_not_this_homes_server(
+    tmp_path: Path, prefect_server: Service
+) -> None:
+    """A PID reused by another process (after a reboot), or a recorded port now served by another home's
+    server: rollflow sent its runs into that stranger's database and exited 0."""
+    from rollflow.flows.cli.local_server import owned_port
+
+    stranger_port = int(prefect_server.env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])
+    (tmp_path / "rollflow-server.port").write_text(str(stranger_port))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stand_in = _prefect_stand_in()
+    try:
+        (tmp_path / "server.pid").write_text(str(sleeper.pid))
+        assert owned_port(tmp_path, free_port()) is None, "a reused PID is no server of this home"
+        (tmp_path / "server.pid").write_text(str(stand_in.pid))
+        assert owned_port(tmp_path, free_port()) is None, "another home's server on the recorded port"
+        (tmp_path / "rollflow-server.port").write_text(str(free_port()))
+        assert owned_port(tmp_path, 1) is not None, "this home's server, still starting"
+    finally:
+        for proc in (sleeper, stand_in):
+            proc.kill()
+            proc.wait()
 
 
 def test_the_demo_takes_the_kept_server_path_under_load(

@@ -48,7 +48,16 @@ def _pid_alive(pid_file: Path) -> bool:
         os.kill(int(text), 0)
     except (OSError, ValueError):
         return False
-    return True
+    return _runs_prefect(int(text))
+
+
+def _runs_prefect(pid: int) -> bool:
+    """Whether the live process is a Prefect server, not another that took a reused PID (after a reboot)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # no /proc (not Linux): the PID alone, as before
+        return True
+    return b"prefect" in cmdline or b"uvicorn" in cmdline
 
 
 def owned_port(home: Path, default: int) -> int | None:
@@ -60,11 +69,14 @@ def owned_port(home: Path, default: int) -> int | None:
         recorded = int((home / PORT_FILE).read_text().strip())
     except (OSError, ValueError):
         return default
-    if recorded != default and not answers(f"http://127.0.0.1:{recorded}/api"):
+    url = f"http://127.0.0.1:{recorded}/api"
+    if answers(url):  # a server there must be this home's: a recorded port may have been taken since
+        return recorded if serves_home(url, home) else None
+    if recorded != default:
         profile = f"http://127.0.0.1:{default}/api"
         if answers(profile) and serves_home(profile, home):  # started by hand there since
             return default
-    return recorded
+    return recorded  # still starting
 
 
 def serves_home(api_url: str, home: Path, timeout_s: float = 2.0) -> bool:
