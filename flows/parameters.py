@@ -12,12 +12,14 @@ signature; what a parameter means is written once, here, and `described` puts it
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from collections.abc import Callable
 from contextvars import ContextVar
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, tzinfo
 from pathlib import PurePosixPath
 from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
 
 from pydantic import BaseModel
 
@@ -35,6 +37,7 @@ from rollflow.tasks.storage.ledger import IdentityMismatch
 F = TypeVar("F", bound=Callable[..., Any])
 # When the `rollflow` command began (epoch seconds), for the report's wall time: set by the CLI in its own
 # process, never a flow parameter (the run form shows only what a user sets).
+SCHEDULE_TIMEZONE_ENV = "ROLLFLOW_SCHEDULE_TIMEZONE"  # set by `rollflow serve` for the runs it serves
 COMMAND_STARTED: ContextVar[float | None] = ContextVar("rollflow_command_started", default=None)
 
 REQUIRED = ("input", "output")
@@ -111,12 +114,22 @@ def refusal(exc: IdentityMismatch, spec: RunSpec, settings: RollflowSettings) ->
     )
 
 
+def _zone() -> tzinfo:
+    """The timezone `rollflow serve --timezone` set for the runs it serves; UTC elsewhere."""
+    name = os.environ.get(SCHEDULE_TIMEZONE_ENV, "UTC")
+    try:
+        return UTC if name == "UTC" else ZoneInfo(name)
+    except (ValueError, OSError):
+        return UTC
+
+
 def _started() -> datetime:
-    """When the flow run was scheduled to start (its creation time for a run started at once)."""
+    """When the flow run was scheduled to start (its creation time for a run started at once), in the
+    schedule's timezone: a 22:00 run in Los Angeles is dated that day, not tomorrow in UTC."""
     from prefect.runtime import flow_run
 
     when = flow_run.scheduled_start_time
-    return when.astimezone(UTC) if isinstance(when, datetime) else datetime.now(UTC)
+    return (when if isinstance(when, datetime) else datetime.now(UTC)).astimezone(_zone())
 
 
 def runtime_values() -> dict[str, str]:
@@ -126,7 +139,8 @@ def runtime_values() -> dict[str, str]:
     when = _started()
     return {
         "date": when.strftime("%Y-%m-%d"),
-        "datetime": when.strftime("%Y%m%dT%H%M%SZ"),
+        "datetime": when.strftime("%Y%m%dT%H%M%S")
+        + ("Z" if when.utcoffset() == timedelta(0) else when.strftime("%z")),
         "flow_run_name": flow_run.name or "",
         "flow_run_id": str(flow_run.id or ""),
         "deployment": deployment.name or "",

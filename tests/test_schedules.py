@@ -91,6 +91,7 @@ def test_a_served_cron_schedule_keeps_its_timezone(cli_env, prefect_server, fast
     (("--cron", ""), "is not a cron expression"),
     (("--interval-s", "60", "--timezone", "Bad/Zone"), "is not a timezone name"),
     (("--cron", "0 2 * * *", "--interval-s", "60"), "exclude each other"),
+    (("--cron", "0 2 30 2 *"), "names no date in the next 8 years"),  # was served, and never ran
 ])  # fmt: skip
 def test_a_bad_schedule_is_one_usage_error(run_cli, fast_sim, tmp_path, args, needle) -> None:
     inp = write_rows(tmp_path / "rows.jsonl", 2)
@@ -166,3 +167,20 @@ def test_params_hash_names_what_is_collected_only() -> None:
     assert base.expanded({}).output == same.expanded({}).output != other.expanded({}).output
     with pytest.raises(ValueError, match="no format or conversion"):
         RunSpec(input="rows.jsonl", output="runs/{date:x}")
+
+
+def test_date_placeholders_follow_the_schedules_timezone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Los Angeles run at 22:00 on 1 December wrote into `2026-12-02`: {date} was always UTC."""
+    from datetime import UTC, datetime
+
+    from prefect.runtime import flow_run
+
+    from rollflow.flows.parameters import SCHEDULE_TIMEZONE_ENV, runtime_values
+
+    scheduled = datetime(2026, 12, 2, 6, 0, tzinfo=UTC)
+    monkeypatch.setitem(flow_run.FIELDS, "scheduled_start_time", lambda: scheduled)
+    monkeypatch.delenv(SCHEDULE_TIMEZONE_ENV, raising=False)
+    assert runtime_values()["date"] == "2026-12-02" and runtime_values()["datetime"] == "20261202T060000Z"
+    monkeypatch.setenv(SCHEDULE_TIMEZONE_ENV, "America/Los_Angeles")
+    values = runtime_values()
+    assert values["date"] == "2026-12-01" and values["datetime"] == "20261201T220000-0800", values

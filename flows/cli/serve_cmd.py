@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -66,6 +67,22 @@ def _check_cron(expression: str, timezone: str) -> None:
             f"--cron {expression!r} is not a cron expression Prefect takes; give five fields, e.g. "
             '"0 2 * * *" for 02:00 daily.'
         ) from None
+    _check_fires(expression)
+
+
+def _check_fires(expression: str) -> None:
+    """A valid expression may name no date at all (`0 2 30 2 *`, 30 February): served, it never runs."""
+    from datetime import UTC, datetime
+
+    from prefect._vendor.croniter import CroniterBadDateError, croniter
+
+    try:
+        croniter(expression, datetime.now(UTC), max_years_between_matches=8).get_next(datetime)
+    except CroniterBadDateError:
+        raise UsageError(
+            f"--cron {expression!r} names no date in the next 8 years (such as 30 February), so the "
+            "schedule would never run. Check the day of month and the month."
+        ) from None
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -85,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from rollflow.flows.cli.errors import validation_problems
     from rollflow.flows.cli.flags import flag_label
+    from rollflow.flows.parameters import SCHEDULE_TIMEZONE_ENV
     from rollflow.flows.serve import default_parameters, deployments
     from rollflow.settings import redact
 
@@ -97,5 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"The served settings are invalid: {validation_problems(exc, flag_label)}."
         ) from None
     schedule = schedule_of(args, params)
+    # The runs this process serves fill {date} and {datetime} in the schedule's timezone (they inherit it).
+    os.environ[SCHEDULE_TIMEZONE_ENV] = args.timezone
     serve(*deployments(args.name, params, schedule), pause_on_shutdown=False, limit=args.limit)
     return 0
