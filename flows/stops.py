@@ -7,6 +7,8 @@ import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from rollflow.tasks.wrappers.refusals import REFUSALS
+
 T = TypeVar("T")
 
 
@@ -87,20 +89,7 @@ def _runner_controls_this_run() -> bool:
     return getattr(control_listener, "_socket", None) is not None
 
 
-def _refusals() -> tuple[type[BaseException], ...]:
-    from pydantic import ValidationError
-
-    from rollflow.tasks.backends.head_server import HeadServerError
-    from rollflow.tasks.backends.preflight import BackendUnreachable
-    from rollflow.tasks.collect.rows import InputError
-    from rollflow.tasks.storage.lease import LeaseHeld
-    from rollflow.tasks.storage.store import StorageError
-
-    return (ValidationError, InputError, HeadServerError, BackendUnreachable, StorageError, LeaseHeld)
-
-
-# A served run refused for its parameters, its input or its output: one line in its Prefect state.
-SERVED_REFUSALS = _refusals()
+SERVED_REFUSALS = REFUSALS
 
 
 def served_refusal(exc: BaseException) -> Any:

@@ -139,6 +139,9 @@ def test_a_served_usage_error_ends_failed_in_one_line(cli_env, prefect_server, f
             message = run["state"]["message"] or ""
             assert run["state"]["type"] == "FAILED" and needle in message, message
             assert "\n" not in message and "Traceback" not in message, message
+            # the Logs tab says it once, with no traceback (the plan task's failure logged one)
+            logs = run_logs(api, run["id"], "Finished in state")
+            assert not [m for m in logs if "Traceback" in m or "Task run failed" in m], logs
         run = wait_final(api, start_run(api, dep["id"], {})["id"], 120)
         assert run["state"]["type"] == "COMPLETED", run["state"]
         # the Logs tab shows the run's progress and its outcome

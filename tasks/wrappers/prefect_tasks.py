@@ -23,30 +23,54 @@ from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.publish.nemo_gym_files import write_aggregate_metrics, write_sidecar
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
+from rollflow.tasks.wrappers.refusals import REFUSALS, Refusal, unrefused
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
 
 @task(name="plan", cache_policy=NONE)
+async def _plan(handles: RunHandles, parallelism: int | None) -> RunPlan | Refusal:
+    try:
+        return await plan_stoppable(
+            handles.spec,
+            handles.store,
+            handles.ledger,
+            handles.input_options,
+            parallelism,
+            handles.dataset_options,
+        )
+    except REFUSALS as exc:
+        return Refusal(exc)
+
+
 async def plan_task(handles: RunHandles, parallelism: int | None) -> RunPlan:
-    return await plan_stoppable(
-        handles.spec,
-        handles.store,
-        handles.ledger,
-        handles.input_options,
-        parallelism,
-        handles.dataset_options,
-    )
+    return unrefused(await _plan(handles, parallelism))
 
 
 @task(name="lease", cache_policy=NONE)
+async def _lease(handles: RunHandles, lease: Lease) -> Refusal | None:
+    try:
+        await asyncio.to_thread(handles.store.check_writable)
+        await asyncio.to_thread(lease.acquire)
+    except REFUSALS as exc:
+        return Refusal(exc)
+    return None
+
+
 async def lease_task(handles: RunHandles, lease: Lease) -> None:
-    await asyncio.to_thread(handles.store.check_writable)
-    await asyncio.to_thread(lease.acquire)
+    unrefused(await _lease(handles, lease))
 
 
 @task(name="preflight", cache_policy=NONE)
+async def _preflight(url: str, timeout_s: float) -> Refusal | None:
+    try:
+        await check_reachable(url, timeout_s)
+    except REFUSALS as exc:
+        return Refusal(exc)
+    return None
+
+
 async def preflight_task(url: str, timeout_s: float) -> None:
-    await check_reachable(url, timeout_s)
+    unrefused(await _preflight(url, timeout_s))
 
 
 def worth_retrying(task: object, task_run: object, state: State) -> bool:

@@ -19,19 +19,27 @@ from rollflow.tasks.reverify.publish import publish_jsonl, publish_parquet, writ
 from rollflow.tasks.reverify.runtime import ReverifyHandles
 from rollflow.tasks.reverify.source import SourceChunk, rescorable_keys
 from rollflow.tasks.wrappers.prefect_tasks import CHUNK_TASK, Dispatch, dispatched
+from rollflow.tasks.wrappers.refusals import REFUSALS, Refusal, unrefused
 
 # A reverify chunk runs, and is retried, as a collected one is; only its name differs.
 REVERIFY_CHUNK_TASK = {**CHUNK_TASK, "name": "reverify-chunk"}
 
 
 @task(name="plan-reverify", cache_policy=NONE)
-async def plan_reverify_task(handles: ReverifyHandles) -> ReverifyPlan:
+async def _plan_reverify(handles: ReverifyHandles) -> ReverifyPlan | Refusal:
     h = handles
-    return await run_stoppable(
-        lambda stopped: plan_reverify(
-            h.spec, h.store, h.ledger, h.source_options, h.output_options, stopped=stopped
+    try:
+        return await run_stoppable(
+            lambda stopped: plan_reverify(
+                h.spec, h.store, h.ledger, h.source_options, h.output_options, stopped=stopped
+            )
         )
-    )
+    except REFUSALS as exc:
+        return Refusal(exc)
+
+
+async def plan_reverify_task(handles: ReverifyHandles) -> ReverifyPlan:
+    return unrefused(await _plan_reverify(handles))
 
 
 @task(**REVERIFY_CHUNK_TASK)
