@@ -18,6 +18,11 @@ from rollflow.settings import RollflowSettings, RunSpec
 DEPLOYMENT = "rollflow"
 
 
+# Fields the run fills itself (each agent's server, read from the head server): not the user's to set, so
+# not on the UI's form, and refused in a run's parameters (their model takes no other field).
+INTERNAL_FIELDS = {"BackendParams": ("agents", "sources")}
+
+
 def default_parameters(settings: RollflowSettings) -> dict[str, Any]:
     """rollflow-run's parameters as served: the spec's sections whole, from settings (no secrets).
 
@@ -32,6 +37,8 @@ def default_parameters(settings: RollflowSettings) -> dict[str, Any]:
     for key in ("input", "output"):
         if not fields[key]:
             del params[key]
+    for name in INTERNAL_FIELDS["BackendParams"]:  # filled by the run itself, never served
+        params.get("backend", {}).pop(name, None)
     return params
 
 
@@ -49,11 +56,19 @@ class ClosedParameters(ParameterSchema):
 
 def closed(deployment: Any) -> Any:
     """The deployment with its parameter schema closed, so a misspelt parameter (`colection`) is refused
-    by name when the run is created, instead of the run crashing on a keyword the flow does not take."""
-    schema = deployment._parameter_openapi_schema
-    deployment._parameter_openapi_schema = ClosedParameters(
-        **schema.model_dump(exclude_unset=True), additionalProperties=False
-    )
+    by name when the run is created, instead of the run crashing on a keyword the flow does not take; the
+    fields a run fills itself are left off the form."""
+    schema = deployment._parameter_openapi_schema.model_dump(exclude_unset=True)
+    for model, names in INTERNAL_FIELDS.items():
+        found = (schema.get("definitions") or {}).get(model, {})
+        for name in names:
+            found.get("properties", {}).pop(name, None)
+        if "required" in found:
+            found["required"] = [r for r in found["required"] if r not in names]
+    schema.get("definitions", {}).pop("AgentServer", None)
+    for name in INTERNAL_FIELDS["BackendParams"]:
+        (schema.get("properties", {}).get("backend", {}).get("default") or {}).pop(name, None)
+    deployment._parameter_openapi_schema = ClosedParameters(**schema, additionalProperties=False)
     return deployment
 
 

@@ -210,6 +210,8 @@ def test_a_run_with_one_field_changed_keeps_every_other_as_served(served: Served
         ({"verify": {"verifier": "fuzzy"}}, "verifier"),
         ({"collection": {"limti": 4}}, "limti"),  # a misspelt field must not run as if left out
         ({"colection": {"limit": 4}}, "colection"),  # nor a misspelt section crash the run
+        # a field the run fills from the head server was on the form, to be set by hand
+        ({"backend": {"agents": {"a": {"url": "http://127.0.0.1:9"}}}}, "agents"),
     ],
 )
 def test_bad_parameters_are_refused(served: Served, tmp_path, change, needle) -> None:
