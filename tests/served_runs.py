@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import time
@@ -86,3 +87,12 @@ def artifacts(api: str, run_id: str) -> dict[str, dict]:
     """The flow run's artifacts by key (the latest of each)."""
     found = ok(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
     return {a["key"]: a for a in sorted(found, key=lambda a: a["created"])}
+
+
+def spec_in_force(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's spec without the fields the run fills itself from a head server (none here), which
+    are never served."""
+    spec = copy.deepcopy(report["spec"])
+    filled = {name: spec["backend"].pop(name) for name in ("agents", "sources")}
+    assert filled == {"agents": {}, "sources": {}}, filled
+    return spec
