@@ -8,6 +8,7 @@ one field of a section is merged here with the served section, field by field (`
 from __future__ import annotations
 
 import hashlib
+import re
 import string
 from typing import Any, Literal
 
@@ -42,7 +43,14 @@ def template_fields(text: str) -> set[str]:
 
 
 def fill(text: str, values: dict[str, str]) -> str:
-    return text.format_map({k: values.get(k, "") or "none" for k in template_fields(text)})
+    """The template with each placeholder's value as one path segment: a name such as `..` or `a/b` (a
+    deployment's) can neither climb out of the folder the template names nor add folders to it."""
+    return text.format_map({k: path_segment(values.get(k, "")) for k in template_fields(text)})
+
+
+def path_segment(value: str) -> str:
+    segment = re.sub(r"[/\\]+", "-", value).strip()
+    return "none" if segment.strip(".") == "" else segment
 
 
 # The spec's sections: models whose fields a run may change one at a time.

@@ -187,3 +187,15 @@ def test_date_placeholders_follow_the_schedules_timezone(monkeypatch: pytest.Mon
     monkeypatch.setenv(SCHEDULE_TIMEZONE_ENV, "America/Los_Angeles")
     values = runtime_values()
     assert values["date"] == "2026-12-01" and values["datetime"] == "20261201T220000-0800", values
+
+
+def test_a_placeholders_value_is_one_path_segment() -> None:
+    """`serve --name ..` with output `.../sub/{deployment}` published into the parent folder."""
+    from rollflow.settings.spec import fill
+
+    assert fill("s3://b/runs/sub/{deployment}", {"deployment": ".."}) == "s3://b/runs/sub/none"
+    assert (
+        fill("/o/{deployment}/{date}", {"deployment": "a/../b", "date": "2026-12-02"})
+        == "/o/a-..-b/2026-12-02"
+    )
+    assert fill("/o/{flow_run_name}", {"flow_run_name": ""}) == "/o/none"
