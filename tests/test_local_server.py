@@ -218,3 +218,25 @@ def test_the_demo_takes_the_kept_server_path_under_load(
     assert "Traceback" not in done.stderr and "ephemeral Prefect API server" not in done.stderr
     report = json.loads((tmp_path / "demo-out" / "report.json").read_text())
     assert report["prefect_api"] == "local server, started" and report["published"]
+
+
+def test_a_prefect_home_that_is_a_file_is_one_paragraph(
+    run_cli: RunCli, no_api: dict[str, str], tmp_path: Path
+):
+    """A PREFECT_HOME that is a regular file ended in FileExistsError's traceback."""
+    home = Path(no_api["PREFECT_HOME"])
+    home.write_text("not a folder")
+    inp = write_rows(tmp_path / "in.jsonl", 2)
+    res = run_cli(
+        "run",
+        "--input",
+        str(inp),
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env=no_api,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"PREFECT_HOME {home}" in res.stderr and "it is a file, not a folder" in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()

@@ -123,8 +123,16 @@ class LocalServer:
             if _pid_alive(self.pid_file):
                 return False
             self.pid_file.unlink(missing_ok=True)
-        self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / PORT_FILE).write_text(str(self.port))
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+            (self.home / PORT_FILE).write_text(str(self.port))
+        except OSError as exc:
+            raise LocalServerError(
+                f"PREFECT_HOME {self.home} cannot hold the local Prefect server's files "
+                f"({exc.strerror or exc}{'; it is a file, not a folder' if self.home.is_file() else ''}). "
+                "Point PREFECT_HOME at a "
+                "folder you can write, or set PREFECT_API_URL to a running Prefect server."
+            ) from None
         prefect = Path(sys.executable).with_name("prefect")
         self._cli = subprocess.Popen(
             [

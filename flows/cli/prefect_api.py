@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollflow.flows.cli.errors import load_settings
+from rollflow.flows.cli.errors import UsageError, load_settings
 from rollflow.flows.cli.local_server import (
     LocalServer,
+    LocalServerError,
     answers,
     free_port,
     owned_port,
@@ -109,7 +110,11 @@ def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
 
 
 def _start_local(server: LocalServer) -> PrefectApi:
-    if server.start():
+    try:
+        started = server.start()
+    except LocalServerError as exc:  # its home cannot hold it: said before any work, as a usage error
+        raise UsageError(str(exc)) from None
+    if started:
         _say(
             f"no Prefect API configured: started a Prefect server that stays for later runs, UI "
             f"{server.ui_url} (stop it with `prefect server stop`; ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral "
