@@ -199,3 +199,46 @@ def test_a_placeholders_value_is_one_path_segment() -> None:
         == "/o/a-..-b/2026-12-02"
     )
     assert fill("/o/{flow_run_name}", {"flow_run_name": ""}) == "/o/none"
+
+
+def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tmp_path) -> None:
+    """Ctrl-C on `rollflow serve` (SIGINT to its process group, as a terminal sends it) ended the served
+    run's process with it, and the run stayed RUNNING in the UI for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rollflow.infra.local import spawn_simulator
+
+    slow = spawn_simulator("--latency-ms", "2000")
+    inp = write_rows(tmp_path / "rows.jsonl", 400)
+    env = {
+        **served_env(cli_env, slow.url, inp, str(tmp_path / "served")),
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    }
+    exe = str(Path(sys.executable).with_name("rollflow"))
+    proc = subprocess.Popen(
+        [exe, "serve", "--name", "ctrlc"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    api = prefect_server.env["PREFECT_API_URL"]
+    try:
+        dep = deployment(api, "ctrlc", proc)
+        run_id = start_run(api, dep["id"], {})["id"]
+        deadline = time.monotonic() + 120
+        while ok(api, f"/flow_runs/{run_id}")["state"]["type"] != "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(3)  # well into its collection (every request takes 2 s)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+        run = wait_final(api, run_id, 60)
+        assert run["state"]["type"] in ("CRASHED", "CANCELLED"), run["state"]
+        assert (
+            "rollflow serve stopped" in (run["state"]["message"] or "") or run["state"]["type"] == "CANCELLED"
+        )
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        slow.stop()

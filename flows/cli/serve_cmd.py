@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from datetime import timedelta
+import sys
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from rollflow.flows.cli.errors import UsageError, load_settings
@@ -117,5 +118,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
     schedule = schedule_of(args, params)
     # The runs this process serves fill {date} and {datetime} in the schedule's timezone (they inherit it).
     os.environ[SCHEDULE_TIMEZONE_ENV] = args.timezone
-    serve(*deployments(args.name, params, schedule), pause_on_shutdown=False, limit=args.limit)
+    served = deployments(args.name, params, schedule)
+    since = datetime.now(UTC)
+    try:
+        serve(*served, pause_on_shutdown=False, limit=args.limit)
+    finally:
+        _end_abandoned_runs([f"{d.flow_name}/{d.name}" for d in served], since)
     return 0
+
+
+ABANDONED = (
+    "rollflow serve stopped while this run ran, and its process with it. Run it again with the same "
+    "parameters: it resumes from the chunks it committed."
+)
+
+
+def _end_abandoned_runs(names: list[str], since: datetime) -> None:
+    """The runs this process started and left RUNNING or PENDING when it stopped (Ctrl-C ends their
+    processes with it) are marked CRASHED, saying why, instead of showing as running for ever."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterStartTime,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    try:
+        with get_client(sync_client=True) as client:
+            ids = [client.read_deployment_by_name(name).id for name in names]
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=ids)),
+                flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(
+                        type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
+                    ),
+                    start_time=FlowRunFilterStartTime(after_=since),
+                ),
+            )
+            for run in runs:
+                client.set_flow_run_state(run.id, Crashed(message=ABANDONED), force=True)
+    except Exception as exc:
+        print(
+            f"rollflow: could not mark the runs this serve left running ({type(exc).__name__})",
+            file=sys.stderr,
+        )
