@@ -174,7 +174,10 @@ def spawn_moto(port: int | None = None) -> Service:
 
 
 def spawn_prefect_server(
-    port: int | None = None, home: str | None = None, settings: dict[str, str] | None = None
+    port: int | None = None,
+    home: str | None = None,
+    settings: dict[str, str] | None = None,
+    timeout_s: float = 90.0,
 ) -> Service:
     """`prefect server start` (SQLite) on 127.0.0.1; PREFECT_API_URL for clients is in .env."""
     port = port or free_port()
@@ -198,7 +201,7 @@ def spawn_prefect_server(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{url}/api/health", 90, proc)
+        wait_http(f"{url}/api/health", timeout_s, proc)
     except Exception:
         proc.kill()
         raise
@@ -215,9 +218,11 @@ def up() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     services: list[Service] = []
+    # The Prefect server's first start creates its database: on a loaded machine that takes minutes.
+    prefect_s = float(os.environ.get("ROLLFLOW_PREFECT__START_TIMEOUT_S") or 180)
     try:
         for start in (
-            spawn_prefect_server,
+            lambda: spawn_prefect_server(timeout_s=prefect_s),
             spawn_moto,
             lambda: spawn_simulator("--latency-ms", "50", "--slots", "64"),
         ):
@@ -234,6 +239,14 @@ def up() -> int:
         print("\nCtrl-C stops all three.", flush=True)
         while not stop.wait(0.5):
             pass
+    except (TimeoutError, RuntimeError) as exc:  # one paragraph: what was waited for, how long, what to do
+        print(
+            f"make up: {exc}. A first start on a busy machine can take longer: set "
+            f"ROLLFLOW_PREFECT__START_TIMEOUT_S above {prefect_s:g} (seconds) or free the machine, then run "
+            "`make up` again. Nothing else was left running.",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         for service in reversed(services):
             service.stop()

@@ -167,3 +167,19 @@ def test_a_section_given_in_part_keeps_its_other_fields_as_served(monkeypatch) -
     spec = run_spec(rollflow_run.validate_parameters(given), RollflowSettings(_env_file=None))
     assert (spec.collection.limit, spec.collection.chunk_size) == (None, 7)
     assert (spec.collection.num_repeats, spec.backend.model) == (2, "m")
+
+
+def test_local_up_whose_prefect_server_is_slow_says_so_in_one_paragraph(tmp_path: Path) -> None:
+    """`make up` ended in `TimeoutError: .../api/health did not answer within 90s` and its traceback; the
+    wait follows ROLLFLOW_PREFECT__START_TIMEOUT_S (a loaded machine needs longer) and says what to do."""
+    env = {**os.environ, "ROLLFLOW_PREFECT__START_TIMEOUT_S": "0.2", "PREFECT_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rollflow.infra.local", "up"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "did not answer within 0.2s" in done.stderr and "ROLLFLOW_PREFECT__START_TIMEOUT_S" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
