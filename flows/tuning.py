@@ -15,6 +15,7 @@ import orjson
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
+from rollflow.flows.artifacts import run_log
 from rollflow.flows.parameters import (
     AS_SERVED_BACKEND,
     AS_SERVED_COLLECTION,
@@ -76,9 +77,15 @@ async def _publish(handles: RunHandles, found: dict[str, Any]) -> None:
     """throughput.png in the output, a table artifact of the steps, a markdown artifact with the plot."""
     parts: list[str] = []
     if "diagnosis" in found:
-        parts.append(diagnosis_markdown(found["diagnosis"]))
+        d = found["diagnosis"]
+        parts.append(diagnosis_markdown(d))
+        run_log(f"diagnose-bottleneck: {d['verdict']}: {d['reason']}; next step: {d['next_step']}")
     if "tuning" in found:
         tuning = found["tuning"]
+        run_log(
+            f"tune-parallelism: knee {tuning['knee']}, chosen parallelism {tuning['chosen_parallelism']} "
+            f"({tuning['total_probe_rollouts']:,} probe rollouts)"
+        )
         png = await asyncio.to_thread(write_throughput_png, handles.store, tuning)
         await acreate_table_artifact(
             steps_table(tuning), key="rollflow-tuning-steps", description="tune-parallelism steps"

@@ -242,3 +242,29 @@ def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tm
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         slow.stop()
+
+
+def test_a_served_auto_run_logs_its_verdict_and_chosen_parallelism(
+    cli_env, prefect_server, fast_sim, tmp_path
+):
+    """The Logs tab had no word of diagnose and tune: the verdict and the chosen parallelism were only in
+    artifacts."""
+    inp = write_rows(tmp_path / "rows.jsonl", 600)
+    env = {
+        **served_env(cli_env, fast_sim.url, inp, str(tmp_path / "auto")),
+        "ROLLFLOW_COLLECTION__PARALLELISM": "auto",
+        "ROLLFLOW_TUNING__DIAGNOSE_ROWS": "20",
+        "ROLLFLOW_TUNING__TUNE_STEP_ROLLOUTS": "20",
+    }
+    proc = serve(env, "--name", "auto")
+    api = prefect_server.env["PREFECT_API_URL"]
+    try:
+        dep = deployment(api, "auto", proc)
+        run = wait_final(api, start_run(api, dep["id"], {})["id"], 240)
+        assert run["state"]["type"] == "COMPLETED", run["state"]
+        logs = run_logs(api, run["id"], "published: ")
+        assert any(m.startswith("diagnose-bottleneck: ") for m in logs), logs
+        assert any(m.startswith("tune-parallelism: knee ") for m in logs), logs
+    finally:
+        proc.terminate()
+        proc.wait(30)
