@@ -58,6 +58,7 @@ from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, embedded_images, render_markdown, write_report
 from rollflow.tasks.publish.story import run_story, scrubbed
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.storage.ledger import IdentityMismatch
 from rollflow.tasks.tuning.adaptive import adaptive_control
@@ -193,13 +194,13 @@ async def _collect_verify_publish(
 
 
 def nemo_gym_style(spec: RunSpec) -> bool:
-    """An agent run published as JSONL whose servers the head server named, or that names its dataset file
-    as NeMo Gym's +output_jsonl_fpath and -o do: NeMo Gym's files beside the dataset too."""
+    """An agent run published as JSONL whose servers the head server named, or given NeMo Gym's way (its
+    dataset file named by +output_jsonl_fpath or -o, rollflow's files in FILE.rollflow/): NeMo Gym's files
+    beside the dataset too."""
     if spec.format != "jsonl" or spec.backend.kind.value != "agent":
         return False
-    return spec.dataset is not None or any(
-        server.server is not None for server in spec.backend.agents.values()
-    )
+    named = spec.dataset is not None and spec.output.rstrip("/") == f"{spec.dataset}.rollflow"
+    return named or any(server.server is not None for server in spec.backend.agents.values())
 
 
 async def choose_step(
@@ -346,6 +347,7 @@ async def report_step(
         await asyncio.to_thread(
             write_card, spec.published_url(), handles.dataset_options, report, handles.store
         )
+    await asyncio.to_thread(owned.settle, handles.store, handles.dataset_options)
     images = await asyncio.to_thread(embedded_images, handles.store, report)
     await acreate_markdown_artifact(
         render_markdown(report, images), key="rollflow-report", description="rollflow run report"

@@ -33,6 +33,7 @@ from rollflow.tasks.reverify.plan import ReverifyPlan, check_apart
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
 from rollflow.tasks.reverify.runtime import ReverifyHandles, open_reverify, reverify_context
 from rollflow.tasks.scaleout.scope import WorkerScope
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import lease_task
@@ -165,6 +166,7 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     if ok:
         url = spec.data_url() if spec.format == "parquet" else spec.dataset_url()
         await asyncio.to_thread(write_card, url, handles.output_options, report, handles.store)
+    await asyncio.to_thread(owned.settle, handles.store, handles.output_options)
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-reverify-report", description="rollflow reverify report"
     )

@@ -273,14 +273,92 @@ def test_a_restart_removes_all_the_discarded_run_published_and_only_that(run_cli
     assert res.returncode == 0, res.stderr
     record = orjson.loads((out / "published.json").read_bytes())
     assert set(record) >= {"dataset", "tasks", "cards", "report"}, record
-    assert {"report.json", "report.md", "rewards.png"} <= set(record["report"]), record
-    assert record["dataset"] == [str(dataset)] and (out / "rewards.png").exists()
-    owned = [out / p if not p.startswith("/") else Path(p) for kind in record.values() for p in kind]
-    assert all(p.exists() for p in owned), owned
+    assert {"report.json", "report.md", "rewards.png"} <= {e["path"] for e in record["report"]}, record
+    # beside the output, relative to it (a copied folder names its own), with the size it was published at
+    assert record["dataset"] == [{"path": "../results/math.jsonl", "size": dataset.stat().st_size}], record
+    owned = [(out / e["path"]).resolve() for kind in record.values() for e in kind]
+    assert all(p.exists() for p in owned) and (out / "rewards.png").exists(), owned
     dead = f"http://127.0.0.1:{free_port()}"
     restart = [a if a != fast_sim.url else dead for a in args]
     res = run_cli(*restart, "--restart", "--num-repeats", "3")
     assert res.returncode == 2, res.stderr
-    assert [p for p in owned if p.exists()] == [] and not (out / "published.json").exists()
+    assert [p for p in owned if p.exists()] == [] and orjson.loads(
+        (out / "published.json").read_bytes()
+    ) == {}
     assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
     assert (elsewhere / "notes.txt").read_bytes() == USER_FILE
+
+
+def test_a_restart_never_deletes_a_file_that_is_not_what_the_run_published(run_cli, fast_sim, tmp_path: Path):
+    """A relative --dataset recorded as typed was deleted, on a restart run from another folder, in that
+    folder (a user's file); in a copied results folder a restart deleted the original's files and kept the
+    copy's; a restart of a folder that never held a run deleted a user's `parquet/` and `data/` files."""
+    from cli_runs import run_args
+
+    inp = write_rows(tmp_path / "rows.jsonl", 20)
+    first, other = tmp_path / "first", tmp_path / "other"
+    for folder in (first, other):
+        (folder / "shared").mkdir(parents=True)
+    (other / "shared" / "data.jsonl").write_bytes(USER_FILE)
+    out = first / "out"
+    res = run_cli(*run_args(inp, "out", fast_sim), "--dataset", "shared/data.jsonl", cwd=first)
+    assert res.returncode == 0, res.stderr
+    res = run_cli(
+        *run_args(inp, str(out), fast_sim), "--dataset", str(first / "new.jsonl"), "--restart", cwd=other
+    )
+    assert res.returncode == 0, res.stderr
+    assert (other / "shared" / "data.jsonl").read_bytes() == USER_FILE
+    assert not (first / "shared" / "data.jsonl").exists(), "the discarded run's own dataset goes"
+
+    results = tmp_path / "results"
+    results.mkdir()
+    res = run_cli(
+        *run_args(inp, str(results / "r.jsonl.rollflow"), fast_sim), "--dataset", str(results / "r.jsonl")
+    )
+    assert res.returncode == 0, res.stderr
+    copy = tmp_path / "results2"
+    shutil.copytree(results, copy)
+    again = run_cli(
+        *run_args(inp, str(copy / "r.jsonl.rollflow"), fast_sim), "--dataset", str(copy / "r.jsonl")
+    )
+    assert again.returncode == 0, again.stderr  # the copy is itself: its dataset is its own
+    originals = {p.name: p.read_bytes() for p in results.iterdir() if p.is_file()}
+    res = run_cli(
+        *run_args(inp, str(copy / "r.jsonl.rollflow"), fast_sim),
+        "--dataset",
+        str(copy / "o.jsonl"),
+        "--restart",
+    )
+    assert res.returncode == 0, res.stderr
+    assert {p.name: p.read_bytes() for p in results.iterdir() if p.is_file()} == originals
+    assert not (copy / "r.jsonl").exists() and not (copy / "r.tasks.jsonl").exists()
+
+    fresh = tmp_path / "proj"
+    (fresh / "parquet").mkdir(parents=True)
+    (fresh / "data").mkdir()
+    (fresh / "parquet" / "notes.txt").write_bytes(USER_FILE)
+    (fresh / "data" / "train-00000-of-00001.parquet").write_bytes(USER_FILE)
+    res = run_cli(*run_args(inp, str(fresh), fast_sim), "--dataset", str(fresh / "out.jsonl"), "--restart")
+    assert res.returncode == 0, res.stderr
+    assert (fresh / "parquet" / "notes.txt").read_bytes() == USER_FILE
+    assert (fresh / "data" / "train-00000-of-00001.parquet").read_bytes() == USER_FILE
+
+
+def test_a_file_put_at_the_dataset_path_after_a_failed_run_is_not_overwritten(
+    run_cli, fast_sim, tmp_path: Path
+):
+    """A run that failed before publishing had recorded its --dataset; a user's file put there afterwards
+    was overwritten by the next run, as if the output had written it."""
+    from cli_runs import run_args
+
+    from rollflow.infra.local import free_port
+
+    inp, out, dataset = write_rows(tmp_path / "rows.jsonl", 10), tmp_path / "out", tmp_path / "shared.jsonl"
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = [a if a != fast_sim.url else dead for a in run_args(inp, str(out), fast_sim)]
+    res = run_cli(*args, "--dataset", str(dataset))
+    assert res.returncode == 2, res.stderr
+    dataset.write_bytes(USER_FILE)
+    res = run_cli(*run_args(inp, str(out), fast_sim), "--dataset", str(dataset))
+    assert res.returncode == 2 and "was not written by this output" in res.stderr, res.stderr
+    assert dataset.read_bytes() == USER_FILE

@@ -273,10 +273,10 @@ def _unrecognised(token: str) -> str:
     """Names the argument, never its value: a misspelt key flag may carry a secret."""
     name, sep, _ = token.partition("=")
     if token.startswith(("-", "+")):
-        shown = f"{name!r}" + (" (its value not shown)" if sep else "")
+        shown = f"argument {name!r}" + (" (its value not shown)" if sep else "")
     else:
-        shown = "a value that follows no known flag (not shown)"
-    return f"Unrecognised argument {shown}. See `rollflow collect --help`."
+        shown = "argument: a value that follows no known flag (not shown)"
+    return f"Unrecognised {shown}. See `rollflow collect --help`."
 
 
 def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -288,7 +288,11 @@ def overrides_of(tokens: list[str], args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, _refused_dest(names), None)
     ]
     if refused:
-        raise UsageError("Not supported: " + "; ".join(refused) + ". Leave them out.")
+        raise UsageError(
+            "Not supported: "
+            + "; ".join(refused)
+            + (". Leave it out." if len(refused) == 1 else ". Leave them out.")
+        )
     for names, key, _ in EVAL_FLAGS:
         value = getattr(args, f"ng_{names[-1].lstrip('-').replace('-', '_')}", None)
         if key and value not in (None, False):

@@ -10,7 +10,7 @@ from typing import Any
 
 from rollflow.tasks.collect.rows import InputError
 from rollflow.tasks.storage.ledger import Ledger
-from rollflow.tasks.storage.owned import CARDS, DATASET, TASKS, is_owned, location, same_object
+from rollflow.tasks.storage.owned import CARDS, DATASET, TASKS, has_record, is_owned, location, same_object
 from rollflow.tasks.storage.store import Store
 
 TASKS_SUFFIX = ".tasks.jsonl"  # per-task reward lines, published beside the dataset
@@ -112,9 +112,9 @@ def _check_dataset_owned(
     inside = posixpath.normpath(parent) == posixpath.normpath(output_url.rstrip("/") or "/")
     if not exists or inside or is_owned(dataset_url, DATASET, store, options):
         return
-    stored = Ledger(store).stored_identity()
+    stored = None if has_record(store) else Ledger(store).stored_identity()
     if stored is not None and stored.dataset_url and same_object(stored.dataset_url, dataset_url, options):
-        return  # published before the output kept its record of what it owns
+        return  # an output from before the record of what it owns published it
     raise InputError(
         f"The dataset path {dataset_url} exists and was not written by this output ({store.root_url}); "
         f"rollflow never replaces a file it did not write (it resumes from its own output, not from a file "

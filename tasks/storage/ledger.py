@@ -151,6 +151,7 @@ class Ledger:
                     stored.dataset_url = identity.dataset_url or stored.dataset_url
                     self._write_identity(stored)
                 self._run_id = stored.run_id
+                owned.start_record(self.store)
                 return stored
             if changes and not restart:
                 committed = len(self.committed())
@@ -167,8 +168,9 @@ class Ledger:
         self._run_id = identity.run_id
         if stored is not None or restart:
             self.discard_run(keep_identity=True)
-            dataset = (stored.dataset_url or identity.dataset_url) if stored is not None else None
-            owned.discard(self.store, options or {}, dataset, keep=keep)
+        if stored is not None:  # what the replaced run published; a folder with no run keeps its files
+            owned.discard(self.store, options or {}, stored.dataset_url, keep=keep)
+        owned.start_record(self.store)
         return identity
 
     def discard_run(self, keep_identity: bool = False) -> None:

@@ -1,8 +1,10 @@
 """What a run owns: one record, `published.json` in the output, of every object its publish wrote.
 
-Each object is recorded before it is written, relative to the output when inside it (so a moved or copied
-output folder is still itself), where it lives otherwise. A restart removes exactly what is recorded and
-nothing else; a file beside the dataset may be replaced only when it is recorded here.
+Each object is recorded before it is written, by its path relative to the output (`data/x.parquet`, or
+`../results.jsonl` beside it) when both are on one store, so a moved or copied folder names its own files;
+its size is recorded once the publish is done. A restart removes what is recorded, and only while it is
+still what was published (the size it had): a user's file that took its place is never deleted. Every new
+run starts the record, so an output with a record trusts nothing else.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ KINDS = (DATASET, SHARDS, TASKS, CARDS, REPORT, FAILURES, NEMO_GYM)
 
 SHARD = re.compile(r"^train-\d{5}-of-\d{5}\.parquet$")  # the Parquet shards rollflow writes
 SHARD_MARKS = "parquet"  # their markers, in the output: run state, not published data
-# What an output published before it kept this record held at these names; a restart removes them too.
+# What an output published before it kept this record held at these names; replacing such a run removes them.
 UNRECORDED = ("rollouts.jsonl", "report.json", "report.md", "throughput.png", "rewards.png", "README.md")
 
 
@@ -49,12 +51,38 @@ def absolute_url(url: str, options: dict[str, Any] | None) -> str:
     return path if protocol in ("file", "local") else f"{protocol}://{path}"
 
 
-def _record(store: Store) -> dict[str, Any]:
+def has_record(store: Store) -> bool:
+    """Whether the output keeps a record (every run started since it existed does)."""
+    return store.exists(OWNED)
+
+
+def start_record(store: Store) -> None:
+    """A new run's empty record: from now on only what it names is this output's."""
+    if not store.exists(OWNED):
+        store.write_bytes(OWNED, b"{}")
+
+
+def _read(store: Store) -> dict[str, list[dict[str, Any]]]:
     try:
-        record = orjson.loads(store.read_bytes(OWNED))
+        found = orjson.loads(store.read_bytes(OWNED))
     except (FileNotFoundError, ValueError):
         return {}
-    return record if isinstance(record, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    # a record written before sizes were kept lists bare paths
+    return {
+        kind: [e if isinstance(e, dict) else {"path": e, "size": None} for e in entries]
+        for kind, entries in found.items()
+        if isinstance(entries, list)
+    }
+
+
+def _write(store: Store, record: dict[str, list[dict[str, Any]]]) -> None:
+    store.write_bytes(OWNED, orjson.dumps(record))
+
+
+def _protocol(store: Store) -> str:
+    return store.fs.protocol if isinstance(store.fs.protocol, str) else store.fs.protocol[0]
 
 
 def _resolved(store: Store, recorded: str) -> str:
@@ -62,29 +90,45 @@ def _resolved(store: Store, recorded: str) -> str:
 
 
 def _recorded(store: Store, url: str, options: dict[str, Any] | None) -> str:
-    """Where a published object is recorded: relative to the output when inside it, else where it is."""
-    located = absolute_url(url, options)
-    protocol = store.fs.protocol if isinstance(store.fs.protocol, str) else store.fs.protocol[0]
+    """Relative to the output when on its store (`../x.jsonl` beside it), else where it is."""
+    protocol, path, _ = location(url, options)
     root = posixpath.normpath(store.root)
-    root = root if protocol in ("file", "local") else f"{protocol}://{root}"
-    prefix = root.rstrip("/") + "/"
-    return located[len(prefix) :] if located.startswith(prefix) else located
+    same_store = protocol in ("file", "local") or path.split("/")[0] == root.split("/")[0]  # one bucket
+    if protocol == _protocol(store) and same_store:
+        return posixpath.relpath(path, root)
+    return path if protocol in ("file", "local") else f"{protocol}://{path}"
 
 
 def owned(store: Store, kind: str) -> list[str]:
     """The URLs of one kind of object this output published, from its record."""
-    return [_resolved(store, u) for u in _record(store).get(kind, [])]
+    return [_resolved(store, e["path"]) for e in _read(store).get(kind, [])]
 
 
 def record(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
     """The objects of `kind` this output owns from now on (replacing the kind's earlier list)."""
-    located = sorted({_recorded(store, u, options) for u in urls})
-    store.write_bytes(OWNED, orjson.dumps({**_record(store), kind: located}))
+    found = _read(store)
+    sizes = {e["path"]: e.get("size") for e in found.get(kind, [])}
+    paths = sorted({_recorded(store, u, options) for u in urls})
+    _write(store, {**found, kind: [{"path": p, "size": sizes.get(p)} for p in paths]})
 
 
 def add(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
     """Recorded before they are written: a publish killed half-way leaves nothing a restart cannot find."""
     record(store, kind, [*owned(store, kind), *urls], options)
+
+
+def settle(store: Store, options: dict[str, Any] | None = None) -> None:
+    """Once the publish is done: the size of each object recorded outside the output, so a later restart
+    can tell it from a file that took its place."""
+    found = _read(store)
+    for entries in found.values():
+        for entry in (e for e in entries if _outside(e["path"])):
+            _, path, fs = location(_resolved(store, entry["path"]), options)
+            try:
+                entry["size"] = int(fs.size(path))
+            except (FileNotFoundError, OSError, TypeError, ValueError):
+                entry["size"] = None
+    _write(store, found)
 
 
 def is_owned(url: str, kind: str, store: Store, options: dict[str, Any] | None) -> bool:
@@ -96,9 +140,17 @@ def same_object(a: str, b: str, options: dict[str, Any]) -> bool:
     return location(a, options)[:2] == location(b, options)[:2]
 
 
-def _remove(url: str, options: dict[str, Any]) -> bool:
+def _outside(recorded: str) -> bool:
+    return recorded.startswith(("/", "../")) or "://" in recorded or recorded == ".."
+
+
+def _remove(url: str, options: dict[str, Any], size: int | None) -> bool:
+    """Delete the object if it is still the one published (its recorded size, when recorded)."""
     _, path, fs = location(url, options)
-    if not fs.exists(path):
+    try:
+        if not fs.exists(path) or (size is not None and int(fs.size(path)) != size):
+            return False
+    except (FileNotFoundError, OSError):
         return False
     fs.rm_file(path)
     return True
@@ -107,25 +159,35 @@ def _remove(url: str, options: dict[str, Any]) -> bool:
 def discard(
     store: Store, options: dict[str, Any], dataset: str | None = None, keep: str | None = None
 ) -> list[str]:
-    """Remove every object the output's record names, wherever it lives, the run's `dataset` (recorded in
-    its identity), and what an output published before the record existed (its fixed names and Parquet
-    shards); `keep`, the input, is never touched. Returns the URLs removed."""
+    """Remove every object the output's record names that is still as published, wherever it lives; an
+    output from before the record: its fixed names, Parquet shards and its `dataset` (an absolute path).
+    `keep`, the input, is never touched. Returns the URLs removed."""
+    legacy = not has_record(store)
+    entries = [(e["path"], e.get("size")) for kind in KINDS for e in _read(store).get(kind, [])]
+    # inside the output (rollflow's own folder) always; outside only while it is the size it was published
+    found = [(_resolved(store, p), size if _outside(p) else None) for p, size in entries]
+    if legacy and dataset and (dataset.startswith("/") or "://" in dataset):
+        found.append((dataset, None))
     removed: list[str] = []
-    found = [url for kind in KINDS for url in owned(store, kind)]
-    for url in [*found, dataset] if dataset else found:
+    for url, size in found:
         if keep is not None and same_object(url, keep, options):
             continue
-        if _remove(url, options):
+        if _remove(url, options, size):
             removed.append(url)
     store.delete(OWNED)
+    if legacy:
+        removed += _discard_unrecorded(store)
+    store.remove_stale_in("data", SHARD)  # partial shard copies a killed publish left
+    store.delete_tree(SHARD_MARKS)
+    return removed
+
+
+def _discard_unrecorded(store: Store) -> list[str]:
+    removed = [store.url(rel) for rel in UNRECORDED if store.exists(rel)]
     for rel in UNRECORDED:
-        if store.exists(rel):
-            store.delete(rel)
-            removed.append(store.url(rel))
-    store.remove_stale_in("data", SHARD)
+        store.delete(rel)
     for name in store.list("data"):
         if SHARD.match(name):
             store.delete(f"data/{name}")
             removed.append(store.url(f"data/{name}"))
-    store.delete_tree(SHARD_MARKS)
     return removed

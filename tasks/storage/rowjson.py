@@ -80,6 +80,8 @@ def read_row(line: bytes, where: str | None = None, lineno: int | None = None) -
     """The one reader of dataset rows and failure records: a JSON object with exact integers, or RowError."""
     try:
         row = loads(line)
+    except RecursionError:  # nested past what the exact re-read of a long integer can descend
+        raise RowError(f"the row nests deeper than {MAX_ROW_DEPTH} levels", where, lineno) from None
     except orjson.JSONDecodeError as exc:
         try:
             line.decode("utf-8")
