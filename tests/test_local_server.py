@@ -172,7 +172,16 @@ def test_pid_file_of_a_server_that_never_answers(tmp_path: Path) -> None:
 
 def _prefect_stand_in() -> subprocess.Popen[bytes]:
     """A live process whose command line says prefect, as a kept server's does (it answers nothing)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "prefect", "server"])
+    return _started([sys.executable, "-c", "import time; time.sleep(60)", "prefect", "server"])
+
+
+def _started(argv: list[str]) -> subprocess.Popen[bytes]:
+    """A process once its command line is readable (empty until its exec is done)."""
+    proc = subprocess.Popen(argv)
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc
 
 
 def test_a_pid_file_and_port_file_never_adopt_what_is_not_this_homes_server(
@@ -184,7 +193,7 @@ def test_a_pid_file_and_port_file_never_adopt_what_is_not_this_homes_server(
 
     stranger_port = int(prefect_server.env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])
     (tmp_path / "rollflow-server.port").write_text(str(stranger_port))
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = _started([sys.executable, "-c", "import time; time.sleep(60)"])
     stand_in = _prefect_stand_in()
     try:
         (tmp_path / "server.pid").write_text(str(sleeper.pid))

@@ -57,7 +57,8 @@ def _runs_prefect(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:  # no /proc (not Linux): the PID alone, as before
         return True
-    return b"prefect" in cmdline or b"uvicorn" in cmdline
+    # empty while the process is still being started (exec not done): it cannot be told yet
+    return not cmdline or b"prefect" in cmdline or b"uvicorn" in cmdline
 
 
 def owned_port(home: Path, default: int) -> int | None:
