@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -133,13 +134,27 @@ ABANDONED = (
 )
 
 
-def _end_abandoned_runs(names: list[str], since: datetime) -> None:
+def _end_abandoned_runs(names: list[str], since: datetime, within_s: float = 10.0) -> None:
     """The runs this process started and left RUNNING or PENDING when it stopped (Ctrl-C ends their
-    processes with it) are marked CRASHED, saying why, instead of showing as running for ever."""
+    processes with it) are marked CRASHED, saying why, instead of showing as running for ever; bounded,
+    so a slow API never holds the stop."""
+    marking = threading.Thread(target=_mark_abandoned, args=(names, since), daemon=True)
+    marking.start()
+    marking.join(within_s)
+    if marking.is_alive():
+        print(
+            f"rollflow: the runs this serve left running were not marked within {within_s:g} s",
+            file=sys.stderr,
+        )
+
+
+def _mark_abandoned(names: list[str], since: datetime) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         DeploymentFilter,
-        DeploymentFilterId,
+        DeploymentFilterName,
+        FlowFilter,
+        FlowFilterName,
         FlowRunFilter,
         FlowRunFilterStartTime,
         FlowRunFilterState,
@@ -148,11 +163,12 @@ def _end_abandoned_runs(names: list[str], since: datetime) -> None:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
+    flows, deployments = {n.split("/", 1)[0] for n in names}, {n.split("/", 1)[1] for n in names}
     try:
         with get_client(sync_client=True) as client:
-            ids = [client.read_deployment_by_name(name).id for name in names]
-            runs = client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=ids)),
+            runs = client.read_flow_runs(  # one call: this serve's deployments' runs still going
+                flow_filter=FlowFilter(name=FlowFilterName(any_=sorted(flows))),
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=sorted(deployments))),
                 flow_run_filter=FlowRunFilter(
                     state=FlowRunFilterState(
                         type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
@@ -163,7 +179,5 @@ def _end_abandoned_runs(names: list[str], since: datetime) -> None:
             for run in runs:
                 client.set_flow_run_state(run.id, Crashed(message=ABANDONED), force=True)
     except Exception as exc:
-        print(
-            f"rollflow: could not mark the runs this serve left running ({type(exc).__name__})",
-            file=sys.stderr,
-        )
+        said = f"rollflow: could not mark the runs this serve left running ({type(exc).__name__})"
+        print(said, file=sys.stderr)
