@@ -128,7 +128,8 @@ def test_restart_discards_the_old_run(store: RecordingStore) -> None:
     assert new.num_repeats == 3
     assert ledger.committed() == {}
     assert store.list("chunks") == [] and store.list("failures") == []
-    assert store.list("") == ["run.json"]
+    # the new run's identity and its record of what it publishes, empty (the old run's files are gone)
+    assert store.list("") == ["published.json", "run.json"] and store.read_bytes("published.json") == b"{}"
 
 
 def test_commit_writes_manifest_last(store: RecordingStore) -> None:

@@ -18,7 +18,7 @@ from rollflow.tasks.collect.rows import STOP_EVERY, ScanStopped
 from rollflow.tasks.collect.runtime import open_run
 from rollflow.tasks.reverify.plan import plan_reverify
 from rollflow.tasks.reverify.runtime import open_reverify
-from rollflow.tasks.wrappers.reverify_tasks import plan_reverify_task
+from rollflow.tasks.wrappers.reverify_tasks import _plan_reverify
 
 ROWS = 300_000
 
@@ -44,7 +44,7 @@ def write_dataset(path: Path, rows: int) -> Path:
 
 def reverify_plan(source: Path, out: Path):
     spec = ReverifySpec(source=str(source), output=str(out))
-    return plan_reverify_task.fn(open_reverify(spec, RollflowSettings()))
+    return _plan_reverify.fn(open_reverify(spec, RollflowSettings()))  # the task's own code, no Prefect
 
 
 # `rollflow run` scans its input, `rollflow reverify` its source dataset, each on a thread.

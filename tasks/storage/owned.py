@@ -34,7 +34,8 @@ KINDS = (DATASET, SHARDS, TASKS, CARDS, REPORT, FAILURES, NEMO_GYM)
 
 SHARD = re.compile(r"^train-\d{5}-of-\d{5}\.parquet$")  # the Parquet shards rollflow writes
 SHARD_MARKS = "parquet"  # their markers, in the output: run state, not published data
-# What an output published before it kept this record held at these names; replacing such a run removes them.
+# rollflow's fixed names in its output (and what an output from before the record held): replacing a run
+# removes them.
 UNRECORDED = ("rollouts.jsonl", "report.json", "report.md", "throughput.png", "rewards.png", "README.md")
 
 
@@ -159,9 +160,9 @@ def _remove(url: str, options: dict[str, Any], size: int | None) -> bool:
 def discard(
     store: Store, options: dict[str, Any], dataset: str | None = None, keep: str | None = None
 ) -> list[str]:
-    """Remove every object the output's record names that is still as published, wherever it lives; an
-    output from before the record: its fixed names, Parquet shards and its `dataset` (an absolute path).
-    `keep`, the input, is never touched. Returns the URLs removed."""
+    """Remove every object the output's record names that is still as published, wherever it lives, and
+    rollflow's fixed names and Parquet shards in the output; for an output from before the record, its
+    `dataset` too (an absolute path). `keep`, the input, is never touched. Returns the URLs removed."""
     legacy = not has_record(store)
     entries = [(e["path"], e.get("size")) for kind in KINDS for e in _read(store).get(kind, [])]
     # inside the output (rollflow's own folder) always; outside only while it is the size it was published
@@ -175,8 +176,7 @@ def discard(
         if _remove(url, options, size):
             removed.append(url)
     store.delete(OWNED)
-    if legacy:
-        removed += _discard_unrecorded(store)
+    removed += _discard_unrecorded(store)  # rollflow's own names in its own folder, recorded or not
     store.remove_stale_in("data", SHARD)  # partial shard copies a killed publish left
     store.delete_tree(SHARD_MARKS)
     return removed
