@@ -74,8 +74,6 @@ def _check_cron(expression: str, timezone: str) -> None:
 
 def _check_fires(expression: str) -> None:
     """A valid expression may name no date at all (`0 2 30 2 *`, 30 February): served, it never runs."""
-    from datetime import UTC, datetime
-
     from prefect._vendor.croniter import CroniterBadDateError, croniter
 
     try:
@@ -124,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve(*served, pause_on_shutdown=False, limit=args.limit)
     finally:
-        _end_abandoned_runs([f"{d.flow_name}/{d.name}" for d in served], since)
+        _end_abandoned_runs({d.flow_name for d in served}, {d.name for d in served}, since)
     return 0
 
 
@@ -134,11 +132,11 @@ ABANDONED = (
 )
 
 
-def _end_abandoned_runs(names: list[str], since: datetime, within_s: float = 10.0) -> None:
+def _end_abandoned_runs(flows: set[str], names: set[str], since: datetime, within_s: float = 10.0) -> None:
     """The runs this process started and left RUNNING or PENDING when it stopped (Ctrl-C ends their
     processes with it) are marked CRASHED, saying why, instead of showing as running for ever; bounded,
     so a slow API never holds the stop."""
-    marking = threading.Thread(target=_mark_abandoned, args=(names, since), daemon=True)
+    marking = threading.Thread(target=_mark_abandoned, args=(flows, names, since), daemon=True)
     marking.start()
     marking.join(within_s)
     if marking.is_alive():
@@ -148,7 +146,7 @@ def _end_abandoned_runs(names: list[str], since: datetime, within_s: float = 10.
         )
 
 
-def _mark_abandoned(names: list[str], since: datetime) -> None:
+def _mark_abandoned(flows: set[str], names: set[str], since: datetime) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         DeploymentFilter,
@@ -163,12 +161,11 @@ def _mark_abandoned(names: list[str], since: datetime) -> None:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    flows, deployments = {n.split("/", 1)[0] for n in names}, {n.split("/", 1)[1] for n in names}
     try:
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(  # one call: this serve's deployments' runs still going
                 flow_filter=FlowFilter(name=FlowFilterName(any_=sorted(flows))),
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=sorted(deployments))),
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=sorted(names))),
                 flow_run_filter=FlowRunFilter(
                     state=FlowRunFilterState(
                         type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])

@@ -48,10 +48,15 @@ def card_url(published_url: str, output_url: str) -> str:
     """`OUT/rollouts.jsonl` or `OUT/data` -> `OUT/README.md` (the folder is the output's own); a dataset
     elsewhere, `results/math.jsonl` -> `results/math.README.md`, so shared folders keep each card and
     a user's README.md."""
-    parent = posixpath.split(published_url.rstrip("/"))[0] or "."
-    if posixpath.normpath(parent) == posixpath.normpath(output_url.rstrip("/") or "/"):
-        return posixpath.join(parent, CARD)
+    if in_output_folder(published_url, output_url):
+        return posixpath.join(posixpath.split(published_url.rstrip("/"))[0] or ".", CARD)
     return _beside(published_url, CARD_SUFFIX)
+
+
+def in_output_folder(url: str, output_url: str) -> bool:
+    """Whether `url` lies directly in the output's own folder (not beside it in a shared one)."""
+    parent = posixpath.split(url.rstrip("/"))[0] or "."
+    return posixpath.normpath(parent) == posixpath.normpath(output_url.rstrip("/") or "/")
 
 
 def owns_card_folder(card: str) -> bool:
@@ -108,9 +113,11 @@ def _check_dataset_owned(
 ) -> None:
     """A dataset file outside the output is replaced only when this output wrote it (NeMo Gym's own
     output, or a user's file, is never overwritten)."""
-    parent = posixpath.split(dataset_url.rstrip("/"))[0] or "."
-    inside = posixpath.normpath(parent) == posixpath.normpath(output_url.rstrip("/") or "/")
-    if not exists or inside or is_owned(dataset_url, DATASET, store, options):
+    if (
+        not exists
+        or in_output_folder(dataset_url, output_url)
+        or is_owned(dataset_url, DATASET, store, options)
+    ):
         return
     stored = None if has_record(store) else Ledger(store).stored_identity()
     if stored is not None and stored.dataset_url and same_object(stored.dataset_url, dataset_url, options):

@@ -47,7 +47,7 @@ class ChunkAudit:
         return max(0, self.expected - self.unique)
 
 
-AUDIT_FIELDS = {f.name for f in fields(ChunkAudit)}
+AUDIT_FIELDS = {f.name for f in fields(ChunkAudit)}  # a cached audit of an older version may hold more
 AGENT_FIGURES = ("rollouts", "rewarded", "reward_sum", "failed")  # per agent, summed over chunks
 
 
@@ -67,7 +67,7 @@ def agent_rows(agents: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]
             "reward_mean": round(f["reward_sum"] / f["rewarded"], 6) if f["rewarded"] else None,
         }
         for name, f in sorted(agents.items())
-    }  # a cached audit of an older version may hold more
+    }
 
 
 def _is_number(value: Any) -> bool:

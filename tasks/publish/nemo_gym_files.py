@@ -22,7 +22,6 @@ from rollflow.tasks.storage import owned, rowjson
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.store import Store, open_input
 
-NEMO_GYM_FILES = "nemo_gym"  # their kind in the output's record of what it published
 GATEWAY_STATUSES = (429, 502, 503, 504)  # NeMo Gym: something in front answered; the rollout did not run
 HEAVY = (
     "response",
