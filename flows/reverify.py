@@ -32,6 +32,7 @@ from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
 from rollflow.tasks.reverify.plan import ReverifyPlan, check_apart
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
 from rollflow.tasks.reverify.runtime import ReverifyHandles, open_reverify, reverify_context
+from rollflow.tasks.reverify.source import SourceChanged
 from rollflow.tasks.scaleout.scope import WorkerScope
 from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.lease import Lease
@@ -61,6 +62,7 @@ class Rescored:
     outcomes: list[ReverifyOutcome] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    changed: str = ""  # the source was rewritten under the run: why, said instead of "run again"
 
 
 async def rescore_stage(ctx: ReverifyContext, plan: ReverifyPlan, spec: ReverifySpec) -> Rescored:
@@ -75,6 +77,8 @@ async def rescore_stage(ctx: ReverifyContext, plan: ReverifyPlan, spec: Reverify
                 done.outcomes.append(await task(ctx, chunk))
             except Exception as exc:
                 err = chunk_error(exc)
+                if isinstance(err, SourceChanged):
+                    done.changed = done.changed or str(err)
                 done.errors.append(redact.redact(f"chunk {chunk.index}: {type(err).__name__}: {err}"))
 
     t0 = time.perf_counter()
@@ -109,7 +113,8 @@ async def rescore_remote(plan: ReverifyPlan, spec: ReverifySpec, lease: Lease) -
         await settled(calls.call(stack.close))
         calls.close()
     errors = [redact.redact(f"{type(exc).__name__}: {exc}") for exc in done.errors]
-    return Rescored(done.outcomes, errors, time.perf_counter() - t0)
+    changed = next((str(exc) for exc in done.errors if isinstance(exc, SourceChanged)), "")
+    return Rescored(done.outcomes, errors, time.perf_counter() - t0, changed)
 
 
 def _metrics(
@@ -170,6 +175,8 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     await acreate_markdown_artifact(
         render_markdown(report), key="rollflow-reverify-report", description="rollflow reverify report"
     )
+    if not ok and rescored.changed:
+        raise ReverifyIncomplete(redact.redact(rescored.changed), report)
     if not ok:
         why = (
             f"{summary.failed:,} rollouts failed verification ({dict(failures)}); they are in "

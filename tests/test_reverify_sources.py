@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rollout_data import assert_complete, write_rows
@@ -57,3 +58,39 @@ def test_a_damaged_source_line_is_refused_at_its_line(run_cli, fast_sim, tmp_pat
         )
         assert res.returncode == 2, (name, res.stderr[-2000:])
         assert f"line {line}:" in res.stderr and "Traceback" not in res.stderr, (name, res.stderr[-2000:])
+
+
+REWRITER = '''
+import os
+
+def verify(row, text):
+    """Scores 1.0; on its first call, cuts the source to its first 10 lines (a collection re-run over it)."""
+    path = os.environ["RF_REWRITE_SOURCE"]
+    if not os.path.exists(path + ".cut"):
+        lines = open(path, "rb").read().splitlines(keepends=True)
+        open(path, "wb").write(b"".join(lines[:10]))
+        open(path + ".cut", "wb").close()
+    return 1.0
+'''
+
+
+def test_a_source_rewritten_while_reverify_runs_publishes_nothing(run_cli, fast_sim, tmp_path: Path) -> None:
+    """A source republished under a running reverify (a collection re-run with --restart --limit) gave a
+    dataset missing most rollouts, exit 0 and "complete": chunks read byte offsets without checking them."""
+    inp, out = write_rows(tmp_path / "rows.jsonl", 30), tmp_path / "run"
+    _collect(run_cli, inp, out, fast_sim.url)
+    (tmp_path / "rewriter.py").write_text(REWRITER)
+    source, rv = out / "rollouts.jsonl", tmp_path / "rv"
+    args = ["reverify", str(source), "--output", str(rv), "--verifier", "rewriter:verify",
+            "--chunk-size", "10", "--chunks-in-flight", "1", "--verify-processes", "0"]  # fmt: skip
+    env = {"PYTHONPATH": str(tmp_path), "RF_REWRITE_SOURCE": str(source)}
+    res = run_cli(*args, env=env)
+    assert res.returncode != 0 and "changed after this reverify planned it" in res.stderr, res.stderr[-3000:]
+    assert "--restart" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert not (rv / "rollouts.jsonl").exists()
+    report = json.loads((rv / "report.json").read_text())
+    assert report["published"] is False
+    # what the source holds now is rescored by a restart, whole
+    res = run_cli(*args, "--restart", env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (rv / "rollouts.jsonl").read_bytes().count(b"\n") == 10

@@ -27,8 +27,8 @@ from rollflow.tasks.reverify.source import (
     RolloutKey,
     SourceChunk,
     is_rescorable,
-    iter_dataset_lines,
     iter_failed_chunk,
+    read_dataset_chunk,
 )
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
@@ -60,7 +60,7 @@ class ReverifyOutcome:
 def _read(ctx: ReverifyContext, chunk: SourceChunk) -> list[tuple[bytes, bool]]:
     if ctx.mode == "failed":
         return list(iter_failed_chunk(ctx.source_url, chunk, ctx.source_options))
-    return [(line, False) for line in iter_dataset_lines(ctx.source_url, chunk, ctx.source_options)]
+    return [(line, False) for line in read_dataset_chunk(ctx.source_url, chunk, ctx.source_options)]
 
 
 @dataclass

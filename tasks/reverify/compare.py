@@ -270,5 +270,11 @@ def compare_run(
             summary.problems.append(f"chunk {chunk.index}: not committed")
             continue
         only = None if rescorable is None else rescorable(chunk)
-        summary.add(compare_chunk(ledger, chunk, manifest, threshold, max_k, only))
+        part = compare_chunk(ledger, chunk, manifest, threshold, max_k, only)
+        if part.rows + part.failed != chunk.rows:  # published means exactly the plan's rollouts
+            part.invalid += 1
+            part.problems.append(
+                f"holds {part.rows + part.failed:,} rollouts where the plan has {chunk.rows:,}"
+            )
+        summary.add(part)
     return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import fsspec
@@ -35,6 +35,11 @@ class SourceChunk:
     rows: int
     byte_offset: int = 0
     first_line: int = 0
+    sha256: str = ""  # of the chunk's rows as planned: a chunk reads exactly these or nothing
+
+
+class SourceChanged(InputError):
+    """The source no longer holds what the plan read: rescoring it would publish another dataset."""
 
 
 @dataclass
@@ -109,12 +114,14 @@ class _Cutter:
     start: tuple[int, int, int] | None = None  # (first_task, byte_offset, first_line)
     rows: int = 0
     tasks: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)
 
     def close(self) -> None:
         if self.start is not None:
             first, offset, line = self.start
-            self.chunks.append(SourceChunk(len(self.chunks), first, self.tasks, self.rows, offset, line))
-        self.start, self.rows, self.tasks = None, 0, 0
+            sha = self.digest.hexdigest()
+            self.chunks.append(SourceChunk(len(self.chunks), first, self.tasks, self.rows, offset, line, sha))
+        self.start, self.rows, self.tasks, self.digest = None, 0, 0, hashlib.sha256()
 
 
 def scan_dataset(
@@ -156,6 +163,7 @@ def scan_dataset(
                 cutter.start = (key[0], line_offset, lineno)
             run += 1
             max_k = max(max_k, run)
+            cutter.digest.update(line.rstrip(b"\r\n") + b"\n")
             cutter.rows += 1
             rows += 1
             last = key
@@ -165,16 +173,26 @@ def scan_dataset(
     return SourcePlan(url, "dataset", digest.hexdigest(), rows, tasks, max_k, cutter.chunks, rows)
 
 
-def iter_dataset_lines(url: str, chunk: SourceChunk, options: dict[str, Any]) -> Iterator[bytes]:
-    """The chunk's rows (without newline), read from its byte offset."""
-    left = chunk.rows
+def read_dataset_chunk(url: str, chunk: SourceChunk, options: dict[str, Any]) -> list[bytes]:
+    """The chunk's rows (without newline), read from its byte offset and checked against the plan: a
+    source rewritten since (a collection re-run over it) is refused, never rescored as if planned."""
+    rows: list[bytes] = []
+    digest = hashlib.sha256()
     with open_input(url, options, offset=chunk.byte_offset) as fh:  # skips on a Range-less HTTP server
         for line in fh:
-            if left == 0:
-                return
+            if len(rows) == chunk.rows:
+                break
             if line.strip():
-                left -= 1
-                yield line.rstrip(b"\r\n")
+                row = line.rstrip(b"\r\n")
+                digest.update(row + b"\n")
+                rows.append(row)
+    if len(rows) != chunk.rows or (chunk.sha256 and digest.hexdigest() != chunk.sha256):
+        raise SourceChanged(
+            f"Source {url} changed after this reverify planned it: chunk {chunk.index} (line "
+            f"{chunk.first_line} on, {chunk.rows:,} rollouts) no longer holds the rows planned. Nothing "
+            f"was published. Run again with --restart to rescore what the source holds now."
+        )
+    return rows
 
 
 def is_rescorable(record: dict[str, Any]) -> bool:

@@ -22,6 +22,7 @@ from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.publish.nemo_gym_files import write_aggregate_metrics, write_sidecar
 from rollflow.tasks.publish.parquet import write_parquet
+from rollflow.tasks.reverify.source import SourceChanged
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
 from rollflow.tasks.wrappers.refusals import REFUSALS, Refusal, unrefused
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
@@ -76,8 +77,8 @@ async def preflight_task(url: str, timeout_s: float) -> None:
 def worth_retrying(task: object, task_run: object, state: State) -> bool:
     """A lost lease or a deleted output does not come back on a retry: the chunk ends at once (a retry
     scheduled meanwhile would outlive the run's cancellation by its delay). Nor is a chunk retried whose
-    worker died on every attempt the engine already made (WorkerLost)."""
-    return not isinstance(state.data, LeaseLost | OutputGone | WorkerLost)
+    worker died on every attempt the engine already made (WorkerLost), nor one whose source was rewritten."""
+    return not isinstance(state.data, LeaseLost | OutputGone | WorkerLost | SourceChanged)
 
 
 CHUNK_TASK = {
