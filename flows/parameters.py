@@ -55,6 +55,7 @@ PARAMETER_HELP = {
     "engine": "Where chunks run: this process, or a Dask or Ray cluster's workers",
     "restart": "Discard a different run's committed chunks and start over",
     "allow_incomplete": "Publish even if the audit found gaps",
+    "keep_chunks": "Keep the chunk data objects after publishing (the dataset holds their bytes)",
     "deadline_s": "Stop cleanly after this many seconds; run again to resume",
 }
 # Section defaults with no field set: a run that leaves a section out runs it as served.

@@ -38,6 +38,7 @@ from rollflow.settings import (
     RunSpec,
     TuningSettings,
     VerifySettings,
+    redact,
 )
 from rollflow.settings.models import EngineSettings
 from rollflow.tasks.backends.engine_metrics import sample_endpoints
@@ -57,7 +58,7 @@ from rollflow.tasks.publish.concat import PublishFailed
 from rollflow.tasks.publish.endpoints import endpoint_rows
 from rollflow.tasks.publish.metrics import overhead_figures, run_metrics
 from rollflow.tasks.publish.report import build_report, embedded_images, render_markdown, write_report
-from rollflow.tasks.publish.story import run_story, scrubbed
+from rollflow.tasks.publish.story import run_story
 from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.storage.ledger import IdentityMismatch
@@ -67,6 +68,7 @@ from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import (
     collect_chunk_task,
     concatenate_task,
+    drop_chunks_task,
     lease_task,
     nemo_gym_files_task,
     parquet_task,
@@ -176,6 +178,8 @@ async def _collect_verify_publish(
         plan.scan.warnings.extend(
             f"aggregate metrics: {p}" for p in files.get("aggregate_metrics_problems", [])
         )
+    if published and spec.format == "jsonl" and not spec.keep_chunks:
+        collected.extra["chunk_data"] = await drop_chunks_step(handles, plan)
     clock.mark("publish")
     try:
         report = await report_step(asked, handles, plan, summary, collected, published)
@@ -296,6 +300,14 @@ async def publish_step(
     return True
 
 
+async def drop_chunks_step(handles: RunHandles, plan: RunPlan) -> dict[str, Any]:
+    """The chunk objects the dataset now holds go; a store that refuses keeps them, and the report says so."""
+    try:
+        return {"kept": False, "freed_bytes": await drop_chunks_task(handles, plan)}
+    except OSError as exc:
+        return {"kept": True, "why": redact.redact(f"{type(exc).__name__}: {exc}")}
+
+
 async def report_step(
     spec: RunSpec,
     handles: RunHandles,
@@ -331,7 +343,7 @@ async def report_step(
             "ignored_parts": ignored[:20],
             "parts_not_deleted": [o.parts_left for o in result.outcomes if o.parts_left][:20],
             "run_id": handles.ledger.run_id,
-            "spec": scrubbed(spec.parameters()),  # an address's credentials (tcp://user:pw@host) masked
+            "spec": redact.redact_value(spec.parameters()),  # credentials in addresses (user:pw@host) masked
             "chunk_size": plan.identity.chunk_size,
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(
@@ -418,6 +430,7 @@ async def rollflow_run(
     engine: EngineSettings = AS_SERVED_ENGINE,
     restart: bool | None = None,
     allow_incomplete: bool | None = None,
+    keep_chunks: bool | None = None,
     deadline_s: float | None = None,
 ) -> dict[str, Any]:
     """The whole pipeline: collect -> verify -> concatenate (diagnosis and tuning come first when asked).

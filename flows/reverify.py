@@ -27,7 +27,6 @@ from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.scheduler import run_chunks
 from rollflow.tasks.publish.card import write_card
-from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
 from rollflow.tasks.reverify.plan import ReverifyPlan, check_apart
 from rollflow.tasks.reverify.report import build_report, render_markdown, write_report
@@ -40,6 +39,7 @@ from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import lease_task
 from rollflow.tasks.wrappers.reverify_tasks import (
     compare_task,
+    drop_chunks_task,
     failures_task,
     plan_reverify_task,
     publish_task,
@@ -156,16 +156,24 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     t = time.perf_counter()
     if ok:
         await publish_task(handles, plan)
+    chunk_data = None
+    if ok and spec.format == "jsonl" and not spec.keep_chunks:
+        try:
+            chunk_data = {"kept": False, "freed_bytes": await drop_chunks_task(handles, plan)}
+        except OSError as exc:  # a store that refuses the deletes keeps the objects: said, not fatal
+            chunk_data = {"kept": True, "why": redact.redact(f"{type(exc).__name__}: {exc}")}
     stages["publish"] = time.perf_counter() - t
     source = {
-        "url": scrub_url(plan.source.url),
-        "given": scrub_url(spec.source),
+        "url": redact.redact(plan.source.url),
+        "given": redact.redact(spec.source),
         "sha256": plan.source.fingerprint,
         "rows": plan.source.rows,
         "tasks": plan.source.tasks,
         "mode": plan.source.mode,
     }
     metrics = _metrics(rescored, stages, time.perf_counter() - t_start, plan)
+    if chunk_data is not None:
+        metrics["chunk_data"] = chunk_data
     report = build_report(spec, summary, source=source, published=ok, failures=failures, metrics=metrics)
     await asyncio.to_thread(write_report, handles.store, report)
     if ok:

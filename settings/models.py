@@ -465,6 +465,11 @@ class PipelineSettings(EngineSettings):
     output: str | None = Field(None, description="Output directory: local path or any fsspec URL")
     restart: bool = Field(False, description="Discard committed chunks of a different run and start over")
     allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
+    keep_chunks: bool = Field(
+        False,
+        description="Keep each chunk's data object after publishing (by default it goes once the dataset "
+        "holds it; resume and reverify read it there)",
+    )
     deadline_s: float | None = Field(
         None,
         gt=0,

@@ -40,6 +40,11 @@ class ReverifySpec(EngineSettings):
     )
     restart: bool = Field(False, description="Discard a different reverify's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if some rollouts failed verification")
+    keep_chunks: bool = Field(
+        False,
+        description="Keep each chunk's data object after publishing (by default it goes once the dataset "
+        "holds it; resume and reverify read it there)",
+    )
 
     def dataset_url(self) -> str:
         return f"{self.output.rstrip('/')}/rollouts.jsonl"

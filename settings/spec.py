@@ -80,6 +80,11 @@ class RunSpec(EngineSettings):
     tuning: TuningSettings = Field(default_factory=TuningSettings)
     restart: bool = Field(False, description="Discard a different run's committed chunks and start over")
     allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
+    keep_chunks: bool = Field(
+        False,
+        description="Keep each chunk's data object after publishing (by default it goes once the dataset "
+        "holds it; resume and reverify read it there)",
+    )
     deadline_s: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="Stop cleanly after this many seconds; run again to resume"
     )
@@ -166,6 +171,7 @@ class RunSpec(EngineSettings):
             "tuning": settings.tuning.model_dump(),
             "restart": pipeline.restart,
             "allow_incomplete": pipeline.allow_incomplete,
+            "keep_chunks": pipeline.keep_chunks,
             "deadline_s": pipeline.deadline_s,
             **pipeline.model_dump(include=set(EngineSettings.model_fields)),
         }

@@ -185,7 +185,11 @@ def test_disk_full_while_publishing_is_one_paragraph_and_a_rerun_publishes(run_c
         subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
         res = run_cli(*args)
         assert res.returncode == 0, res.stderr
-        assert {m.name: m.read_bytes() for m in (out / "chunks").iterdir()} == committed
+        manifests_now = {m.name: m.read_bytes() for m in (out / "chunks").glob("*.json")}
+        assert manifests_now == {k: v for k, v in committed.items() if k.endswith(".json")}
+        # the committed bytes are the dataset's now: its chunk objects went once it was published
+        assert dataset.read_bytes() == b"".join(v for k, v in sorted(committed.items()) if k.endswith("l"))
+        assert not list((out / "chunks").glob("*.jsonl"))
         assert orjson.loads((out / "report.json").read_bytes())["metrics"]["chunks_run"] == 0
         assert_complete(dataset.read_bytes().splitlines(), 200, 2)
 

@@ -53,7 +53,7 @@ def _run_then(run_cli, sim_url: str, tmp_path: Path, tamper) -> tuple[dict, dict
     """A complete run, its output tampered with, the same command again with --allow-incomplete."""
     inp = write_rows(tmp_path / "rows.jsonl", ROWS)
     out = tmp_path / "out"
-    args = _args(inp, out, sim_url, "--num-repeats", "2")
+    args = _args(inp, out, sim_url, "--num-repeats", "2", "--keep-chunks")  # the chunk objects to tamper
     assert run_cli(*args).returncode == 0
     tamper(out)
     res = run_cli(*args, "--allow-incomplete")
@@ -148,3 +148,64 @@ def test_card_figures_are_exact_counts_never_scientific() -> None:
     assert [_num(v) for v in (10003, 1_000_000, 0.123456, 12345.678, None, True)] == [
         "10,003", "1,000,000", "0.1235", "12,345.7", "-", "yes"
     ]  # fmt: skip
+
+
+def _collected_report(rows: int) -> dict:
+    """A collection's report.json as the card reads it: rewards, failures and the story's figures."""
+    tokens = {"rollouts": rows, "mean": 812.5, "p50": 790, "p95": 1400, "max": 2048, "total": rows * 812}
+    return {
+        "rows_written": rows,
+        "failed": 3,
+        "input": "s3://bucket/rows.jsonl",
+        "format": "parquet",
+        "rewards": {"tasks": 2501, "mean": 0.4375, "std": 0.25, "pass_at_k": {"1": 0.4375, "4": 0.8125}},
+        "story": {
+            "sent": None,
+            "scored_by": None,
+            "origin": {"input": "s3://bucket/rows.jsonl", "spec": {"note": "{{ not a template }}"}},
+            "returned": {
+                "failures_by_kind": {"verifier": 3},
+                "truncation_rate": 0.0125,
+                "tokens_out": tokens,
+                "tokens_in": None,
+                "finish_reasons": {"stop": rows - 3, "length": 3},
+            },
+        },
+    }
+
+
+def test_the_card_round_trips_through_huggingface_hub(tmp_path: Path) -> None:
+    """The card is the Hub's DatasetCard: DatasetCard.load (a local path, no network) gives back every
+    front-matter value (configs' data_files, size_categories, features, the figures under `rollflow`), as
+    plain YAML gives them too; and its body keeps counts exact (10,003, never 1e+04)."""
+    import yaml
+    from huggingface_hub import DatasetCard
+
+    from rollflow.tasks.publish.card import render_card
+
+    features = [{"name": "reward", "dtype": "float64"}, {"name": "response", "dtype": "string"}]
+    path = tmp_path / "README.md"
+    path.write_text(render_card(_collected_report(10003), "data/*.parquet", features), encoding="utf-8")
+    text = path.read_text(encoding="utf-8")
+    expected = {
+        "size_categories": ["10K<n<100K"],
+        "task_categories": ["text-generation"],
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "data/*.parquet"}]}],
+        "dataset_info": {"features": features, "splits": [{"name": "train", "num_examples": 10003}]},
+        "tags": ["rollflow", "rollouts", "reinforcement-learning"],
+        "rollflow": {
+            "rollouts": 10003, "tasks": 2501, "reward_mean": 0.4375, "reward_std": 0.25,
+            "pass_at_k": {"1": 0.4375, "4": 0.8125}, "failed": 3, "truncation_rate": 0.0125,
+            "tokens_out_mean": 812.5, "tokens_in_mean": None,
+        },
+    }  # fmt: skip
+    card = DatasetCard.load(path)
+    assert card.data.to_dict() == expected
+    assert card.data.to_dict()["configs"][0]["data_files"][0]["path"] == "data/*.parquet"
+    assert card.data.size_categories == ["10K<n<100K"] and "license" not in card.data.to_dict()
+    assert text.startswith("---\n") and yaml.safe_load(text.split("---\n", 2)[1]) == expected
+    assert str(DatasetCard(text)) == text, "the Hub writes back the very card it read"
+    assert "| rollouts | 10,003 |" in card.text and "1e+04" not in text
+    assert "| finish reason | rollouts |" in card.text and "| stop | 10,000 |" in card.text
+    assert "| failure kind | rollouts |" in card.text and "| verifier | 3 |" in card.text
+    assert '"note": "{{ not a template }}"' in card.text, "the body is text, never a Jinja template"

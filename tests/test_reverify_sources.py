@@ -66,10 +66,13 @@ import os
 def verify(row, text):
     """Scores 1.0; on its first call, cuts the source to its first 10 lines (a collection re-run over it)."""
     path = os.environ["RF_REWRITE_SOURCE"]
-    if not os.path.exists(path + ".cut"):
-        lines = open(path, "rb").read().splitlines(keepends=True)
-        open(path, "wb").write(b"".join(lines[:10]))
-        open(path + ".cut", "wb").close()
+    try:
+        os.close(os.open(path + ".cut", os.O_CREAT | os.O_EXCL))  # one check rewrites it, once
+    except FileExistsError:
+        return 1.0
+    lines = open(path, "rb").read().splitlines(keepends=True)
+    open(path + ".tmp", "wb").write(b"".join(lines[:10]))
+    os.replace(path + ".tmp", path)  # whole: a check reading it meanwhile never sees it empty
     return 1.0
 '''
 

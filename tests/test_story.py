@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.tasks.publish.story import MAX_DISTINCT, OTHER, RowStory, finish_reason
+from rollflow.tasks.publish.row_stats import MAX_DISTINCT, OTHER, RowStory, finish_reason
 
 pytestmark = pytest.mark.concurrent
 

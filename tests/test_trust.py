@@ -98,7 +98,7 @@ def test_a_chunk_changed_after_commit_is_never_published(run_cli, slow_sim, rows
     """Changed after its audit was cached: refused (by the audit, or by the copy's own hash), withdrawn,
     and the next run collects it again."""
     out = tmp_path / "out"
-    args = run_args(rows_input, str(out), slow_sim)
+    args = [*run_args(rows_input, str(out), slow_sim), "--keep-chunks"]
     assert run_cli(*args).returncode == 0
     for chunk, keep_mtime in ((3, False), (7, True)):
         _tamper(out / "chunks" / f"{chunk:05d}.jsonl", keep_mtime)
@@ -112,22 +112,37 @@ def test_a_chunk_changed_after_commit_is_never_published(run_cli, slow_sim, rows
         assert (out / "rollouts.jsonl").read_bytes() == reference
 
 
-def test_a_manifest_without_its_data_object_is_withdrawn_and_collected_again(
+def test_a_published_dataset_changed_in_place_is_never_republished(
     run_cli, slow_sim, rows_input, reference, tmp_path
 ):
-    """The data object of a committed chunk is deleted (by hand, a lifecycle rule): the audit says so,
-    withdraws the commit, and the next run collects that chunk again instead of failing forever."""
+    """Once published, a chunk's bytes are read from the dataset: a reward flipped there (same size, so the
+    spans still point into it) is refused by the copy's own hash, withdrawn, and collected again."""
     out = tmp_path / "out"
     args = run_args(rows_input, str(out), slow_sim)
     assert run_cli(*args).returncode == 0
+    assert not list((out / "chunks").glob("*.jsonl"))
+    _tamper(out / "rollouts.jsonl", keep_mtime=True)
+    res = run_cli(*args)
+    assert res.returncode != 0 and "chunk 0" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == reference
+
+
+def test_a_manifest_without_its_data_object_is_withdrawn_and_collected_again(
+    run_cli, slow_sim, rows_input, reference, tmp_path
+):
+    """The data object of a committed chunk is deleted (by hand, a lifecycle rule): its manifest vouches
+    for nothing, so the next run collects that chunk again and publishes, instead of failing forever."""
+    out = tmp_path / "out"
+    args = [*run_args(rows_input, str(out), slow_sim), "--keep-chunks"]
+    assert run_cli(*args).returncode == 0
     (out / "chunks" / "00004.jsonl").unlink()
     res = run_cli(*args)
-    assert res.returncode == 1, res.stderr
-    assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert "chunk 4" in res.stderr and "gone" in res.stderr, res.stderr
-    assert not (out / "chunks" / "00004.json").exists(), "the commit must be withdrawn"
-    res = run_cli(*args)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["metrics"]["chunks_run"] == 1  # chunk 4 alone, collected again
     assert (out / "rollouts.jsonl").read_bytes() == reference
 
 

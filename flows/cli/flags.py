@@ -42,6 +42,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("skip-bad-rows", "collection", "skip_bad_rows"),
         ("restart", "", "restart"),
         ("allow-incomplete", "", "allow_incomplete"),
+        ("keep-chunks", "", "keep_chunks"),
     ),
     "backend": (
         ("backend-url", "backend", "url"),

@@ -55,6 +55,7 @@ def add_reverify_parser(sub: Any) -> None:
     )
     p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
     p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
+    p.add_argument("--keep-chunks", action="store_true", help="keep the chunk data objects after publishing")
     p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
     p.add_argument("--verbose", action="store_true", help="show Prefect's logs")
 
@@ -109,7 +110,12 @@ def build_reverify_spec(args: argparse.Namespace) -> Any:
     engine = set(EngineSettings.model_fields) & settings.pipeline.model_fields_set  # as `run` reads them
     fields.update(settings.pipeline.model_dump(include=engine))
     fields.update({k: getattr(args, k) for k in TOP_FLAGS if getattr(args, k) is not None})
-    fields.update(failed_only=args.failed_only, restart=args.restart, allow_incomplete=args.allow_incomplete)
+    fields.update(
+        failed_only=args.failed_only,
+        restart=args.restart,
+        allow_incomplete=args.allow_incomplete,
+        keep_chunks=args.keep_chunks,
+    )
     try:
         return ReverifySpec.model_validate(fields)
     except ValidationError as exc:

@@ -7,10 +7,10 @@ records as a failure.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from rollflow.settings.redact import redact
+from rollflow.tasks.storage import rowjson
 
 MAX_DETAIL = 300
 UNFINISHED = ("queued", "in_progress")
@@ -75,6 +75,6 @@ def agent_reward(reply: dict[str, Any]) -> float | None:
     if "reward" not in reply:
         return None
     reward = reply["reward"]
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+    if not rowjson.is_reward(reward):
         raise ReplyShapeError(f"the agent's reward is {reward!r}, not a finite number")
     return reward

@@ -76,7 +76,8 @@ def agent_check(spec: RunSpec) -> AgentCheck | None:
     )
 
 
-def _rollflow_version() -> str:
+def rollflow_version() -> str:
+    """The installed rollflow's version, recorded in run.json and the reports."""
     try:
         return version("rollflow")
     except PackageNotFoundError:
@@ -171,7 +172,7 @@ def plan_run(
             chunks=[_chunk_dict(c) for c in scan.chunks],
             parallelism=parallelism,
             created_at=datetime.now(UTC).isoformat(),
-            rollflow_version=_rollflow_version(),
+            rollflow_version=rollflow_version(),
             dataset_url=spec.dataset_url(),
         )
         stop_before_writing(stopped, spec.input)

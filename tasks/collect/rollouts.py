@@ -4,7 +4,6 @@ output and failure lines, and the timings the throughput measurement reads."""
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from rollflow.tasks.backends.endpoints import EndpointPool, split_limit
 from rollflow.tasks.backends.http import session_for_loop
 from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.backends.observe import AttemptObserver
+from rollflow.tasks.collect.failures import failure_line, rollflow_fields
 from rollflow.tasks.collect.percentiles import percentiles
 from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.routing import agent_map_of, routed, row_agent
@@ -225,7 +225,7 @@ async def _rollout_line(
             exc.output = result.fields  # type: ignore[attr-defined]  # kept: `reverify --failed-only` rescores it
             raise
         stats.verify_s += time.perf_counter() - t1
-    _check_reward(reward, result.attempts)
+    check_reward(reward, result.attempts)
     stats.backend_s += t1 - t0
     stats.latencies.append(result.latency_s)
     stats.output_tokens += result.output_tokens
@@ -254,16 +254,19 @@ async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult
         ) from exc
 
 
-def _check_reward(reward: Any, attempts: int) -> None:
-    """A rollout without a finite number as its reward is a failure, retried by the next run."""
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        why = (
-            "the backend gave none and no verifier is set (--verifier scores the replies that carry no "
-            "reward, an agent's too)"
-            if reward is None
-            else f"it is {reward!r}"
-        )
+NO_VERIFIER = (
+    "the backend gave none and no verifier is set (--verifier scores the replies that carry no reward, an "
+    "agent's too)"
+)
+
+
+def check_reward(reward: Any, attempts: int, none: str = NO_VERIFIER) -> float:
+    """A rollout without a finite number as its reward is a failure (no_reward), for collection and
+    reverify alike; `none` says why a reward of None came."""
+    if not rowjson.is_reward(reward):
+        why = none if reward is None else f"it is {reward!r}"
         raise BackendError(f"no numeric reward: {why}", kind="no_reward", attempts=attempts)
+    return reward
 
 
 def _unexpected(exc: Exception) -> BackendError:
@@ -278,15 +281,6 @@ def _seeded(
     col = ctx.collection
     agent = ctx.backend.kind == "agent"
     return seeded(row, col.seed, task_index, rollout, agent=agent, repeat_seed=col.repeat_seed)
-
-
-def rollflow_fields(attempts: int, seed: Any) -> dict[str, Any]:
-    """A collected row's `_rf`: its attempts, and the seed it was sent (a failure record keeps the same,
-    so `reverify --failed-only` completes it into the row collection would have written)."""
-    rf: dict[str, Any] = {"attempts": attempts}
-    if seed is not None:
-        rf["seed"] = seed
-    return rf
 
 
 def server_fields(backend: BackendSettings, row: dict[str, Any]) -> dict[str, Any]:
@@ -305,28 +299,11 @@ def server_fields(backend: BackendSettings, row: dict[str, Any]) -> dict[str, An
 def _failure_line(
     ctx: CollectContext, row: dict[str, Any], task_index: int, rollout: int, exc: BackendError
 ) -> bytes:
-    record: dict[str, Any] = {
-        "_ng_task_index": task_index,
-        "_ng_rollout_index": rollout,
-        "error": {
-            "kind": exc.kind,
-            "status": exc.status,
-            "attempts": exc.attempts,
-            "message": ctx.scrub(str(exc)),
-            **({"url": exc.url, "body": ctx.scrub(exc.body)} if getattr(exc, "body", None) else {}),
-        },
-        "row": row,
-        **server_fields(ctx.backend, row),
-    }
-    output = getattr(exc, "output", None)  # a failed check's reply, so it can be scored again later
-    if output is not None:
-        record["output"] = output
-        seed = _seeded(ctx, row, task_index, rollout)[1]
-        record["_rf"] = rollflow_fields(exc.attempts, seed)  # what the row it completes would carry
-    try:
-        return rowjson.dumps(record)
-    except (TypeError, ValueError) as dump_error:
-        record["row"] = None
-        record.pop("output", None)
-        record["row_not_stored"] = f"{type(dump_error).__name__}: {dump_error}; see the input file"
-        return rowjson.dumps(record)
+    output = getattr(exc, "output", None)
+    rf = (
+        rollflow_fields(exc.attempts, _seeded(ctx, row, task_index, rollout)[1])
+        if output is not None
+        else None
+    )
+    extra = server_fields(ctx.backend, row)
+    return failure_line((task_index, rollout), exc, row, ctx.scrub, output=output, rf=rf, extra=extra)

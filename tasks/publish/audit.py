@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -12,7 +11,7 @@ import orjson
 from rollflow.tasks.collect.routing import row_agent
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.rewards import RewardStats, TaskGrouper
-from rollflow.tasks.publish.story import RowStory
+from rollflow.tasks.publish.row_stats import RowStory
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
@@ -70,10 +69,6 @@ def agent_rows(agents: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]
     }
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def tasks_path(chunk: int) -> str:
     """A chunk's per-task reward lines (tasks.jsonl is their concatenation in chunk order)."""
     return f"{AUDIT_DIR}/{chunk:05d}.tasks.jsonl"
@@ -92,7 +87,7 @@ def audit_chunk(
     cache_rel = f"{AUDIT_DIR}/{spec.index:05d}.json"
     store = ledger.store
     try:
-        stamp = store.stamp(ledger.chunk_path(spec.index))
+        stamp = ledger.chunk_stamp(spec.index)
     except FileNotFoundError:
         return _lost_data(spec, manifest, num_repeats)
     if store.exists(cache_rel) and store.exists(tasks_path(spec.index)):
@@ -201,7 +196,7 @@ class _LineCheck:
         reward = row.get("reward")
         agent = row_agent(row)
         if agent is not None:
-            rewarded = _is_number(reward)
+            rewarded = rowjson.is_reward(reward)
             _agent_add(
                 self.audit.agents,
                 agent,
@@ -209,7 +204,7 @@ class _LineCheck:
                 rewarded=int(rewarded),
                 reward_sum=reward if rewarded else 0,
             )
-        if _is_number(reward):
+        if rowjson.is_reward(reward):
             self.stats.add_reward(float(reward))
             self.task_done(self.grouper.add(key[0], float(reward)))
         else:
@@ -217,7 +212,7 @@ class _LineCheck:
         self.story.add(row)
         response = row.get("response")
         usage = response.get("usage") if isinstance(response, dict) else None
-        if isinstance(usage, dict) and _is_number(usage.get("output_tokens")):
+        if isinstance(usage, dict) and rowjson.is_reward(usage.get("output_tokens")):
             audit.output_tokens += int(usage["output_tokens"])
 
 

@@ -1,14 +1,14 @@
 """The card beside a published dataset (README.md in the output's own folder, else `<stem>.README.md`): a
-Hugging Face dataset card (YAML front matter: configs, features,
-size category; then the run's story in prose and tables), built from report.json alone."""
+Hugging Face dataset card (YAML front matter: configs, features, size category; then the run's story in
+prose and tables), built from report.json alone. The front matter is huggingface_hub's own
+`DatasetCardData` and the card its `DatasetCard`, so the Hub reads it as it reads the cards it writes."""
 
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import yaml
 
 from rollflow.tasks.collect.paths import card_url
 from rollflow.tasks.publish.concat import split_url
@@ -16,12 +16,16 @@ from rollflow.tasks.publish.endpoints import agents_markdown
 from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
+if TYPE_CHECKING:
+    from huggingface_hub import DatasetCardData
+
 SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
          (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"))  # fmt: skip
 _DTYPES = {"string": "string", "int64": "int64", "double": "float64", "bool": "bool"}
 
 
 def size_category(rows: int) -> str:
+    """The Hub's size_categories bucket for a dataset of `rows` rows (what its search filters on)."""
     return next((name for limit, name in SIZES if rows < limit), "n>1T")
 
 
@@ -77,21 +81,29 @@ def _figures(facts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def front_matter(
+def card_data(
     report: dict[str, Any], data_files: str, features: list[dict[str, str]] | None
-) -> dict[str, Any]:
+) -> DatasetCardData:
+    """The front matter as the Hub's DatasetCardData: its own fields by name, the rest as extra keys."""
+    from huggingface_hub import DatasetCardData  # 0.4 s of imports, paid only by a run that publishes
+
     facts = _facts(report)
     info: dict[str, Any] = {"splits": [{"name": "train", "num_examples": facts["rows"]}]}
     if features:
         info = {"features": features, **info}
-    return {
+    extra = {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": data_files}]}],
         "dataset_info": info,
-        "size_categories": [size_category(facts["rows"])],
-        "task_categories": ["text-generation"],
         "tags": ["rollflow", "rollouts", "reinforcement-learning"],
         "rollflow": _figures(facts),
     }
+    # as JSON first: the Hub dumps with yaml.dump, which would tag a tuple or an enum as a Python object
+    return DatasetCardData(
+        license=report.get("license"),  # None (left out) until a run records one
+        size_categories=[size_category(facts["rows"])],
+        task_categories=["text-generation"],
+        **orjson.loads(orjson.dumps(extra)),
+    )
 
 
 def _num(value: Any, fmt: str = ",.4g") -> str:
@@ -108,6 +120,7 @@ def _num(value: Any, fmt: str = ",.4g") -> str:
 
 
 def _story(facts: dict[str, Any]) -> list[str]:
+    """The card's opening paragraph: where the rows came from, what answered and what scored them."""
     origin, scored, sent = facts["origin"], facts["scored_by"], facts["sent"]
     lines = [f"{facts['what']} from `{origin.get('input')}`"]
     if origin.get("input_sha256"):
@@ -134,6 +147,7 @@ def _story(facts: dict[str, Any]) -> list[str]:
 
 
 def _tables(facts: dict[str, Any]) -> list[str]:
+    """The Figures table and its companions: tokens, finish reasons, failures, sampling parameters."""
     fig = _figures(facts)
     out = ["## Figures", "", "| figure | value |", "|---|---:|"]
     for key, value in fig.items():
@@ -170,9 +184,9 @@ def _tables(facts: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_card(report: dict[str, Any], data_files: str, features: list[dict[str, str]] | None = None) -> str:
+def _body(report: dict[str, Any], data_files: str) -> list[str]:
+    """The card's Markdown below the front matter: the story, the figures, how to load it, the spec."""
     facts = _facts(report)
-    meta = yaml.safe_dump(front_matter(report, data_files, features), sort_keys=False, allow_unicode=True)
     body = [
         "# rollflow dataset",
         "",
@@ -196,10 +210,19 @@ def render_card(report: dict[str, Any], data_files: str, features: list[dict[str
     if origin.get("spec"):
         spec = orjson.dumps(origin["spec"], option=orjson.OPT_INDENT_2).decode()
         body += ["", "## The run's settings (secrets removed)", "", "```json", spec, "```"]
-    return f"---\n{meta}---\n\n" + "\n".join(body) + "\n"
+    return body
+
+
+def render_card(report: dict[str, Any], data_files: str, features: list[dict[str, str]] | None = None) -> str:
+    """README.md's text: the Hub's DatasetCard of `card_data`, parsed back by the Hub's own reader."""
+    from huggingface_hub import DatasetCard
+
+    meta = card_data(report, data_files, features).to_yaml()  # the Hub's key order: its own fields first
+    return str(DatasetCard(f"---\n{meta}\n---\n\n" + "\n".join(_body(report, data_files)) + "\n"))
 
 
 def parquet_features(store: Store, shard: str) -> list[dict[str, str]]:
+    """The card's `features`, from one shard's schema (every shard has the same)."""
     import pyarrow.parquet as pq
 
     with store.open_read(shard) as fh:

@@ -47,14 +47,22 @@ class TaskRewards:
         mean = self.mean
         return math.sqrt(max(0.0, self.squares / self.rollouts - mean * mean)) if self.rollouts else 0.0
 
-    def as_line(self) -> bytes:
-        """One newline-terminated JSON line, for a per-task rewards file."""
+    def add(self, reward: float, threshold: float) -> None:
+        """One more rollout of this task."""
+        self.rollouts += 1
+        self.correct += int(reward >= threshold)
+        self.reward_sum += reward
+        self.squares += reward * reward
+
+    def as_line(self, **extra: Any) -> bytes:
+        """One newline-terminated JSON line, for a per-task rewards file (reverify adds the old mean)."""
         row = {
             "task_index": self.index,
             "rollouts": self.rollouts,
             "correct": self.correct,
             "mean_reward": self.mean,
             "std_reward": round(self.std, 12),
+            **extra,
         }
         return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
 
@@ -72,15 +80,12 @@ class TaskGrouper:
 
     def add(self, task_index: int, reward: float) -> TaskRewards | None:
         """Count one rollout; return the previous task when this row starts a new one."""
-        correct = int(reward >= self.threshold)
         task = self._open
         if task is not None and task.index == task_index:
-            task.rollouts += 1
-            task.correct += correct
-            task.reward_sum += reward
-            task.squares += reward * reward
+            task.add(reward, self.threshold)
             return None
-        self._open = TaskRewards(task_index, 1, correct, reward, reward * reward)
+        self._open = TaskRewards(task_index, 0, 0, 0.0)
+        self._open.add(reward, self.threshold)
         return task
 
     def finish(self) -> TaskRewards | None:

@@ -1,210 +1,17 @@
-"""What came back, counted row by row while a chunk is audited: tokens in and out, finish reasons, models,
-the sampling parameters each row was sent with. Counts only, so chunks merge in any order.
-
-Token counts are kept as value -> rollouts (a reply's token count takes a few thousand distinct values at
-most), so p50 and p95 are exact (nearest rank) without holding a value per rollout.
-"""
+"""The run's story in report.json (`story`): what was sent, what scored it, where it came from and what
+came back, from the audit's row counts (`tasks/publish/row_stats.py`); and the story told as the CLI's
+`story:` line and report.md's section."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import orjson
 
-from rollflow.settings import RunSpec, VerifySettings, redact
-from rollflow.tasks.storage import rowjson
-from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
-
-MAX_DISTINCT = 20  # distinct values kept per sampling parameter; the rest are counted as "(other)"
-OTHER = "(other)"
-NOT_SAMPLING = frozenset({"input", "tools", "instructions", "metadata", "tool_choice", "text"})
-TRUNCATING = frozenset({"length", "max_output_tokens", "max_tokens"})
-LIBRARIES = {"math": "math-verify"}
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
-
-
-def finish_reason(response: dict[str, Any]) -> str:
-    """stop, length, content_filter, refusal, ...: Responses' status and incomplete_details, or the chat
-    reply's finish_reason; a message that refused says `refusal`."""
-    status = response.get("status")
-    if status == "incomplete":
-        details = response.get("incomplete_details")
-        reason = details.get("reason") if isinstance(details, dict) else None
-        return str(reason or "incomplete")
-    for item in response.get("output") or ():
-        content = item.get("content") if isinstance(item, dict) and item.get("type") == "message" else None
-        if any(isinstance(c, dict) and c.get("type") == "refusal" for c in content or ()):
-            return "refusal"
-    reason = response.get("finish_reason")
-    if reason:
-        return str(reason)
-    return "stop" if status in (None, "completed") else str(status)
-
-
-def _percentile(counts: dict[int, int], share: float) -> int | None:
-    total = sum(counts.values())
-    if not total:
-        return None
-    rank, seen = max(1, -(-total * share // 1)), 0
-    for value in sorted(counts):
-        seen += counts[value]
-        if seen >= rank:
-            return value
-    return None
-
-
-def token_figures(counts: dict[int, int]) -> dict[str, Any]:
-    n = sum(counts.values())
-    total = sum(v * c for v, c in counts.items())
-    return {
-        "rollouts": n,
-        "mean": round(total / n, 3) if n else None,
-        "p50": _percentile(counts, 0.5),
-        "p95": _percentile(counts, 0.95),
-        "max": max(counts) if counts else None,
-        "total": total,
-    }
-
-
-@dataclass
-class RowStory:
-    rows: int = 0
-    tokens_in: Counter[int] = field(default_factory=Counter)
-    tokens_out: Counter[int] = field(default_factory=Counter)
-    finish: Counter[str] = field(default_factory=Counter)
-    models: Counter[str] = field(default_factory=Counter)
-    params: dict[str, Counter[str]] = field(default_factory=dict)
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows += 1
-        response = row.get("response")
-        if isinstance(response, dict):
-            usage = response.get("usage")
-            if isinstance(usage, dict):
-                t_in = _count(usage.get("input_tokens", usage.get("prompt_tokens")))
-                t_out = _count(usage.get("output_tokens", usage.get("completion_tokens")))
-                if t_in is not None:
-                    self.tokens_in[t_in] += 1
-                if t_out is not None:
-                    self.tokens_out[t_out] += 1
-            self.finish[finish_reason(response)] += 1
-            if response.get("model"):
-                self.models[str(response["model"])] += 1
-        params = row.get("responses_create_params")
-        if isinstance(params, dict):
-            for key, value in params.items():
-                if key not in NOT_SAMPLING:
-                    self._param(key, orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode())
-
-    def _param(self, key: str, value: str) -> None:
-        seen = self.params.setdefault(key, Counter())
-        if value in seen or len(seen) < MAX_DISTINCT:
-            seen[value] += 1
-        else:
-            seen[OTHER] += 1
-
-    def merge(self, other: RowStory) -> None:
-        self.rows += other.rows
-        self.tokens_in.update(other.tokens_in)
-        self.tokens_out.update(other.tokens_out)
-        self.finish.update(other.finish)
-        self.models.update(other.models)
-        for key, values in other.params.items():
-            for value, n in values.items():
-                seen = self.params.setdefault(key, Counter())
-                if value in seen or len(seen) < MAX_DISTINCT:
-                    seen[value] += n
-                else:
-                    seen[OTHER] += n
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "rows": self.rows,
-            "tokens_in": {str(k): v for k, v in self.tokens_in.items()},
-            "tokens_out": {str(k): v for k, v in self.tokens_out.items()},
-            "finish": dict(self.finish),
-            "models": dict(self.models),
-            "params": {k: dict(v) for k, v in self.params.items()},
-        }
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> RowStory:
-        return cls(
-            rows=state["rows"],
-            tokens_in=Counter({int(k): v for k, v in state["tokens_in"].items()}),
-            tokens_out=Counter({int(k): v for k, v in state["tokens_out"].items()}),
-            finish=Counter(state["finish"]),
-            models=Counter(state["models"]),
-            params={k: Counter(v) for k, v in state["params"].items()},
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        """The report's `returned` figures: tokens per rollout, finish reasons, models, parameters sent."""
-        answered = sum(self.finish.values())
-        truncated = sum(n for reason, n in self.finish.items() if reason in TRUNCATING)
-        return {
-            "rollouts": self.rows,
-            "tokens_in": token_figures(self.tokens_in),
-            "tokens_out": token_figures(self.tokens_out),
-            "finish_reasons": dict(self.finish.most_common()),
-            "truncated": truncated,
-            "truncation_rate": round(truncated / answered, 6) if answered else None,
-            "models": dict(self.models.most_common()),
-            "sampling_params": {
-                key: dict(values.most_common()) for key, values in sorted(self.params.items())
-            },
-        }
-
-
-def verifier_story(verify: VerifySettings, scored: bool = True) -> dict[str, Any] | None:
-    """The verifier, its library's version (math-verify's for `math`) and the settings it ran with; None
-    when the backend gave the rewards (an agent)."""
-    if not scored:
-        return None
-    name = verify.verifier_for("responses")  # an agent's replies are scored only by a verifier set
-    library = LIBRARIES.get(name)
-    try:
-        library_version = version(library) if library else None
-    except PackageNotFoundError:
-        library_version = None
-    return {
-        "name": name,
-        "url": scrub_url(verify.url) if name == "http" and verify.url else None,
-        "library": library,
-        "library_version": library_version,
-        "correct_threshold": verify.correct_threshold,
-        "check_timeout_s": verify.check_timeout_s,
-        "processes": verify.processes,
-    }
-
-
-def scrub_url(url: str) -> str:
-    """A URL without user:password@ and with every registered secret masked."""
-    return redact.redact(url)
-
-
-def scrubbed(value: Any) -> Any:
-    """Any JSON-ready value with URLs' credentials and registered secrets masked in its strings (never
-    in its rendered text: a short key such as `1` or `null` would change numbers or break the JSON)."""
-    return redact.redact_value(value)
-
-
-def failures_by_kind(ledger: Ledger, manifests: dict[int, ChunkManifest]) -> dict[str, int]:
-    kinds: Counter[str] = Counter()
-    for index, manifest in manifests.items():
-        if manifest.failed:
-            for line in ledger.store.read_bytes(ledger.failures_path(index)).splitlines():
-                if line.strip():
-                    kinds[rowjson.failure_kind(line)] += 1
-    return dict(kinds.most_common())
+from rollflow.settings import RunSpec, redact
+from rollflow.tasks.publish.failure_kinds import failures_by_kind
+from rollflow.tasks.publish.verifier_story import verifier_story
+from rollflow.tasks.storage.ledger import Ledger, RunIdentity
 
 
 def run_story(spec: RunSpec, identity: RunIdentity, summary: Any, ledger: Ledger) -> dict[str, Any]:
@@ -215,9 +22,9 @@ def run_story(spec: RunSpec, identity: RunIdentity, summary: Any, ledger: Ledger
         "sent": {
             "backend_kind": kind,
             "model": spec.backend.model,
-            "endpoints": [scrub_url(u) for u in spec.backend.urls],
+            "endpoints": [redact.redact(u) for u in spec.backend.urls],
             "models_answered": returned.pop("models"),
-            "overrides": scrubbed(spec.collection.overrides),
+            "overrides": redact.redact_value(spec.collection.overrides),
             "sampling_params": returned.pop("sampling_params"),
             "seed": spec.collection.seed,
             "num_repeats": spec.collection.num_repeats,
@@ -227,10 +34,10 @@ def run_story(spec: RunSpec, identity: RunIdentity, summary: Any, ledger: Ledger
         ),
         "origin": {
             "rollflow_version": identity.rollflow_version,
-            "input": scrub_url(spec.input),
+            "input": redact.redact(spec.input),
             "input_sha256": identity.input_fingerprint,
             "input_rows": identity.rows,
-            "spec": scrubbed(spec.model_dump(mode="json")),
+            "spec": redact.redact_value(spec.model_dump(mode="json")),
         },
         "returned": {**returned, "failures_by_kind": failures_by_kind(ledger, ledger.committed())},
     }

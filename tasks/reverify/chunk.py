@@ -16,7 +16,7 @@ from typing import Any
 from rollflow.tasks.backends.backends import BackendError
 from rollflow.tasks.collect.chunk import committed_rows
 from rollflow.tasks.reverify.rescore import (
-    failure_line,
+    failed_line,
     new_reward,
     plain_reward,
     rescored_line,
@@ -96,7 +96,7 @@ class _Work:
 
     def _scored(self, i: int, row: dict[str, Any], key: RolloutKey, reward: float | BackendError) -> None:
         if isinstance(reward, BackendError):
-            self.failures[key] = failure_line(row, reward)
+            self.failures[key] = failed_line(row, reward)
             return
         t1 = time.perf_counter()
         self.results[i] = rescored_line(row, reward, self.ctx.verifier_name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,7 +13,7 @@ import orjson
 
 from rollflow.tasks.publish.audit import AUDIT_DIR, tasks_path
 from rollflow.tasks.publish.rewards import RewardStats, TaskRewards
-from rollflow.tasks.publish.story import RowStory
+from rollflow.tasks.publish.row_stats import RowStory
 from rollflow.tasks.reverify.source import SourceChunk
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
@@ -24,40 +23,24 @@ CACHE_VERSION = 3
 FAILED = "failed"  # the before side of a rollout the source had no reward for
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass
 class _Task:
-    """One task's rollouts: the new rewards' sums (and squares, for the std) and the old ones'."""
+    """One task's new rewards and its old ones, counted as collection's audit counts a task."""
 
-    index: int
-    n: int = 0
-    total: float = 0.0
-    squares: float = 0.0
-    correct: int = 0
-    old_n: int = 0
-    old_total: float = 0.0
-    old_correct: int = 0
+    after: TaskRewards
+    before: TaskRewards
+
+    @classmethod
+    def at(cls, index: int) -> _Task:
+        return cls(TaskRewards(index, 0, 0, 0.0), TaskRewards(index, 0, 0, 0.0))
 
     def line(self) -> bytes:
-        mean = self.total / self.n
-        std = math.sqrt(max(0.0, self.squares / self.n - mean * mean))
-        row = {
-            "task_index": self.index,
-            "rollouts": self.n,
-            "correct": self.correct,
-            "mean_reward": mean,
-            "std_reward": round(std, 12),
-            "previous_mean_reward": self.old_total / self.old_n if self.old_n else None,
-        }
-        return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+        return self.after.as_line(previous_mean_reward=self.before.mean if self.before.rollouts else None)
 
     def delta(self) -> float | None:
-        if not self.n or not self.old_n:
+        if not self.after.rollouts or not self.before.rollouts:
             return None
-        return self.total / self.n - self.old_total / self.old_n
+        return self.after.mean - self.before.mean
 
 
 @dataclass
@@ -103,15 +86,15 @@ class _Pass:
 
     def close_task(self) -> None:
         task, self.task = self.task, None
-        if task is None or not task.n:
+        if task is None or not task.after.rollouts:
             return
         self.lines.append(task.line())
-        self.after.add_task(TaskRewards(task.index, task.n, task.correct, task.total))
-        if task.old_n:
-            self.before.add_task(TaskRewards(task.index, task.old_n, task.old_correct, task.old_total))
+        self.after.add_task(task.after)
+        if task.before.rollouts:
+            self.before.add_task(task.before)
         delta = task.delta()
         if delta is not None:
-            item = [abs(delta), task.index, task.old_total / task.old_n, task.total / task.n]
+            item = [abs(delta), task.after.index, task.before.mean, task.after.mean]
             heapq.heappush(self.out.top, item)
             if len(self.out.top) > TOP_TASKS:
                 heapq.heappop(self.out.top)
@@ -128,7 +111,7 @@ class _Pass:
             problem = exc.problem if isinstance(exc, rowjson.RowError) else f"it has no {exc}"
             out.problems.append(f"line {lineno}: not a valid output row ({problem})")
             return
-        if not _number(reward) or key <= self.last:
+        if not rowjson.is_reward(reward) or key <= self.last:
             out.invalid += 1
             out.problems.append(f"line {lineno}: rollout {key} has reward {reward!r} or is out of order")
             return
@@ -137,26 +120,20 @@ class _Pass:
         # a kept row of a source that was itself reverified carries _rf too: it was not scored by this run
         rescored = "reverified_with" in rf if self.only is None else key in self.only
         old = rf.get("previous_reward") if rescored else reward
-        old = old if _number(old) else None
+        old = old if rowjson.is_reward(old) else None
         out.rescored += int(rescored)
         out.changed += int(old is not None and old != reward)
         cell = f"{self.side(old)}>{self.side(reward)}"
         out.agreement[cell] = out.agreement.get(cell, 0) + 1
-        if self.task is not None and self.task.index != key[0]:
+        if self.task is not None and self.task.after.index != key[0]:
             self.close_task()
         if self.task is None:
-            self.task = _Task(key[0])
-        task = self.task
+            self.task = _Task.at(key[0])
         self.after.add_reward(float(reward))
-        task.n += 1
-        task.total += reward
-        task.squares += reward * reward
-        task.correct += int(reward >= self.threshold)
+        self.task.after.add(reward, self.threshold)
         if old is not None:
             self.before.add_reward(float(old))
-            task.old_n += 1
-            task.old_total += old
-            task.old_correct += int(old >= self.threshold)
+            self.task.before.add(old, self.threshold)
 
 
 def compare_chunk(

@@ -7,15 +7,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
+from rollflow.settings import redact
 from rollflow.settings.reverify import ReverifySpec
-from rollflow.tasks.collect.plan import config_hash
+from rollflow.tasks.collect.plan import config_hash, rollflow_version
 from rollflow.tasks.collect.rows import InputError, stop_before_writing
-from rollflow.tasks.publish.story import scrub_url
 from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.owned import location
@@ -33,13 +32,6 @@ class ReverifyPlan:
         return [
             c for c in self.source.chunks if c.index not in self.committed or self.committed[c.index].failed
         ]
-
-
-def rollflow_version() -> str:
-    try:
-        return version("rollflow")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def reverify_config(spec: ReverifySpec, mode: str) -> dict[str, Any]:
@@ -88,7 +80,7 @@ def plan_reverify(
     config = reverify_config(spec, source.mode)
     chunk_size = spec.chunk_size if source.mode == "dataset" else 0
     identity = RunIdentity(
-        input_url=scrub_url(source.url),  # run.json holds no user:password of the source's URL
+        input_url=redact.redact(source.url),  # run.json holds no user:password of the source's URL
         input_fingerprint=source.fingerprint,
         rows=source.rows,
         tasks=source.tasks,

@@ -4,12 +4,14 @@ tasks.jsonl, and failures.jsonl (every rollout that still failed, with its kind 
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import Any
 
 from rollflow.tasks.publish.concat import concatenate, concatenate_chunk_files, concatenate_tasks
+from rollflow.tasks.publish.failure_kinds import count_kinds
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChunk
-from rollflow.tasks.storage import owned, rowjson
+from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 FAILURES_NAME = "failures.jsonl"
@@ -20,14 +22,9 @@ def write_failures(
 ) -> Counter[str]:
     """failures.jsonl in the output (empty when none failed); returns the failures by kind."""
     kinds: Counter[str] = Counter()
-
-    def count(block: bytes) -> None:
-        for line in block.splitlines():
-            if line.strip():
-                kinds[rowjson.failure_kind(line)] += 1
-
     failed = [c.index for c in chunks if (m := manifests.get(c.index)) is not None and m.failed]
     owned.add(ledger.store, owned.FAILURES, [ledger.store.url(FAILURES_NAME)])
+    count = partial(count_kinds, kinds=kinds)
     with ledger.store.open_write(FAILURES_NAME) as out:
         concatenate_chunk_files(ledger.store, failed, ledger.failures_path, out, count)
     return kinds

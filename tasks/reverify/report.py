@@ -9,10 +9,10 @@ from typing import Any
 import orjson
 
 from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.collect.plan import rollflow_version
 from rollflow.tasks.publish.rewards import rewards_markdown
-from rollflow.tasks.publish.story import verifier_story
+from rollflow.tasks.publish.verifier_story import verifier_story
 from rollflow.tasks.reverify.compare import FAILED, Comparison
-from rollflow.tasks.reverify.plan import rollflow_version
 from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 

@@ -6,13 +6,14 @@ failure kinds (verifier, verifier_timeout, verifier_crash, no_reward): a failure
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 from rollflow.settings import redact
 from rollflow.tasks.backends.backends import BackendError, RolloutResult
 from rollflow.tasks.backends.replies import responses_text
+from rollflow.tasks.collect.failures import failure_line
+from rollflow.tasks.collect.rollouts import check_reward
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.verify.verifiers import Verifier
 
@@ -33,12 +34,6 @@ def _result(row: dict[str, Any]) -> RolloutResult:
     return RolloutResult({"response": response}, None, responses_text(response), 0, 0.0, 1)
 
 
-def _checked(reward: Any) -> float:
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise BackendError(f"no numeric reward: it is {reward!r}", kind="no_reward")
-    return reward
-
-
 async def new_reward(verifier: Verifier, row: dict[str, Any]) -> float:
     """The verifier's reward for the row's stored response; BackendError (a failure kind) otherwise."""
     result = _result(row)
@@ -48,7 +43,7 @@ async def new_reward(verifier: Verifier, row: dict[str, Any]) -> float:
         raise
     except Exception as exc:
         raise BackendError(f"verifier failed: {type(exc).__name__}: {exc}", kind="verifier") from exc
-    return _checked(reward)
+    return check_reward(reward, 1, none="the verifier gave none")
 
 
 def plain_reward(check: Callable[[dict[str, Any], str], float], row: dict[str, Any]) -> float:
@@ -58,7 +53,7 @@ def plain_reward(check: Callable[[dict[str, Any], str], float], row: dict[str, A
         reward = float(check(verifier_row(row), result.text))  # as collection's threaded check does
     except Exception as exc:
         raise BackendError(f"verifier failed: {type(exc).__name__}: {exc}", kind="verifier") from exc
-    return _checked(reward)
+    return check_reward(reward, 1, none="the verifier gave none")
 
 
 def rescored_line(row: dict[str, Any], reward: float, verifier_name: str) -> bytes:
@@ -73,24 +68,14 @@ def rescored_line(row: dict[str, Any], reward: float, verifier_name: str) -> byt
     return rowjson.dumps(out)
 
 
-def failure_line(row: dict[str, Any], exc: BackendError) -> bytes:
-    """Collection's failure record shape, with the response under `output` so a later run can score it."""
-    record: dict[str, Any] = {
-        "_ng_task_index": row.get("_ng_task_index"),
-        "_ng_rollout_index": row.get("_ng_rollout_index"),
-        "error": {
-            "kind": exc.kind,
-            "status": exc.status,
-            "attempts": exc.attempts,
-            "message": redact.redact(str(exc)),
-        },
-        "row": verifier_row(row),
-        "output": {"response": row.get("response")},
-        "previous_reward": row.get("reward"),
-    }
-    if "_rf" in row:
-        record["_rf"] = row["_rf"]
-    return rowjson.dumps(record)
+def failed_line(row: dict[str, Any], exc: BackendError) -> bytes:
+    """Collection's failure record, with the stored response under `output` and the old reward kept."""
+    key = (row["_ng_task_index"], row["_ng_rollout_index"])
+    extra = {"previous_reward": row.get("reward")}
+    output = {"response": row.get("response")}
+    return failure_line(
+        key, exc, verifier_row(row), redact.redact, output=output, rf=row.get("_rf"), extra=extra
+    )
 
 
 def row_of_failure(record: dict[str, Any]) -> dict[str, Any]:

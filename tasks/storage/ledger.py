@@ -11,13 +11,13 @@ from typing import IO, Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from rollflow.tasks.storage import owned
+from rollflow.tasks.storage import chunk_spans, owned
 from rollflow.tasks.storage.store import Store
 
 RUN = "run.json"
 CHUNKS, FAILURES = "chunks", "failures"
 BAD_ROWS = "bad_rows.jsonl"
-RUN_OUTPUTS = (BAD_ROWS,)  # what the run writes beside its state; what it publishes is in owned.py
+RUN_OUTPUTS = (BAD_ROWS, chunk_spans.SPANS)  # beside its state; what it publishes is in owned.py
 RUN_DIRS = (CHUNKS, FAILURES, "audit", "parts")
 
 
@@ -191,28 +191,54 @@ class Ledger:
             self._write_identity(stored)
 
     def manifest(self, i: int) -> ChunkManifest | None:
-        """Chunk i's manifest if it is a commit of this run (another run's manifest is no commit)."""
+        """Chunk i's manifest if it is a commit of this run whose data is still there (another run's
+        manifest, or one whose data is gone, is no commit)."""
         rel = self.manifest_path(i)
         try:
             manifest = ChunkManifest.model_validate_json(self.store.read_bytes(rel))
         except (FileNotFoundError, IsADirectoryError, ValidationError, ValueError):
             return None
-        return manifest if manifest.run_id == self.run_id else None
+        if manifest.run_id != self.run_id or not self._holds_data(i):
+            return None
+        return manifest
+
+    def _holds_data(self, i: int) -> bool:
+        """Chunk i's data is readable: its object, or its span of the published dataset."""
+        if self.store.exists(self.chunk_path(i)):
+            return True
+        try:
+            chunk_spans.located(self.store, self.run_id, i)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def chunk_stamp(self, i: int) -> str:
+        """What changes when chunk i's data is rewritten (its object's stamp, or its span once dropped)."""
+        try:
+            return self.store.stamp(self.chunk_path(i))
+        except FileNotFoundError:
+            return chunk_spans.located(self.store, self.run_id, i)[1].stamp
 
     def uncommit(self, i: int) -> None:
         """Withdraw chunk i's commit (its data no longer matches): the chunk is collected again."""
         self.store.delete(self.manifest_path(i))
 
     def committed(self) -> dict[int, ChunkManifest]:
-        """Every committed chunk's manifest, from one listing."""
-        names = [n for n in self.store.list(CHUNKS) if n.endswith(".json") and n[:-5].isdigit()]
+        """Every committed chunk's manifest, from one listing: a manifest whose data is gone (its object,
+        or its span once dropped) vouches for nothing, so that chunk is collected again."""
+        listed = self.store.list(CHUNKS)
+        names = [n for n in listed if n.endswith(".json") and n[:-5].isdigit()]
+        held = {int(n[:-6]) for n in listed if n.endswith(".jsonl") and n[:-6].isdigit()}
+        if len(held) < len(names):
+            held |= chunk_spans.readable(self.store, self.run_id)
         found: dict[int, ChunkManifest] = {}
         for rel, data in self.store.read_many([f"{CHUNKS}/{n}" for n in names]).items():
             try:
                 manifest = ChunkManifest.model_validate_json(data)
             except (ValidationError, ValueError):
                 continue  # a torn or foreign object is not a commit
-            if rel == self.manifest_path(manifest.chunk) and manifest.run_id == self.run_id:
+            mine = rel == self.manifest_path(manifest.chunk) and manifest.run_id == self.run_id
+            if mine and manifest.chunk in held:
                 found[manifest.chunk] = manifest
         return dict(sorted(found.items()))
 
@@ -235,7 +261,11 @@ class Ledger:
 
     @contextlib.contextmanager
     def open_chunk(self, i: int) -> Iterator[IO[bytes]]:
-        fh = self.store.open_read(self.chunk_path(i))
+        """Chunk i's data: its object, or once dropped after publishing, its span of the dataset."""
+        try:
+            fh = self.store.open_read(self.chunk_path(i))
+        except FileNotFoundError:
+            fh = chunk_spans.open_span(self.store, self.run_id, i)
         try:
             yield fh
         finally:

@@ -86,11 +86,11 @@ def _protocol(store: Store) -> str:
     return store.fs.protocol if isinstance(store.fs.protocol, str) else store.fs.protocol[0]
 
 
-def _resolved(store: Store, recorded: str) -> str:
+def resolved(store: Store, recorded: str) -> str:
     return recorded if recorded.startswith("/") or "://" in recorded else store.url(recorded)
 
 
-def _recorded(store: Store, url: str, options: dict[str, Any] | None) -> str:
+def recorded(store: Store, url: str, options: dict[str, Any] | None) -> str:
     """Relative to the output when on its store (`../x.jsonl` beside it), else where it is."""
     protocol, path, _ = location(url, options)
     root = posixpath.normpath(store.root)
@@ -102,14 +102,14 @@ def _recorded(store: Store, url: str, options: dict[str, Any] | None) -> str:
 
 def owned(store: Store, kind: str) -> list[str]:
     """The URLs of one kind of object this output published, from its record."""
-    return [_resolved(store, e["path"]) for e in _read(store).get(kind, [])]
+    return [resolved(store, e["path"]) for e in _read(store).get(kind, [])]
 
 
 def record(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
     """The objects of `kind` this output owns from now on (replacing the kind's earlier list)."""
     found = _read(store)
     sizes = {e["path"]: e.get("size") for e in found.get(kind, [])}
-    paths = sorted({_recorded(store, u, options) for u in urls})
+    paths = sorted({recorded(store, u, options) for u in urls})
     _write(store, {**found, kind: [{"path": p, "size": sizes.get(p)} for p in paths]})
 
 
@@ -124,7 +124,7 @@ def settle(store: Store, options: dict[str, Any] | None = None) -> None:
     found = _read(store)
     for entries in found.values():
         for entry in (e for e in entries if _outside(e["path"])):
-            _, path, fs = location(_resolved(store, entry["path"]), options)
+            _, path, fs = location(resolved(store, entry["path"]), options)
             try:
                 entry["size"] = int(fs.size(path))
             except (FileNotFoundError, OSError, TypeError, ValueError):
@@ -166,7 +166,7 @@ def discard(
     legacy = not has_record(store)
     entries = [(e["path"], e.get("size")) for kind in KINDS for e in _read(store).get(kind, [])]
     # inside the output (rollflow's own folder) always; outside only while it is the size it was published
-    found = [(_resolved(store, p), size if _outside(p) else None) for p, size in entries]
+    found = [(resolved(store, p), size if _outside(p) else None) for p, size in entries]
     if legacy and dataset and (dataset.startswith("/") or "://" in dataset):
         found.append((dataset, None))
     removed: list[str] = []

@@ -8,6 +8,7 @@ digits) is read again with `json`, which keeps integers of any size; writing fal
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -28,6 +29,11 @@ def loads(data: bytes) -> Any:
     if _LONG_DIGITS.search(data) is None:
         return value
     return _EXACT_LOADS.decode(data.decode("utf-8"))
+
+
+def is_reward(value: Any) -> bool:
+    """A value a row may carry as its reward: a finite int or float, never a bool (the one check)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def dumps(value: Any) -> bytes:

@@ -96,6 +96,7 @@ class Store:
 
     def __init__(self, root_url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.root_url = root_url.rstrip("/") or root_url
+        self.options = dict(storage_options or {})
         self.fs, root = fsspec.core.url_to_fs(root_url, **storage_options_for(root_url, storage_options))
         self.root = root.rstrip("/") if root != "/" else root
         self.local = isinstance(self.fs, LocalFileSystem)

@@ -20,6 +20,7 @@ from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
+from rollflow.tasks.publish.drop_chunks import drop_chunk_data
 from rollflow.tasks.publish.nemo_gym_files import write_aggregate_metrics, write_sidecar
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChanged
@@ -171,6 +172,20 @@ async def concatenate_task(handles: RunHandles, plan: RunPlan) -> int:
         handles.dataset_options,
     )
     return written
+
+
+@task(name="drop-chunk-data", cache_policy=NONE)
+async def drop_chunks_task(handles: RunHandles, plan: RunPlan) -> int:
+    """The chunk objects a JSONL publish holds go (--keep-chunks keeps them); bytes freed."""
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    return await asyncio.to_thread(
+        drop_chunk_data,
+        handles.ledger,
+        plan.scan.chunks,
+        manifests,
+        handles.spec.dataset_url(),
+        handles.dataset_options,
+    )
 
 
 @task(name="nemo-gym-files", cache_policy=NONE)

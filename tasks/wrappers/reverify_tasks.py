@@ -12,6 +12,7 @@ from prefect.runtime import task_run
 
 from rollflow.settings import redact
 from rollflow.tasks.collect.stoppable import run_stoppable
+from rollflow.tasks.publish.drop_chunks import drop_chunk_data
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome, reverify_chunk
 from rollflow.tasks.reverify.compare import Comparison, compare_run
 from rollflow.tasks.reverify.plan import ReverifyPlan, plan_reverify
@@ -98,5 +99,19 @@ async def publish_task(handles: ReverifyHandles, plan: ReverifyPlan) -> int:
         plan.source.chunks,
         manifests,
         spec.dataset_url(),
+        handles.output_options,
+    )
+
+
+@task(name="drop-chunk-data", cache_policy=NONE)
+async def drop_chunks_task(handles: ReverifyHandles, plan: ReverifyPlan) -> int:
+    """The chunk objects the published rollouts.jsonl holds go (--keep-chunks keeps them); bytes freed."""
+    manifests = await asyncio.to_thread(handles.ledger.committed)
+    return await asyncio.to_thread(
+        drop_chunk_data,
+        handles.ledger,
+        plan.source.chunks,
+        manifests,
+        handles.spec.dataset_url(),
         handles.output_options,
     )
