@@ -13,6 +13,7 @@ pytest_plugins = [
     "fixtures_runs",
     "fixtures_s3",
     "fixtures_sim",
+    "fixtures_vllm",
     "local_http",
 ]
 

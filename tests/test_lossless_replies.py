@@ -4,13 +4,13 @@ rollout is a failure with its reason (property test over real HTTP, one real cli
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from typing import Any
 
 import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reply_leaves import leaves
 from zoo_servers import CHAT_SERVERS, Said, ThreadedServer, json_reply, openai_response, sse
 
 from rollflow.settings import BackendSettings
@@ -19,24 +19,7 @@ from rollflow.tasks.backends.http import close_loop_session, session_for_loop
 
 pytestmark = pytest.mark.concurrent
 
-# Keys that name a shape, not something the model said: they differ between the two shapes by design.
-STRUCTURAL = frozenset({"object", "role", "type", "index"})
 ROW = {"responses_create_params": {"input": "2 + 2?"}}
-
-
-def leaves(value: Any, skip: frozenset[str] = STRUCTURAL) -> Counter[str]:
-    """Every scalar the JSON holds (but under shape keys), counted: what a reply said, as a multiset."""
-    out: Counter[str] = Counter()
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key not in skip:
-                out += leaves(item, skip)
-    elif isinstance(value, list):
-        for item in value:
-            out += leaves(item, skip)
-    elif value is not None and value != "":
-        out[repr(value)] += 1
-    return out
 
 
 class Zoo:
