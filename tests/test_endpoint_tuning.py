@@ -145,6 +145,8 @@ def test_adaptive_run_reports_each_endpoint(run_cli, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     report = orjson.loads((out / "report.json").read_bytes())
     assert "tuning_skipped" in report
+    said = " ".join((res.stdout + res.stderr).split())  # as printed, folded to the terminal's width
+    assert f"tuning skipped: {report['tuning_skipped']}" in said, said[-3000:]  # said, not only in the file
     adaptive = report["adaptive"]
     final = {ep["url"]: ep["final_limit"] for ep in adaptive["endpoints"]}
     assert final == {row["url"]: row["limit"] for row in report["endpoints"]}

@@ -179,3 +179,35 @@ async def test_sglang_over_http() -> None:
     finally:
         sim.stop()
     assert sample is not None and (sample.running, sample.waiting, sample.kv_cache_usage) == (0, 0, 0.0)
+
+
+async def test_a_slow_scrape_of_an_engine_with_gauges_is_a_missed_sample_not_no_signal() -> None:
+    """vLLM took 1.02 s to render /metrics at 160 in flight: the sampler's 1 s timeout then called it "no
+    signal" and asked again only 30 s later, so later tuning steps carried no engine reading at all."""
+    slow = {"s": 0.0}
+
+    async def metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        await asyncio.sleep(slow["s"])
+        return aiohttp.web.Response(text=VLLM, content_type="text/plain")
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        async with aiohttp.ClientSession() as session, EngineSampler(url, session) as sampler:
+            assert await sampler.has_signal()
+            before = len(sampler.samples)
+            slow["s"] = 1.5  # past the first scrape's 1 s bound, within a loaded engine's
+            await asyncio.sleep(6.0)  # a page each 2 s: about three
+            during = len(sampler.samples) - before
+            slow["s"] = 0.0
+            await asyncio.sleep(3.0)  # a page each 0.5 s: about six
+            assert sampler.available
+            assert during >= 2, "the slow engine's pages were dropped"
+            assert len(sampler.samples) >= before + during + 2, "sampling paused after a slow page"
+    finally:
+        await runner.cleanup()

@@ -163,6 +163,10 @@ def _print_report(console: Console, report: dict[str, Any], note: str | None, pr
         console.print(f"[yellow]rollflow:[/] {note}", highlight=False, soft_wrap=True)
     for said in report.get("warnings") or []:  # NeMo Gym's warnings of routing, as its collector prints
         console.print(f"[yellow]rollflow: warning:[/] {said}", highlight=False, soft_wrap=True)
+    for key in ("tuning_skipped", "tuning_stopped"):  # said where the chosen parallelism is printed
+        if report.get(key):
+            said = f"{key.replace('_', ' ')}: {report[key]}"
+            console.print(f"[yellow]rollflow:[/] {said}", highlight=False, soft_wrap=True)
     if report.get("diagnosis"):
         print_tuning(console, report, report["output"])
     console.print(summary_table(report))

@@ -107,6 +107,11 @@ class EngineSampler:
         self._held = False
         self._max: dict[str, float] = {}
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * self.min_interval_s))
+        # A loaded engine is slow to render its page (vLLM took 1.02 s at 160 in flight): once it has
+        # shown its gauges, a slow or lost scrape is a missed sample, never "no signal" for half a minute.
+        self._loaded_timeout = aiohttp.ClientTimeout(total=max(5.0, 4 * self.min_interval_s))
+        self.seen_signal = False
+        self.missed = 0
 
     @property
     def latest(self) -> EngineSample | None:
@@ -130,16 +135,22 @@ class EngineSampler:
         sent = time.perf_counter()
         self._last_fetch = sent
         self.attempts += 1
+        timeout = self._loaded_timeout if self.seen_signal else self._timeout
         try:
-            async with self.session.get(self.url, headers=self.headers, timeout=self._timeout) as resp:
-                text = await resp.text(errors="replace") if resp.status == 200 else ""
+            async with self.session.get(self.url, headers=self.headers, timeout=timeout) as resp:
+                text: str | None = await resp.text(errors="replace") if resp.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            text = ""
+            text = None  # no answer: a missed sample of an engine that has gauges
+        if text is None and self.seen_signal:
+            self.missed += 1
+            self._tried.set()
+            return None
         # The gauges describe some instant between sending and receiving: take the middle. An engine's
         # page runs to thousands of lines (histograms): parse it off the event loop that drives rollouts.
         at = (sent + time.perf_counter()) / 2
         sample = await asyncio.to_thread(parse_engine_metrics, text, at) if text else None
         self.available = sample is not None
+        self.seen_signal = self.seen_signal or self.available
         self._tried.set()
         if sample is not None:
             self._record(sample)
