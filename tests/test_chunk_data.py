@@ -67,6 +67,8 @@ def test_a_dataset_gone_after_its_chunks_were_dropped_is_collected_again(
     (out / "rollouts.jsonl").write_bytes(dataset[:-200])  # edited: cut short
     res = _collect(run_cli, inp, out, fast_sim.url)
     assert res.returncode == 0, res.stderr[-3000:]
+    said = " ".join((res.stdout + res.stderr).split())
+    assert "is gone or was changed since" in said and "collected again" in said, said[-3000:]
     assert (out / "rollouts.jsonl").read_bytes() == dataset  # seeded: collected again, the same rollouts
     (out / "rollouts.jsonl").unlink()
     res = _collect(run_cli, inp, out, fast_sim.url)
@@ -83,3 +85,61 @@ def test_reverify_of_a_run_without_chunk_objects(run_cli, fast_sim, tmp_path: Pa
     assert_complete((rv / "rollouts.jsonl").read_bytes().splitlines(), 20, 2)
     res = run_cli("reverify", str(out), "--output", str(rv), "--verifier", "math_fast", "--chunk-size", "8")
     assert res.returncode == 0, res.stderr[-3000:]  # its own rerun reads its spans
+
+
+FLAKY = """
+def verify(row, text):
+    if row["expected_answer"].split(".")[0].endswith("4"):
+        raise ValueError("this check always fails")
+    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
+"""
+
+
+def test_failed_only_never_completes_rows_edited_in_the_published_dataset(
+    run_cli, fast_sim, tmp_path: Path
+) -> None:
+    """--failed-only read a dropped chunk from the dataset without its commit's hash: a reward edited there
+    (same size) was published as rescored, exit 0. It is refused, naming the chunk, and nothing published."""
+    (tmp_path / "flaky_verifier.py").write_text(FLAKY)
+    inp, out = write_rows(tmp_path / "rows.jsonl", 20), tmp_path / "run"
+    res = run_cli(
+        "collect", "--input", str(inp), "--output", str(out), "--backend-kind", "chat", "--backend-url",
+        fast_sim.url, "--num-repeats", "2", "--chunk-size", "8", "--verifier", "flaky_verifier:verify",
+        "--verify-processes", "0", "--no-progress", "--allow-incomplete", env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _chunk_objects(out) == []
+    dataset = out / "rollouts.jsonl"
+    data = dataset.read_bytes()
+    edited = data.replace(b'"reward":1.0', b'"reward":0.0', 1)
+    assert edited != data
+    dataset.write_bytes(edited)
+    rv = tmp_path / "rv"
+    args = ["reverify", str(out), "--output", str(rv), "--verifier", "exact_match", "--failed-only"]
+    res = run_cli(*args)
+    assert res.returncode != 0 and "not those its run committed" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and not (rv / "rollouts.jsonl").exists(), res.stderr[-3000:]
+    # a damaged failure record is refused at its file and line, before anything is rescored
+    dataset.write_bytes(data)
+    failures = sorted((out / "failures").glob("*.jsonl"))[0]
+    lines = failures.read_bytes().splitlines(keepends=True)
+    failures.write_bytes(b"".join([lines[0][:30] + b"\n", *lines[1:]]))
+    res = run_cli(*args, "--restart")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"failures/{failures.name} line 1:" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_parquet_publish_over_an_edited_dataset_is_one_paragraph(run_cli, fast_sim, tmp_path: Path) -> None:
+    """Chunks dropped by a JSONL publish, the dataset then edited, the same run published as Parquet: a
+    ValueError with two tracebacks; now the chunk is named, its commit withdrawn, and a rerun recovers."""
+    inp, out = write_rows(tmp_path / "rows.jsonl", 20), tmp_path / "run"
+    assert _collect(run_cli, inp, out, fast_sim.url).returncode == 0
+    dataset = out / "rollouts.jsonl"
+    dataset.write_bytes(dataset.read_bytes().replace(b'"reward":1.0', b'"reward":0.0', 1))
+    res = _collect(run_cli, inp, out, fast_sim.url, "--format", "parquet")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "Chunk 0" in res.stderr, res.stderr[-3000:]
+    assert "the dataset it was published into, were edited" in " ".join(res.stderr.split())
+    res = _collect(run_cli, inp, out, fast_sim.url, "--format", "parquet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(list((out / "data").glob("*.parquet"))) >= 1

@@ -97,3 +97,18 @@ def test_a_source_rewritten_while_reverify_runs_publishes_nothing(run_cli, fast_
     res = run_cli(*args, "--restart", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (rv / "rollouts.jsonl").read_bytes().count(b"\n") == 10
+
+
+def test_reverify_of_a_folder_reads_the_dataset_its_run_published_last(
+    run_cli, fast_sim, tmp_path: Path
+) -> None:
+    """The same run published rollouts.jsonl, then again with --dataset elsewhere: reverify of the folder
+    read the stale rollouts.jsonl left beside it (here cut short), exit 0, most rollouts missing."""
+    inp, out, other = write_rows(tmp_path / "rows.jsonl", 12), tmp_path / "run", tmp_path / "all.jsonl"
+    _collect(run_cli, inp, out, fast_sim.url)
+    _collect(run_cli, inp, out, fast_sim.url, "--dataset", str(other))
+    stale = out / "rollouts.jsonl"
+    stale.write_bytes(b"".join(stale.read_bytes().splitlines(keepends=True)[:4]))
+    res = run_cli("reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "math_fast")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_complete((tmp_path / "rv" / "rollouts.jsonl").read_bytes().splitlines(), 12, 2)

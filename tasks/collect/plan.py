@@ -18,6 +18,7 @@ from rollflow.tasks.collect.paths import card_url, check_paths
 from rollflow.tasks.collect.routing import AgentCheck, agent_map_of
 from rollflow.tasks.collect.rows import BadRow, InputError, InputScan, scan_input, stop_before_writing
 from rollflow.tasks.collect.stoppable import run_stoppable
+from rollflow.tasks.storage import chunk_spans
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.store import Store
 
@@ -180,6 +181,13 @@ def plan_run(
         if scan.bad_rows:
             bad.seek(0)
             ledger.write_bad_rows(bad)
+        lost = chunk_spans.lost_dataset(store, identity.run_id)
+        if lost is not None:
+            scan.warnings.append(
+                f"the dataset {lost} this output published is gone or was changed since (it is not the size "
+                f"published), and it was the only copy of its chunks' rows (their chunk objects go once a "
+                f"dataset holds them; --keep-chunks keeps them): those chunks are collected again"
+            )
     return RunPlan(scan=scan, identity=identity, committed=ledger.committed())
 
 

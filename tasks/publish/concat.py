@@ -10,7 +10,7 @@ from typing import IO, Any
 from rollflow.tasks.collect.paths import tasks_url
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.publish.audit import tasks_path
-from rollflow.tasks.storage import owned
+from rollflow.tasks.storage import chunk_spans, owned
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 from rollflow.tasks.storage.store import StorageError, Store, describe_error
 
@@ -84,13 +84,28 @@ def _copy_chunks(
                     out.write(block)
                     written += len(block)
             if digest.hexdigest() != manifest.sha256:
-                ledger.uncommit(spec.index)
-                raise ChunkChanged(
-                    f"chunk {spec.index} of {ledger.store.root_url} changed after it was verified, so "
-                    f"nothing was published and its commit was withdrawn. Run the same command again "
-                    f"to collect it again."
-                )
+                raise chunk_changed(ledger, spec.index)
     return written
+
+
+def chunk_changed(ledger: Ledger, index: int) -> ChunkChanged:
+    """Chunk `index`'s bytes are not those its manifest vouches for: the commit is withdrawn, and where
+    the bytes were read is said (its object, or the published dataset, once the object was dropped)."""
+    found = (
+        None
+        if ledger.store.exists(ledger.chunk_path(index))
+        else chunk_spans.span(ledger.store, ledger.run_id, index)
+    )
+    ledger.uncommit(index)
+    where = (
+        f"its rows in {found[0]}, the dataset it was published into, were edited since"
+        if found is not None
+        else f"its data object {ledger.store.url(ledger.chunk_path(index))} changed since"
+    )
+    return ChunkChanged(
+        f"Chunk {index} of {ledger.store.root_url} is not what was verified ({where}), so nothing was "
+        f"published and its commit was withdrawn. Run the same command again: it redoes that chunk."
+    )
 
 
 def concatenate_tasks(

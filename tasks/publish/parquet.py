@@ -21,7 +21,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollflow.tasks.publish.concat import publish_failed
+from rollflow.tasks.publish.concat import chunk_changed, publish_failed
 from rollflow.tasks.storage import owned, rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 from rollflow.tasks.storage.owned import SHARD, SHARD_MARKS
@@ -77,10 +77,18 @@ def chunk_columns(ledger: Ledger, manifest: ChunkManifest) -> dict[str, str | No
     with ledger.open_chunk(manifest.chunk) as fh:
         for line in fh:
             if line.strip():
-                for key, value in rowjson.read_row(line).items():
+                for key, value in _row(ledger, manifest, line).items():
                     columns[key] = _merge(columns.get(key), _kind(value), key)
     store.write_bytes(cache, orjson.dumps({"sha256": manifest.sha256, "columns": columns}))
     return columns
+
+
+def _row(ledger: Ledger, manifest: ChunkManifest, line: bytes) -> dict[str, Any]:
+    """A row of a committed chunk; a line that is no row means its bytes changed since the audit."""
+    try:
+        return rowjson.read_row(line)
+    except rowjson.RowError:
+        raise chunk_changed(ledger, manifest.chunk) from None
 
 
 def dataset_schema(columns: dict[str, str | None]) -> pa.Schema:
@@ -131,7 +139,7 @@ def _batches(ledger: Ledger, shard: Shard, schema: pa.Schema) -> Iterator[pa.Rec
                 digest.update(line)
                 if not line.strip():
                     continue
-                row = rowjson.read_row(line)
+                row = _row(ledger, manifest, line)
                 for name, values in cols.items():
                     value = row.get(name)
                     if name in json_cols and value is not None:
@@ -142,11 +150,7 @@ def _batches(ledger: Ledger, shard: Shard, schema: pa.Schema) -> Iterator[pa.Rec
                     yield pa.RecordBatch.from_pydict(cols, schema=schema)
                     cols, n = {name: [] for name in kinds}, 0
         if digest.hexdigest() != manifest.sha256:
-            ledger.uncommit(manifest.chunk)
-            raise ValueError(
-                f"chunk {manifest.chunk} changed after it was verified: nothing more was published and its "
-                f"commit was withdrawn; run the same command again"
-            )
+            raise chunk_changed(ledger, manifest.chunk)
     if n:
         yield pa.RecordBatch.from_pydict(cols, schema=schema)
 

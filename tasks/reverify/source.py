@@ -12,7 +12,7 @@ import fsspec
 
 from rollflow.settings.reverify import VERIFY_FAILURE_KINDS
 from rollflow.tasks.collect.rows import InputError, ScanStopped, open_checked, scan_checkpoint
-from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage import owned, rowjson
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.storage.rowjson import RolloutKey
 from rollflow.tasks.storage.store import Store, describe_error, open_input, storage_options_for
@@ -70,9 +70,30 @@ def dataset_file(url: str, options: dict[str, Any]) -> str:
     if not folder:
         return url
     inner = f"{url.rstrip('/')}/{DATASET_NAME}"
+    latest = _latest_dataset(url, options)  # a later publish elsewhere (--dataset) wins over a stale file
+    if latest is not None:
+        return latest
     if found:
         return inner
     return _published_elsewhere(url, options)
+
+
+def _latest_dataset(url: str, options: dict[str, Any]) -> str | None:
+    """The dataset the folder's run published last (its run.json's), when it is not the folder's own
+    rollouts.jsonl and is there; else None."""
+    store = Store(url, options)
+    identity = Ledger(store).stored_identity() if store.exists("run.json") else None
+    named = identity.dataset_url if identity is not None else None
+    if not named or named == f"{url.rstrip('/')}/{DATASET_NAME}":
+        return None
+    try:
+        return (
+            named
+            if _exists(named, options) and owned.is_owned(named, owned.DATASET, store, options)
+            else None
+        )
+    except Exception:  # a store that cannot be reached: the folder's own file, or the refusal below
+        return None
 
 
 def _published_elsewhere(url: str, options: dict[str, Any]) -> str:
@@ -227,13 +248,17 @@ def scan_failed(url: str, options: dict[str, Any], stopped: Callable[[], bool] |
         manifest = committed[spec["index"]]
         digest.update(manifest.sha256.encode())
         fails = _failure_records(ledger, spec["index"]) if manifest.failed else []
-        for raw in fails:
+        for lineno, raw in enumerate(fails, start=1):
             digest.update(raw)
-        to_rescore += sum(is_rescorable(rowjson.read_row(raw)) for raw in fails)
+            record = _record(url, ledger.failures_path(spec["index"]), lineno, raw, InputError)[0]
+            to_rescore += is_rescorable(record)
         rows += manifest.rows + manifest.failed
         chunks.append(
-            SourceChunk(spec["index"], spec["first_task"], spec["num_tasks"], manifest.rows + manifest.failed)
-        )
+            SourceChunk(
+                spec["index"], spec["first_task"], spec["num_tasks"], manifest.rows + manifest.failed,
+                sha256=manifest.sha256,
+            )
+        )  # fmt: skip
     return SourcePlan(
         url, "failed", digest.hexdigest(), rows, identity.tasks, identity.num_repeats, chunks, to_rescore
     )
@@ -246,15 +271,40 @@ def _failure_records(ledger: Ledger, chunk: int) -> list[bytes]:
     return [line for line in ledger.store.read_bytes(rel).splitlines() if line.strip()]
 
 
+def _record(
+    url: str, rel: str, lineno: int, raw: bytes, error: type[InputError]
+) -> tuple[dict[str, Any], RolloutKey]:
+    """A failure record of the source and its rollout, or `error` naming its file and line."""
+    try:
+        return rowjson.read_keyed(raw)
+    except rowjson.RowError as exc:
+        raise error(
+            f"Source {url}, {rel} line {lineno}: not a failure record ({exc.problem}). A run's failures are "
+            f"written by rollflow and never edited; collect again, or reverify the published dataset instead "
+            f"of completing it. Nothing was published."
+        ) from None
+
+
 def iter_failed_chunk(url: str, chunk: SourceChunk, options: dict[str, Any]) -> Iterator[tuple[bytes, bool]]:
-    """(line, is a failure record) of a source chunk, ordered by (task, rollout): its committed rows and
-    its failures, merged."""
+    """(line, is a failure record) of a source chunk, ordered by (task, rollout): its committed rows, checked
+    against the hash its run committed them with, and its failures, merged."""
     ledger = Ledger(Store(url, options))
+    digest = hashlib.sha256()
     with ledger.open_chunk(chunk.index) as fh:
-        rows = [line.rstrip(b"\r\n") for line in fh if line.strip()]
+        data = fh.read()
+    digest.update(data)
+    if chunk.sha256 and digest.hexdigest() != chunk.sha256:
+        raise SourceChanged(
+            f"Source {url}: chunk {chunk.index}'s rows are not those its run committed (its data, or the "
+            f"published dataset that holds it, was edited since). Nothing was published. Collect the source "
+            f"again (the same command redoes that chunk), then complete it."
+        )
+    rows = [line.rstrip(b"\r\n") for line in data.splitlines() if line.strip()]
     fails = _failure_records(ledger, chunk.index)
+    rel = ledger.failures_path(chunk.index)
     keyed = [(rowjson.read_keyed(line)[1], line, False) for line in rows]
-    keyed += [(rowjson.read_keyed(raw)[1], raw, True) for raw in fails]
+    for lineno, raw in enumerate(fails, start=1):
+        keyed.append((_record(url, rel, lineno, raw, SourceChanged)[1], raw, True))
     keyed.sort(key=lambda item: item[0])
     for _, line, failed in keyed:
         yield line, failed

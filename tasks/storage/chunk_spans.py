@@ -95,6 +95,15 @@ def _is_published(url: str, size: int, options: dict[str, Any]) -> bool:
     return bool(fs.exists(path)) and fs.size(path) == size
 
 
+def lost_dataset(store: Store, run_id: str) -> str | None:
+    """The dataset this run's dropped chunks lie in, when it is no longer the one published; else None."""
+    doc = _load(store, run_id)
+    if doc is None or not doc["chunks"]:
+        return None
+    url = owned.resolved(store, doc["dataset"])
+    return None if _is_published(url, doc["dataset_bytes"], store.options) else url
+
+
 def readable(store: Store, run_id: str) -> set[int]:
     """The dropped chunks of this run that the dataset still holds (one read, one look at the dataset)."""
     doc = _load(store, run_id)
