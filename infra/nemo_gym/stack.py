@@ -19,13 +19,11 @@ NeMo Gym venv makes every server run from that venv with no `uv venv` or `uv pip
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rollflow.infra.local import free_port
+from rollflow.infra.sessions import default_sigint, end_session, tail
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = Path(os.environ.get("ROLLFLOW_NEMO_GYM_VENV", Path.home() / ".cache/rollflow/nemo-gym-0.7.0"))
@@ -52,59 +53,6 @@ SERVER_DIRS = (
 )
 LISTENING = re.compile(r"listening on (http://\S+)")
 START_TIMEOUT_S = 240.0
-STOP_GRACE_S = 20.0
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the kernel's pick), on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def tail(path: Path, limit: int = 6000) -> str:
-    """The end of a log file, for error messages."""
-    try:
-        return path.read_bytes()[-limit:].decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _session_members(sid: int) -> list[int]:
-    """Every live process in session `sid`: what a process we started left behind, found by its id."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def end_session(
-    proc: subprocess.Popen[bytes], first: int = signal.SIGTERM, grace_s: float = STOP_GRACE_S
-) -> None:
-    """Signal a session leader we started, wait (bounded), then SIGKILL whatever is left in its session."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(first)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    for pid in _session_members(proc.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-
-
-def _default_sigint() -> None:
-    """In the child: SIGINT back to its default, which a shell's `cmd &` leaves ignored (and exec keeps)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _spawn(
@@ -114,7 +62,7 @@ def _spawn(
     with log.open("ab") as out:
         return subprocess.Popen(
             args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_default_sigint,
+            start_new_session=True, preexec_fn=default_sigint,
         )  # fmt: skip
 
 

@@ -40,7 +40,6 @@ import fcntl
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -49,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from rollflow.infra.local import free_port
+from rollflow.infra.sessions import default_sigint, end_session, rss_bytes, session_members, tail
 
 HERE = Path(__file__).resolve().parent
 VERSION = "0.32.0"
@@ -64,77 +66,6 @@ MIN_BATCHED_TOKENS = 8192
 # One vLLM server at a time on this machine (2 cores; about 3 GB each): VllmServer holds this lock while
 # its server runs, and a second one waits for it within its start timeout.
 SERVER_LOCK = CACHE / "vllm-server.lock"
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the kernel's pick), on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def tail(path: Path, limit: int = 6000) -> str:
-    """The end of a log file, for error messages."""
-    try:
-        return path.read_bytes()[-limit:].decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/PID/stat after the command name (state is [0], session id [3]), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()
-
-
-def session_members(sid: int) -> list[int]:
-    """Every live process in session `sid`: what a process we started left behind, found by its id."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(entry.name)
-            if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(entry.name))
-    return pids
-
-
-def rss_bytes(pids: Sequence[int]) -> int:
-    """The summed resident set size of `pids` (VmRSS; shared pages count once per process)."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-    return total
-
-
-def end_session(
-    proc: subprocess.Popen[bytes], first: int = signal.SIGTERM, grace_s: float = STOP_GRACE_S
-) -> None:
-    """Signal a session leader we started, wait (bounded), then SIGKILL whatever is left in its session."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(first)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    # The engine core may outlive the API server by a moment: give the session a short while to empty.
-    deadline = time.monotonic() + 5
-    while session_members(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in session_members(proc.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-
-
-def _default_sigint() -> None:
-    """In the child: SIGINT back to its default, which a shell's `cmd &` leaves ignored (and exec keeps)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def install(timeout_s: float = 3600.0) -> Path:
@@ -304,7 +235,7 @@ class VllmServer:
             with self.log.open("ab") as out:
                 self.proc = subprocess.Popen(
                     self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_default_sigint,
+                    start_new_session=True, preexec_fn=default_sigint,
                 )  # fmt: skip
             self._wait_healthy(deadline)
             if self.warmup:
