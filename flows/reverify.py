@@ -23,7 +23,7 @@ from rollflow.flows.scale_out import EngineThread, RemoteChunks, settled
 from rollflow.flows.secrets import resolve_secret_blocks, worker_secrets
 from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
 from rollflow.settings import RollflowSettings, redact
-from rollflow.settings.reverify import ReverifySpec
+from rollflow.settings.reverify import VERIFY_FAILURE_KINDS, ReverifySpec
 from rollflow.tasks.backends.http import close_loop_session
 from rollflow.tasks.collect.scheduler import run_chunks
 from rollflow.tasks.publish.card import write_card
@@ -187,15 +187,31 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
         raise ReverifyIncomplete(redact.redact(rescored.changed), report)
     if not ok:
         why = (
-            f"{summary.failed:,} rollouts failed verification ({dict(failures)}); they are in "
-            f"{spec.output.rstrip('/')}/failures.jsonl. Run the same command again to retry them, or pass "
-            f"--allow-incomplete to publish without them"
+            _failed_why(spec, failures, summary.failed)
             if summary.complete
             else f"the rescored output is incomplete: {'; '.join(summary.problems[:5])}. Run the same "
             f"command again to resume"
         )
         raise ReverifyIncomplete(f"Nothing was published: {why}.", report)
     return report
+
+
+def _failed_why(spec: ReverifySpec, failures: Counter[str], failed: int) -> str:
+    """What to do about the rollouts left failed: a check fails again or not on a rerun; a backend's
+    failure (no reply to score) never comes back through reverify, only through collecting again."""
+    where = f"{spec.output.rstrip('/')}/failures.jsonl"
+    backend = sum(n for kind, n in failures.items() if kind not in VERIFY_FAILURE_KINDS)
+    if not backend:
+        return (
+            f"{failed:,} rollouts failed verification ({dict(failures)}); they are in {where}. Run the same "
+            f"command again to retry them, or pass --allow-incomplete to publish without them"
+        )
+    return (
+        f"{failed:,} rollouts have no reward ({dict(failures)}; in {where}). {backend:,} of them failed at "
+        f"the backend, with no reply to score, which reverify cannot redo: run the collection's command "
+        f"on {spec.source} again to collect them, then this one; or pass --allow-incomplete to publish "
+        f"without them"
+    )
 
 
 @flow(name="rollflow-reverify", log_prints=False)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from rollout_data import assert_complete, write_rows
 
+from rollflow.infra.local import spawn_simulator
+
 
 def _collect(run_cli, inp: Path, out: Path, url: str, *extra: str):
     res = run_cli(
@@ -112,3 +114,20 @@ def test_reverify_of_a_folder_reads_the_dataset_its_run_published_last(
     res = run_cli("reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "math_fast")
     assert res.returncode == 0, res.stderr[-3000:]
     assert_complete((tmp_path / "rv" / "rollouts.jsonl").read_bytes().splitlines(), 12, 2)
+
+
+def test_failed_only_over_backend_failures_says_to_collect_them_again(run_cli, tmp_path: Path) -> None:
+    """Rollouts that failed at the backend have no reply to score: --failed-only told the user to "run the
+    same command again to retry them", which can never work."""
+    sim = spawn_simulator("--latency-ms", "1", "--slots", "32", "--fault-rate", "0.3", "--fault-kinds", "500")
+    inp, out = write_rows(tmp_path / "rows.jsonl", 12), tmp_path / "run"
+    try:
+        _collect(run_cli, inp, out, sim.url, "--allow-incomplete", "--max-retries", "0")
+    finally:
+        sim.stop()
+    assert any((out / "failures").glob("*.jsonl")), "the faults left no failure to complete"
+    res = run_cli("reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "exact_match",
+                  "--failed-only")  # fmt: skip
+    said = " ".join(res.stderr.split())
+    assert res.returncode != 0 and "failed at the backend" in said, said[-3000:]
+    assert "run the collection's command" in said and "Run the same command again to retry" not in said
