@@ -33,7 +33,9 @@ def test_local_output_all_kinds(run_cli, fast_sim: Service, input_2000: Path, tm
     assert report["failed"] == report["duplicates"] == report["missing"] == 0
     assert report["parallelism"] == 64 and report["metrics"]["peak_in_flight"] <= 64
     assert report["rollouts_per_s"] > 0 and 0.0 <= report["reward_mean"] <= 1.0
-    assert sorted(p.name for p in (out / "chunks").iterdir())[:2] == ["00000.json", "00000.jsonl"]
+    # published: the dataset holds the chunks' bytes, so their objects went and their manifests stay
+    assert sorted(p.name for p in (out / "chunks").iterdir())[:2] == ["00000.json", "00001.json"]
+    assert (out / "dropped_chunks.json").exists()
 
 
 @pytest.mark.parametrize("kind", ["agent", "responses", "chat"])
@@ -51,9 +53,9 @@ def test_s3_output_all_kinds(run_cli, fast_sim: Service, moto_s3, input_2000: Pa
     assert_complete(fs.cat_file(f"{out}/rollouts.jsonl").splitlines(), ROWS, REPEATS)
     report = orjson.loads(fs.cat_file(f"{out}/report.json"))
     assert report["missing"] == report["duplicates"] == report["failed"] == 0
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{out}/chunks")) == [
-        f"{i:05d}.{ext}" for i in range(3) for ext in ("json", "jsonl")
-    ]
+    # published: the chunk objects went (the dataset holds their bytes), their manifests stay
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{out}/chunks")) == [f"{i:05d}.json" for i in range(3)]
+    assert fs.exists(f"{out}/dropped_chunks.json")
     assert "testing" not in fs.cat_file(f"{out}/run.json").decode(), "credentials must never be written"
 
 

@@ -133,15 +133,20 @@ class Case:
         """Rewards of the rows written and errors of the failures, by task index."""
         rows: dict[int, float] = {}
         failures: dict[int, dict[str, Any]] = {}
-        for path in sorted((self.out / "chunks").glob("*.jsonl")):
-            for line in path.read_bytes().splitlines():
-                row = orjson.loads(line)
-                rows[row["_ng_task_index"]] = row["reward"]
+        for line in self.written():
+            row = orjson.loads(line)
+            rows[row["_ng_task_index"]] = row["reward"]
         for path in sorted((self.out / "failures").glob("*.jsonl")):
             for line in path.read_bytes().splitlines():
                 row = orjson.loads(line)
                 failures[row["_ng_task_index"]] = row["error"]
         return rows, failures
+
+    def written(self) -> list[bytes]:
+        """The rows written: the published dataset (its chunk objects go then), else the committed chunks."""
+        dataset = self.out / "rollouts.jsonl"
+        paths = [dataset] if dataset.exists() else sorted((self.out / "chunks").glob("*.jsonl"))
+        return [line for path in paths for line in path.read_bytes().splitlines()]
 
     def processes(self) -> list[int]:
         """Live processes whose command line names this case's verifier module."""
@@ -459,11 +464,7 @@ def test_a_verifier_that_changes_its_row_changes_neither_the_output_nor_other_ro
     )
     res = run(run_cli, case, *args)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [
-        orjson.loads(line)
-        for p in (case.out / "chunks").glob("*.jsonl")
-        for line in p.read_bytes().splitlines()
-    ]
+    rows = [orjson.loads(line) for line in case.written()]
     assert len(rows) == 6 and all(row["reward"] == 1.0 and "touched" not in row for row in rows), rows
 
 

@@ -103,8 +103,8 @@ def chunk_changed(ledger: Ledger, index: int) -> ChunkChanged:
         else f"its data object {ledger.store.url(ledger.chunk_path(index))} changed since"
     )
     return ChunkChanged(
-        f"Chunk {index} of {ledger.store.root_url} is not what was verified ({where}), so nothing was "
-        f"published and its commit was withdrawn. Run the same command again: it redoes that chunk."
+        f"Nothing was published: chunk {index} of {ledger.store.root_url} is not what was verified "
+        f"({where}), and its commit was withdrawn. Run the same command again: it redoes that chunk."
     )
 
 
