@@ -21,6 +21,7 @@ pytest_plugins = [
 # runs them two at a time (pytest-xdist, a file per worker), the rest one at a time on a quiet machine.
 # A module that times anything stays off this list.
 CONCURRENT = {
+    "test_chunk_data",
     "test_cli",
     "test_consistency",
     "test_deploy",
@@ -39,6 +40,7 @@ CONCURRENT = {
     "test_replicas_cli",
     "test_report_figures",
     "test_resume",
+    "test_reverify_sources",
     "test_rewards_report",
     "test_rollout_counts",
     "test_row_values",

@@ -28,3 +28,15 @@ def assert_complete(lines: list[bytes], rows: int, repeats: int) -> None:
         assert isinstance(row["reward"], int | float) and not isinstance(row["reward"], bool)
         assert "response" in row and "responses_create_params" in row
     assert keys == [(i, r) for i in range(rows) for r in range(repeats)]
+
+
+def flaky_verifier(failing_digits: str) -> str:
+    """A verifier module's source that raises (a `verifier` failure, its reply kept) for every task whose
+    expected answer ends in one of `failing_digits`, and scores the rest by their last \\boxed{}."""
+    return f'''
+def verify(row, text):
+    """Raises for answers ending in one of {failing_digits!r}: their checks fail as kind `verifier`."""
+    if row["expected_answer"].split(".")[0][-1] in {failing_digits!r}:
+        raise ValueError("this check always fails")
+    return 1.0 if text.rstrip().endswith("\\\\boxed{{" + row["expected_answer"] + "}}") else 0.0
+'''

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import orjson
-from rollout_data import assert_complete, write_rows
+from rollout_data import assert_complete, flaky_verifier, write_rows
 
 
 def _collect(run_cli, inp: Path, out: Path, url: str, *extra: str):
@@ -87,12 +87,7 @@ def test_reverify_of_a_run_without_chunk_objects(run_cli, fast_sim, tmp_path: Pa
     assert res.returncode == 0, res.stderr[-3000:]  # its own rerun reads its spans
 
 
-FLAKY = """
-def verify(row, text):
-    if row["expected_answer"].split(".")[0].endswith("4"):
-        raise ValueError("this check always fails")
-    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
-"""
+FLAKY = flaky_verifier("4")
 
 
 def test_failed_only_never_completes_rows_edited_in_the_published_dataset(

@@ -25,6 +25,7 @@ import orjson
 import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
+from rollout_data import flaky_verifier
 
 pytestmark = pytest.mark.concurrent  # checks what was written, never a rate or a duration
 
@@ -32,12 +33,7 @@ TASKS = 12
 
 # Raises for every task whose expected answer ends in 3 or 7: those checks fail as kind `verifier`, and the
 # collection publishes the rest (--allow-incomplete), leaving a run --failed-only completes.
-FLAKY = """
-def verify(row, text):
-    if row["expected_answer"].split(".")[0][-1] in "37":
-        raise ValueError("this check always fails")
-    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
-"""
+FLAKY = flaky_verifier("37")
 
 # rollflow's fixed names of what a publish writes in its output (data/*.parquet is matched apart)
 PUBLISHED_NAMES = (

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from cli_runs import spawn, wait_until
-from rollout_data import assert_complete
+from rollout_data import assert_complete, flaky_verifier
 
 from rollflow.infra.local import free_port_block, spawn_simulator
 
@@ -22,13 +22,7 @@ pytestmark = pytest.mark.concurrent
 
 TASKS, REPEATS = 40, 3
 
-FLAKY = '''
-def verify(row, text):
-    """Raises for tasks whose number ends in 3: their checks fail as kind `verifier`."""
-    if row["expected_answer"].split(".")[0].endswith("3"):
-        raise ValueError("this check always fails")
-    return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
-'''
+FLAKY = flaky_verifier("3")
 
 SLOW = """
 import asyncio
