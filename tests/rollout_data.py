@@ -40,3 +40,19 @@ def verify(row, text):
         raise ValueError("this check always fails")
     return 1.0 if text.rstrip().endswith("\\\\boxed{{" + row["expected_answer"] + "}}") else 0.0
 '''
+
+
+def write_sum_rows(path: Path, tasks: int) -> Path:
+    """Questions the simulator answers (i + (i + 1)); half the expected answers written as 7.0, which only
+    math-aware verifiers (math_fast, math) take for 7, so a reverify with one changes rewards."""
+    with path.open("wb") as fh:
+        for i in range(tasks):
+            answer = str(2 * i + 1)
+            row = {
+                "responses_create_params": {
+                    "input": [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
+                },
+                "expected_answer": answer if i % 2 else f"{answer}.0",
+            }
+            fh.write(orjson.dumps(row) + b"\n")
+    return path

@@ -25,7 +25,7 @@ import orjson
 import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
-from rollout_data import flaky_verifier
+from rollout_data import flaky_verifier, write_sum_rows
 
 pytestmark = pytest.mark.concurrent  # checks what was written, never a rate or a duration
 
@@ -60,22 +60,6 @@ OPERATIONS = (
     "failed-only --restart",
     "move",
 )
-
-
-def write_rows(path: Path) -> Path:
-    """Questions the simulator answers; half the answers written as 7.0, which only math_fast takes for 7,
-    so a reverify changes rewards."""
-    with path.open("wb") as fh:
-        for i in range(TASKS):
-            answer = str(2 * i + 1)
-            row = {
-                "responses_create_params": {
-                    "input": [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
-                },
-                "expected_answer": answer if i % 2 else f"{answer}.0",
-            }
-            fh.write(orjson.dumps(row) + b"\n")
-    return path
 
 
 @dataclass
@@ -120,7 +104,7 @@ def world(run_cli, fast_sim, tmp_path_factory) -> World:
     base = tmp_path_factory.mktemp("owned_property")
     (base / "flaky_owned.py").write_text(FLAKY)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(base), os.environ.get("PYTHONPATH")) if p)}
-    commands = Commands(write_rows(base / "rows.jsonl"), base / "source", fast_sim.url)
+    commands = Commands(write_sum_rows(base / "rows.jsonl", TASKS), base / "source", fast_sim.url)
     fresh = {"collect": commands.source}
     for kind in ("collect", "reverify", "failed-only"):
         out = fresh.setdefault(kind, base / f"fresh-{kind}")

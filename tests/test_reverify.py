@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from cli_runs import spawn, wait_until
-from rollout_data import assert_complete, flaky_verifier
+from rollout_data import assert_complete, flaky_verifier, write_sum_rows
 
 from rollflow.infra.local import free_port_block, spawn_simulator
 
@@ -31,22 +31,6 @@ async def verify(row, text):
     await asyncio.sleep(0.01)
     return 1.0 if text.rstrip().endswith("\\\\boxed{" + row["expected_answer"] + "}") else 0.0
 """
-
-
-def write_rows(path: Path) -> Path:
-    """Questions the simulator answers; half the expected answers written as 7.0, which only
-    math-aware verifiers take for 7."""
-    with path.open("wb") as fh:
-        for i in range(TASKS):
-            answer = str(2 * i + 1)
-            row = {
-                "responses_create_params": {
-                    "input": [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
-                },
-                "expected_answer": answer if i % 2 else f"{answer}.0",
-            }
-            fh.write(orjson.dumps(row) + b"\n")
-    return path
 
 
 def collect_args(inp: Path, out: Path, url: str, verifier: str) -> list[str]:
@@ -80,7 +64,7 @@ def collections(run_cli, tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("reverify")
     (base / "flaky_verifier.py").write_text(FLAKY)
     (base / "slow_verifier_rv.py").write_text(SLOW)
-    inp = write_rows(base / "rows.jsonl")
+    inp = write_sum_rows(base / "rows.jsonl", TASKS)
     # A port below the ephemeral range: one from free_port() can be taken by any outgoing connection
     # before the simulator binds it, and under load the fixture then errors with the server exited.
     sim = spawn_simulator("--latency-ms", "1", "--slots", "64", port=free_port_block(1))
