@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import fsspec
 import orjson
 
 from rollflow.tasks.publish.audit import AUDIT_DIR
 from rollflow.tasks.storage import chunk_spans
 from rollflow.tasks.storage.chunk_spans import Span
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
-from rollflow.tasks.storage.store import storage_options_for
 
 
 class _Chunk(Protocol):
@@ -42,13 +40,12 @@ def drop_chunk_data(
         if manifest is not None:
             spans[chunk.index] = Span(offset, manifest.bytes, manifest.sha256)
             offset += manifest.bytes
-    fs, path = fsspec.core.url_to_fs(dataset_url, **storage_options_for(dataset_url, options, fresh=False))
-    if not spans or not fs.exists(path) or fs.size(path) != offset:
+    if not spans or not chunk_spans.is_published(dataset_url, offset, options):
         return 0
     store = ledger.store
     chunk_spans.record(store, ledger.run_id, dataset_url, spans, offset)
-    for index in spans:
-        _restamp_audit(ledger, index)
+    for index, span in spans.items():
+        _restamp_audit(ledger, index, span)
     freed = 0
     for index, span in spans.items():
         if store.exists(ledger.chunk_path(index)):
@@ -57,14 +54,13 @@ def drop_chunk_data(
     return freed
 
 
-def _restamp_audit(ledger: Ledger, index: int) -> None:
+def _restamp_audit(ledger: Ledger, index: int, span: Span) -> None:
     """The audit's cached result of chunk `index` now vouches for its span (same bytes, same sha256)."""
     rel = f"{AUDIT_DIR}/{index:05d}.json"
     if not ledger.store.exists(rel):
         return
     cached = orjson.loads(ledger.store.read_bytes(rel))
-    found = chunk_spans.span(ledger.store, ledger.run_id, index)
-    if found is None or cached.get("sha256") != found[1].sha256:
+    if cached.get("sha256") != span.sha256:
         return
-    cached["stamp"] = found[1].stamp
+    cached["stamp"] = span.stamp
     ledger.store.write_bytes(rel, orjson.dumps(cached))

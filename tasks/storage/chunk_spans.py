@@ -81,14 +81,7 @@ def span(store: Store, run_id: str, chunk: int) -> tuple[str, Span, int] | None:
     return owned.resolved(store, doc["dataset"]), Span(*found), doc["dataset_bytes"]
 
 
-def _is_published(url: str, size: int, options: dict[str, Any]) -> bool:
-    """The dataset is there with the size it was published at (asked of the store, not a listing cache)."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
-    fs.invalidate_cache(path)
-    return bool(fs.exists(path)) and fs.size(path) == size
-
-
-def _is_published(url: str, size: int, options: dict[str, Any]) -> bool:
+def is_published(url: str, size: int, options: dict[str, Any]) -> bool:
     """The dataset is there with the size it was published at (asked of the store, not a listing cache)."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, options, fresh=False))
     fs.invalidate_cache(path)
@@ -101,7 +94,7 @@ def lost_dataset(store: Store, run_id: str) -> str | None:
     if doc is None or not doc["chunks"]:
         return None
     url = owned.resolved(store, doc["dataset"])
-    return None if _is_published(url, doc["dataset_bytes"], store.options) else url
+    return None if is_published(url, doc["dataset_bytes"], store.options) else url
 
 
 def readable(store: Store, run_id: str) -> set[int]:
@@ -110,7 +103,7 @@ def readable(store: Store, run_id: str) -> set[int]:
     if doc is None:
         return set()
     url = owned.resolved(store, doc["dataset"])
-    if not _is_published(url, doc["dataset_bytes"], store.options):
+    if not is_published(url, doc["dataset_bytes"], store.options):
         return set()
     return {int(i) for i in doc["chunks"]}
 
@@ -122,7 +115,7 @@ def located(store: Store, run_id: str, chunk: int) -> tuple[str, Span]:
     if found is None:
         raise FileNotFoundError(f"chunk {chunk} has neither its object nor a span of the dataset")
     url, where, size = found
-    if not _is_published(url, size, store.options):
+    if not is_published(url, size, store.options):
         raise FileNotFoundError(f"{url} is not the dataset chunk {chunk} was published into")
     return url, where
 
