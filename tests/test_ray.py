@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 from cli_runs import ROWS, run_args
 from fixtures_netns import UNSHARE, RayWorld, RunResult, unshare_permitted
-from test_reverify import REPEATS, TASKS, collect_args, rows, tree_digest, write_rows
+from rollout_data import write_sum_rows
+from test_reverify import REPEATS, TASKS, collect_args, rows, tree_digest
 
 from rollflow.infra.local import free_port
 from rollflow.tasks.backends.endpoints import BACKOFF_MAX_S, FOLLOWED_TRIAL_S
@@ -491,7 +492,7 @@ def make_reverify_source(ray_world: RayWorld, tmp_path_factory: pytest.TempPathF
     with a slow verifier module beside it; the folder holds rows.jsonl, the module and out/."""
     base = tmp_path_factory.mktemp("ray-reverify")
     (base / "slow_verifier_ray.py").write_text(SLOW_VERIFIER)
-    rows_file = write_rows(base / "rows.jsonl")
+    rows_file = write_sum_rows(base / "rows.jsonl", TASKS)
     sim = ray_world.simulate_full(["--latency-ms", "1", "--slots", "64"])
     try:
         args = collect_args(rows_file, base / "out", sim["url"], "exact_match")
