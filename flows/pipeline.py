@@ -41,7 +41,7 @@ from rollflow.settings import (
     redact,
 )
 from rollflow.settings.models import EngineSettings
-from rollflow.tasks.backends.engine_metrics import sample_endpoints
+from rollflow.tasks.backends.engine_metrics import EngineSampler, engine_gauges, sample_endpoints
 from rollflow.tasks.backends.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.clock import StageClock
@@ -63,6 +63,7 @@ from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.storage.ledger import IdentityMismatch
 from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.tuning.engine_control import engine_control
 from rollflow.tasks.tuning.fail_fast import BackendRejects
 from rollflow.tasks.verify.pool import close_pools
 from rollflow.tasks.wrappers.prefect_tasks import (
@@ -163,7 +164,8 @@ async def _collect_verify_publish(
     else:
         left = None if left is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
         limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
-        collected = await collect_step(spec, settings, handles, plan, limits, left)
+        follow = extra.pop("controller", None) == "engine"
+        collected = await collect_step(spec, settings, handles, plan, limits, left, follow)
         collected.extra = {**extra, **collected.extra}
     clock.mark("collect")
     summary = await verify_task(handles, plan)
@@ -223,9 +225,25 @@ async def choose_step(
             "tuning_skipped": f"only {remaining} rollouts left: too few to diagnose and tune (needs "
             f"{needed}); collected at parallelism {FALLBACK_PARALLELISM}"
         }
+    if await follows_engine(spec, settings, remaining):
+        return FALLBACK_PARALLELISM, {"controller": "engine"}
     from rollflow.flows.tuning import choose_parallelism
 
     return await choose_parallelism(spec, settings, handles, plan)
+
+
+async def follows_engine(spec: RunSpec, settings: RollflowSettings, remaining: int) -> bool:
+    """`adaptive`, or `auto` for a long run, on local workers whose engines publish their gauges: the
+    limit follows them from the engine's own capacity, with no tuning first."""
+    mode = spec.collection.parallelism
+    if spec.runner != "local" or (mode == "auto" and remaining < spec.tuning.engine_min_rollouts):
+        return False
+    try:
+        backend = spec.backend_settings(settings.backend.api_key)
+        gauges = await engine_gauges(spec.backend.urls, auth_headers(backend))
+    finally:
+        await close_loop_session()
+    return any(sample is not None for sample in gauges.values())
 
 
 async def collect_step(
@@ -235,6 +253,7 @@ async def collect_step(
     plan: RunPlan,
     parallelism: int | dict[str, int],
     left_s: float | None,
+    follow_engine: bool = False,
 ) -> Collected:
     """Collect the pending chunks locally, adaptively or on Dask, under one deadline and one cancellation.
 
@@ -250,10 +269,13 @@ async def collect_step(
     await preflight_task(spec.backend.url, spec.backend.connect_timeout_s)
     try:
         async with (
-            sample_endpoints(collected.ctx.pool, auth_headers(collected.ctx.backend)),
+            sample_endpoints(collected.ctx.pool, auth_headers(collected.ctx.backend)) as samplers,
             rollout_progress(total),
         ):
-            collected.result = await _dispatch(spec, handles, plan, collected, left_s)
+            if follow_engine:
+                collected.result = await _follow_engine(spec, plan, collected, samplers, left_s)
+            else:
+                collected.result = await _dispatch(spec, handles, plan, collected, left_s)
     finally:
         await close_loop_session()
     collected.seconds, collected.cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
@@ -283,6 +305,25 @@ async def _dispatch(
         collected.extra["adaptive"] = controller.report()
         return result
     return await collect_stage(ctx, plan, in_flight, left_s)
+
+
+async def _follow_engine(
+    spec: RunSpec,
+    plan: RunPlan,
+    collected: Collected,
+    samplers: dict[str, EngineSampler],
+    left_s: float | None,
+) -> CollectResult:
+    """Collect locally while each endpoint's limit follows its engine; the decisions go to the report."""
+    ctx, col = collected.ctx, spec.collection
+    async with engine_control(ctx.pool, samplers) as controller:
+        # enough chunks for the limit to grow well past its start
+        in_flight = col.chunks_in_flight or default_chunks_in_flight(
+            4 * ctx.limit.limit, col.chunk_size, col.num_repeats
+        )
+        result = await collect_stage(ctx, plan, in_flight, left_s)
+    collected.extra["adaptive"] = controller.report()
+    return result
 
 
 async def publish_step(

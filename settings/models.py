@@ -302,6 +302,13 @@ class TuningSettings(Settings):
 
     diagnose_low: int = Field(5, ge=1, le=65536, description="Low parallelism of the diagnosis")
     diagnose_high: int = Field(20, ge=2, le=65536, description="High parallelism of the diagnosis")
+    engine_min_rollouts: int = Field(
+        5000,
+        ge=0,
+        le=MAX_COUNT,
+        description="With parallelism auto, a run of at least this many rollouts over engines that publish "
+        "their gauges (vLLM, SGLang) follows them as it goes instead of tuning first",
+    )
     diagnose_rows: int = Field(100, ge=10, le=MAX_COUNT, description="Rollouts at each diagnosis level")
     tune_start: int = Field(
         8, ge=1, le=65536, description="First level of the search when there is no diagnosis"

@@ -12,6 +12,13 @@ start. A request admitted at V needing w tokens finishes when V reaches V + w, s
 in a heap keyed by that finish point, and one timer is set for the smallest. The rate dV/dt changes only
 when n does (an admission, a completion, a disconnect, a live config change), so each event costs a heap
 operation and rescheduling one timer, whatever the batch size.
+
+With kv_blocks the cache is paged, as vLLM's: a running request holds its prompt and the tokens decoded so
+far, so the cache fills as the batch decodes. Its use is S + n * V (S sums each running request's prompt
+minus its start point), so the moment it fills is one more timer. Then the youngest running request is
+preempted: it goes back to the head of the queue and loses its progress (recomputing its prompt and
+those tokens adds `recompute` decode steps per token to its work), and no
+request is admitted until one completes, as vLLM admits none in a step that preempted.
 """
 
 from __future__ import annotations
@@ -77,13 +84,20 @@ def steady_rate(config: SimConfig, in_flight: int, mean_tokens: float | None = N
 class _Request:
     """One request's place in the engine: its work, KV reservation, state and the future it waits on."""
 
-    __slots__ = ("future", "kv", "state", "work")
+    __slots__ = ("future", "gen", "kv", "start", "state", "work")
 
     def __init__(self, work: float, kv: int, future: asyncio.Future[None]) -> None:
         self.work = work
         self.kv = kv
         self.future = future
         self.state = WAITING
+        self.start = 0.0  # V at admission (the paged cache's growth is measured from it)
+        self.gen = 0  # admissions so far: a preempted request's old heap entry is stale
+
+
+def _live(req: _Request, gen: int) -> bool:
+    """An entry made at admission `gen` still stands for a running request (not a preempted one's past)."""
+    return req.state == RUNNING and req.gen == gen
 
 
 class BatchingEngine:
@@ -101,6 +115,9 @@ class BatchingEngine:
         self.waiting: deque[_Request] = deque()
         self.n_waiting = 0
         self.reserved = 0
+        self.held = 0.0  # paged cache: sum of (prompt tokens - start point) over running requests
+        self.admitted: list[tuple[int, _Request]] = []  # paged cache: (gen, request) by admission
+        self.pressure = False  # paged cache: preempted since the last completion, so admit nothing
         self.order = itertools.count()
         self.timer: asyncio.TimerHandle | None = None
 
@@ -108,9 +125,21 @@ class BatchingEngine:
         """Sequences in the running batch."""
         return self.n
 
-    def kv_use(self) -> float:
-        """KV-cache use as vLLM reports it: reserved / kv_tokens, else running / max_num_seqs."""
+    def kv_capacity(self) -> int | None:
+        """The paged cache's size in tokens (None without one)."""
         cfg = self.config
+        return None if cfg.kv_blocks is None else cfg.kv_blocks * cfg.block_size
+
+    def kv_held(self) -> float:
+        """Tokens the running requests hold in the paged cache now."""
+        return self.held + self.n * self.v
+
+    def kv_use(self) -> float:
+        """KV-cache use as vLLM reports it: held (paged) or reserved / cache, else running / max_num_seqs."""
+        cfg, cap = self.config, self.kv_capacity()
+        if cap is not None:
+            self._advance()
+            return min(1.0, self.kv_held() / cap)
         if cfg.kv_tokens is None:
             return min(1.0, self.n / cfg.max_num_seqs)
         return min(1.0, self.reserved / cfg.kv_tokens)
@@ -149,9 +178,12 @@ class BatchingEngine:
 
     def _fits(self, req: _Request) -> bool:
         """Room in the batch and (with a KV limit) the cache; a request larger than the cache runs alone."""
-        cfg = self.config
+        cfg, cap = self.config, self.kv_capacity()
         if self.n >= cfg.max_num_seqs:
             return False
+        if cap is not None:
+            # vLLM's watermark: a prompt is admitted only while 1% of the cache stays free beyond it
+            return self.n == 0 or (not self.pressure and self.kv_held() + cfg.kv_prompt_tokens <= 0.99 * cap)
         if cfg.kv_tokens is None or self.n == 0:
             return True
         return self.reserved + req.kv <= cfg.kv_tokens
@@ -177,18 +209,47 @@ class BatchingEngine:
                 break
             self.waiting.popleft()
             self.n_waiting -= 1
-            req.state = RUNNING
-            heapq.heappush(self.running, (self.v + req.work, next(self.order), req))
+            req.state, req.start = RUNNING, self.v
+            req.gen += 1
+            heapq.heappush(self.running, (self.v + req.work, next(self.order), req.gen, req))
             self.n += 1
             self.reserved += req.kv
+            if self.config.kv_blocks is not None:
+                self.held += self.config.kv_prompt_tokens - req.start
+                self.admitted.append((req.gen, req))
             started = True
         self._count()
         return started
 
     def _finish(self, req: _Request) -> None:
         req.state = DONE
+        self._release(req)
+
+    def _release(self, req: _Request) -> None:
+        """Give back a running request's sequence slot and cache."""
         self.n -= 1
         self.reserved -= req.kv
+        if self.config.kv_blocks is not None:
+            self.held -= self.config.kv_prompt_tokens - req.start
+            if self.n == 0:
+                self.held = 0.0  # no float drift survives an empty batch
+            if len(self.admitted) > 4 * self.n + 64:
+                self.admitted = [(g, r) for g, r in self.admitted if _live(r, g)]
+
+    def _preempt_youngest(self) -> None:
+        """The cache is full: the youngest running request goes back to the head of the queue, its progress
+        lost (vLLM recomputes it), and admissions stop until a request completes."""
+        while not _live(self.admitted[-1][1], self.admitted[-1][0]):
+            self.admitted.pop()
+        req = self.admitted.pop()[1]
+        self._release(req)
+        # its decoded tokens are lost, and recomputing its prompt and them costs `recompute` steps per token
+        req.work += self.config.recompute * (self.config.kv_prompt_tokens + self.v - req.start)
+        req.state = WAITING
+        self.waiting.appendleft(req)
+        self.n_waiting += 1
+        self.pressure = True
+        self.counters.preemptions += 1
 
     def _drop(self, req: _Request) -> None:
         """A client gave up: free its place in the queue or its sequence slot and KV reservation."""
@@ -208,24 +269,32 @@ class BatchingEngine:
         self._advance()
         limit = self.v + EARLY_S * self.rate
         while self.running and self.running[0][0] <= limit:
-            req = heapq.heappop(self.running)[2]
-            if req.state == RUNNING:
+            _, _, gen, req = heapq.heappop(self.running)
+            if _live(req, gen):
                 self._finish(req)
+                self.pressure = False
                 if not req.future.done():
                     req.future.set_result(None)
+        cap = self.kv_capacity()
+        while cap is not None and self.n > 1 and self.kv_held() >= cap * (1 - 1e-9):
+            self._preempt_youngest()
         self._admit()
         self._reschedule()
 
     def _reschedule(self) -> None:
         """Recompute the per-sequence rate for the current batch and set the timer for the next completion."""
         self.rate = seq_rate(self.config, self.n)
-        while self.running and self.running[0][2].state != RUNNING:
+        while self.running and not _live(self.running[0][3], self.running[0][2]):
             heapq.heappop(self.running)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
         if self.running:
-            delay = max(0.0, (self.running[0][0] - self.v) / self.rate)
+            until = self.running[0][0]
+            cap = self.kv_capacity()
+            if cap is not None and self.n > 1:
+                until = min(until, max(self.v, (cap - self.held) / self.n))  # the cache fills there
+            delay = max(0.0, (until - self.v) / self.rate)
             self.timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
     def _count(self) -> None:

@@ -33,6 +33,7 @@ class Counters:
     queued: int = 0
     max_in_flight_seen: int = 0
     max_served_seen: int = 0
+    preemptions: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     endpoints: dict[str, int] = field(default_factory=dict)
 

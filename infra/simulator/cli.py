@@ -37,10 +37,20 @@ BATCHING_FLAGS: dict[str, tuple[type, str]] = {
     "seq_step_ms": (float, "decode step's cost per running sequence"),
     "max_num_seqs": (int, "at most this many sequences run at once; the rest wait"),
     "kv_tokens": (int, "KV-cache size; each request reserves its output + kv_prompt_tokens while it runs"),
+    "kv_blocks": (
+        int,
+        "a paged KV cache of this many blocks: a request holds its prompt and what it has "
+        "decoded so far; when the cache fills, the youngest running request is preempted",
+    ),
+    "block_size": (int, "tokens per KV block (with --kv-blocks)"),
     "kv_prompt_tokens": (int, "KV tokens a request's prompt holds"),
     "prefill_tokens": (int, "extra decode-step work per request, as for prefilling its prompt"),
     "preempt_after": (int, "past this many running, preemption divides each sequence's rate further"),
-    "recompute": (float, "rate / (1 + recompute * (running - preempt_after) / preempt_after)"),
+    "recompute": (
+        float,
+        "rate / (1 + recompute * (running - preempt_after) / preempt_after); with "
+        "--kv-blocks, decode steps a preempted request spends per token recomputed",
+    ),
 }
 
 
@@ -117,7 +127,7 @@ def profile_settings(args: argparse.Namespace) -> dict[str, object]:
     if given and settings.get("model") != "batching":
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(
-            f"{flags} apply to the batching profiles (batching, kv-limited, preempting), not sharp"
+            f"{flags} apply to the batching profiles (batching, kv-limited, paged, preempting), not sharp"
         )
     settings.update(given)
     for name in ("min_tokens", "max_tokens"):

@@ -16,8 +16,8 @@ class SimConfig:
 
     `model` picks the capacity model: "slots" (capacity.py: fixed slots, a sharp knee) uses slots,
     latency_ms, per_token_ms and contention; "batching" (batching.py: a continuous-batching engine, a
-    gradual curve) uses step_ms, seq_step_ms, max_num_seqs, kv_tokens, kv_prompt_tokens, prefill_tokens,
-    preempt_after and recompute.
+    gradual curve) uses step_ms, seq_step_ms, max_num_seqs, kv_tokens or kv_blocks and block_size,
+    kv_prompt_tokens, prefill_tokens, preempt_after and recompute.
     """
 
     model: str = "slots"
@@ -40,6 +40,8 @@ class SimConfig:
     seq_step_ms: float = 0.08
     max_num_seqs: int = 256
     kv_tokens: int | None = None
+    kv_blocks: int | None = None
+    block_size: int = 16
     kv_prompt_tokens: int = 64
     prefill_tokens: int = 0
     preempt_after: int | None = None
@@ -59,6 +61,7 @@ class SimConfig:
         "seq_step_ms",
         "max_num_seqs",
         "kv_tokens",
+        "kv_blocks",
         "kv_prompt_tokens",
         "prefill_tokens",
         "preempt_after",
@@ -107,10 +110,17 @@ class SimConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("kv_tokens", "preempt_after"):
+        for name in ("kv_tokens", "kv_blocks", "preempt_after"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or null, got {value!r}")
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.kv_tokens is not None and self.kv_blocks is not None:
+            raise ValueError(
+                "kv_tokens (a reservation per request) and kv_blocks (a paged cache that grows and preempts) "
+                "are two KV models: set one of them"
+            )
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a live change atomically: on any bad value nothing changes."""

@@ -45,6 +45,12 @@ PROFILES: dict[str, Profile] = {
         "about 48 at once): throughput flattens at ~310 rollouts/s and the waiting queue grows",
         {**BATCHING, "kv_tokens": 4608},
     ),
+    "paged": Profile(
+        "batching with vLLM's paged KV cache of 256 blocks of 16 tokens: a request holds its 64 prompt "
+        "tokens and what it decoded so far; a full cache preempts the youngest, which is recomputed "
+        "(recompute 0.5): best near 48 in flight (~300 rollouts/s), ~260 with preemptions past it",
+        {**BATCHING, "kv_blocks": 256, "recompute": 0.5},
+    ),
     "preempting": Profile(
         "batching that preempts and recomputes past 48 running (recompute 0.5): throughput peaks at "
         "~310 rollouts/s near 48 in flight and falls to ~194 at 128",

@@ -30,11 +30,20 @@ from rollflow.infra.simulator.faults import REPLY_FAULTS, Faults
 JSON = "application/json"
 SIMULATOR_KEY = web.AppKey("simulator", "Simulator")
 ROLLOUT_HEADER = "X-Rollflow-Rollout-Index"
+
+
+def _cache(cfg: SimConfig) -> tuple[int, int, int] | None:
+    """The paged cache's (blocks, block size, most tokens a request holds) for cache_config_info."""
+    if cfg.kv_blocks is None or cfg.model != "batching":
+        return None
+    return cfg.kv_blocks, cfg.block_size, cfg.kv_prompt_tokens + cfg.max_tokens
+
+
 MODEL_FIELDS = {
     "slots": ("slots", "latency_ms", "per_token_ms", "contention"),
     "batching": (
-        "max_num_seqs", "step_ms", "seq_step_ms", "kv_tokens", "kv_prompt_tokens", "prefill_tokens",
-        "preempt_after", "recompute",
+        "max_num_seqs", "step_ms", "seq_step_ms", "kv_tokens", "kv_blocks", "block_size", "kv_prompt_tokens",
+        "prefill_tokens", "preempt_after", "recompute",
     ),
 }  # fmt: skip
 
@@ -188,6 +197,8 @@ class Simulator:
             self.capacity.kv_use(),
             self.counters.completed,
             self.capacity.nominal_latency_s(),
+            self.counters.preemptions,
+            _cache(cfg),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

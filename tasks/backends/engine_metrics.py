@@ -27,8 +27,12 @@ from rollflow.tasks.backends.http import session_for_loop
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_reqs_total")
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+CACHE_INFO = "vllm:cache_config_info"
 _FIELD = {name: field for field, names in (("running", RUNNING), ("waiting", WAITING)) for name in names}
 _FIELD.update({name: "kv" for name in KV_CACHE})
+_FIELD.update({name: "preemptions" for name in PREEMPTIONS})
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,10 @@ class EngineSample:
     waiting: int | None
     kv_cache_usage: float | None
     at: float
+    preemptions: int | None = None  # the engine's cumulative count (a counter: compare two samples)
+    waiting_for_capacity: int | None = None  # vLLM's waiting_by_reason{reason="capacity"}
+    kv_capacity_tokens: int | None = None  # cache_config_info: blocks x block size
+    kv_max_concurrency: float | None = None  # cache_config_info: requests of max_model_len it holds
 
 
 def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | None:
@@ -49,23 +57,51 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
     the highest of them, since a fraction summed over engines is no longer a fraction.
     """
     found: dict[str, list[float]] = {}
+    cache: dict[str, str] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 field = _FIELD.get(sample.name)
                 if field is not None:
                     found.setdefault(field, []).append(float(sample.value))
+                elif sample.name == WAITING_BY_REASON and sample.labels.get("reason") == "capacity":
+                    found.setdefault("capacity", []).append(float(sample.value))
+                elif sample.name == CACHE_INFO:
+                    cache = dict(sample.labels)
     except Exception:  # the parser's errors on foreign text are not one documented type: any is "no signal"
         return None
     if not found:
         return None
     running, waiting, kv = found.get("running"), found.get("waiting"), found.get("kv")
+    preempted, capacity = found.get("preemptions"), found.get("capacity")
     return EngineSample(
         running=round(sum(running)) if running else None,
         waiting=round(sum(waiting)) if waiting else None,
         kv_cache_usage=max(kv) if kv else None,
         at=time.perf_counter() if at is None else at,
+        preemptions=round(sum(preempted)) if preempted else None,
+        waiting_for_capacity=round(sum(capacity)) if capacity else None,
+        kv_capacity_tokens=_cache_tokens(cache),
+        kv_max_concurrency=_number(cache.get("kv_cache_max_concurrency")),
     )
+
+
+def _cache_tokens(labels: dict[str, str]) -> int | None:
+    """The KV cache's size in tokens from cache_config_info's labels (blocks x block size)."""
+    blocks, size = _number(labels.get("num_gpu_blocks")), _number(labels.get("block_size"))
+    if blocks is not None and size is not None:
+        return round(blocks * size)
+    tokens = _number(labels.get("kv_cache_size_tokens"))
+    return None if tokens is None else round(tokens)
+
+
+def _number(text: str | None) -> float | None:
+    """A label's number; None for absent, 'None' or anything else that is not a finite positive number."""
+    try:
+        value = float(text) if text is not None else math.nan
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def metrics_url(url: str) -> str:
@@ -243,12 +279,21 @@ def _max_of(values: Any) -> Any:
     return max(present) if present else None
 
 
-@contextlib.asynccontextmanager
-async def sample_endpoints(pool: EndpointPool, headers: dict[str, str]) -> AsyncIterator[None]:
-    """While collecting, one sampler per endpoint; each endpoint's report row reads its sampler's peaks."""
+async def engine_gauges(urls: list[str], headers: dict[str, str]) -> dict[str, EngineSample | None]:
+    """One reading of each endpoint's engine now (None where it publishes no gauges), each bounded."""
     session = session_for_loop()
+    return {url: await EngineSampler(url, session, headers).sample_once() for url in urls}
+
+
+@contextlib.asynccontextmanager
+async def sample_endpoints(
+    pool: EndpointPool, headers: dict[str, str]
+) -> AsyncIterator[dict[str, EngineSampler]]:
+    """While collecting, one sampler per endpoint (by URL); each endpoint's report row reads its peaks."""
+    session = session_for_loop()
+    samplers: dict[str, EngineSampler] = {}
     async with contextlib.AsyncExitStack() as stack:
         for ep in pool.endpoints:
             sampler = await stack.enter_async_context(EngineSampler(ep.url, session, headers))
-            ep.engine = sampler.summary
-        yield
+            ep.engine, samplers[ep.url] = sampler.summary, sampler
+        yield samplers

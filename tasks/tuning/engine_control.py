@@ -1,0 +1,288 @@
+"""Concurrency that follows the engine's own gauges (vLLM/SGLang `/metrics`), per replica, as the run goes.
+
+A self-hosted engine rarely answers 429: given too much it queues, fills its KV cache and preempts. So each
+endpoint's limit is moved from what its engine says every interval, not from rates that need many
+rollouts to read:
+- preemptions: cut below what was in flight and keep that as a ceiling until a calm spell has passed,
+  so the engine is never driven into repeated preemption;
+- KV cache above `kv_high`: trim (the cache is the limit, and preemption is near);
+- requests waiting for capacity beyond a small queue (`queue_share` of those running, at least 2): the
+  engine is full, so give back the excess; the small queue keeps it fed between replies;
+- nothing waiting, the KV cache below `kv_grow` and the limit used: grow, x2 while far from any limit,
+  else x`grow`, never past what the cache's use projects it holds at `kv_high`;
+- otherwise hold, and say why.
+An endpoint whose engine publishes no gauges (OpenAI, a gateway) falls back to the latency and 429
+rules of `adaptive.py`. `decide` is pure; every decision is kept with the signals behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import statistics
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.engine_metrics import EngineSample, EngineSampler
+from rollflow.tasks.backends.observe import AttemptLog
+from rollflow.tasks.tuning import adaptive
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    interval_s: float = 1.0
+    min_limit: int = 1
+    max_limit: int = 4096
+    queue_share: float = 0.1
+    min_queue: int = 2
+    kv_grow: float = 0.6
+    kv_high: float = 0.8
+    fast_grow: float = 2.0
+    grow: float = 1.25
+    trim: float = 0.9
+    cut: float = 0.8
+    calm_intervals: int = 20
+    probe_above_ceiling: float = 1.1
+    client_bound: float = 0.9
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One interval of one engine: medians of running and waiting for capacity, the KV cache's highest
+    use, the preemptions counted in it, and what this run had in flight there at its end."""
+
+    samples: int
+    running: float | None
+    waiting: float | None
+    kv: float | None
+    preempted: int
+    in_flight: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "running": _round(self.running),
+            "waiting": _round(self.waiting),
+            "kv_cache_usage": _round(self.kv, 3),
+            "preempted": self.preempted,
+            "in_flight": self.in_flight,
+        }
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def reading(samples: Sequence[EngineSample], before: EngineSample | None, in_flight: int) -> Reading:
+    """The interval's reading from its samples; `before` is the last sample of the interval before (the
+    preemption counter is cumulative, so its growth is counted from there)."""
+    running = [s.running for s in samples if s.running is not None]
+    waiting = [_waiting(s) for s in samples if _waiting(s) is not None]
+    kv = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
+    counts = [s.preemptions for s in (before, *samples) if s is not None and s.preemptions is not None]
+    # a restarted engine starts its counter again: only growth between neighbours counts
+    preempted = sum(max(0, b - a) for a, b in itertools.pairwise(counts))
+    return Reading(
+        samples=len(samples),
+        running=statistics.median(running) if running else None,
+        waiting=statistics.median(waiting) if waiting else None,  # type: ignore[type-var]
+        kv=max(kv) if kv else None,
+        preempted=preempted,
+        in_flight=in_flight,
+    )
+
+
+def _waiting(sample: EngineSample) -> int | None:
+    """Requests waiting for capacity (vLLM says why they wait); all waiting when the engine does not."""
+    return sample.waiting_for_capacity if sample.waiting_for_capacity is not None else sample.waiting
+
+
+def start_limit(sample: EngineSample | None, fallback: int, opts: EngineOptions) -> tuple[int, str]:
+    """Where to start: the requests of full length the engine says its KV cache holds, else `fallback`."""
+    if sample is not None and sample.kv_max_concurrency is not None:
+        n = max(opts.min_limit, min(opts.max_limit, math.floor(sample.kv_max_concurrency)))
+        return n, f"the engine's KV cache holds {sample.kv_max_concurrency:g} requests of its longest"
+    return fallback, "the engine states no KV capacity: started at the given parallelism"
+
+
+@dataclass
+class EngineState:
+    limit: int
+    ceiling: int | None = None
+    calm: int = 0
+
+
+def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
+    """The next limit and why; updates `state`. Pure apart from `state`."""
+    if r.samples == 0:
+        return state.limit, "no engine sample in the interval"
+    if r.preempted > 0:
+        state.calm = 0
+        cut = max(opts.min_limit, math.floor(min(state.limit, r.in_flight) * opts.cut))
+        state.ceiling = cut
+        return _set(state, opts, cut, f"{r.preempted} preemptions: cut, and hold below {cut} a while")
+    state.calm += 1
+    if r.kv is not None and r.kv >= opts.kv_high:
+        trimmed = math.floor(state.limit * opts.trim)
+        state.ceiling = min(state.ceiling or trimmed, trimmed) if state.ceiling else trimmed
+        return _set(state, opts, trimmed, f"KV cache {r.kv:.0%} used: trim")
+    if r.in_flight > state.limit:
+        return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
+    queue = max(opts.min_queue, opts.queue_share * (r.running or 0.0))
+    if r.waiting is not None and r.waiting > queue:
+        lower = state.limit - math.ceil(r.waiting - queue)
+        return _set(state, opts, lower, f"{r.waiting:g} waiting for capacity at {r.running:g} running: full")
+    if r.in_flight < opts.client_bound * state.limit:
+        return state.limit, f"only {r.in_flight} of {state.limit} in flight: the run, not the engine, limits"
+    if r.waiting:
+        return state.limit, f"at the knee: {r.waiting:g} waiting, {r.running:g} running"
+    if r.kv is not None and r.kv >= opts.kv_grow:
+        return state.limit, f"KV cache {r.kv:.0%} used: holding"
+    return _grow(state, r, opts)
+
+
+def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
+    """Room in the engine: x2 while far from every limit, else x`grow`; never past the KV projection or,
+    until calm, the ceiling a preemption or a trim set."""
+    far = state.ceiling is None and (r.kv is None or r.kv < opts.kv_grow / 2)
+    new = math.ceil(state.limit * (opts.fast_grow if far else opts.grow))
+    why = "room in the engine: grow"
+    if r.kv and r.running:
+        projected = math.floor(r.running * opts.kv_high / r.kv)
+        if projected < new:
+            new, why = max(state.limit, projected), f"grow to what the KV cache holds at {opts.kv_high:.0%}"
+    if state.ceiling is not None:
+        if state.calm >= opts.calm_intervals:
+            state.ceiling = max(state.ceiling + 1, math.ceil(state.ceiling * opts.probe_above_ceiling))
+            state.calm = 0
+            why = f"calm for {opts.calm_intervals} intervals: probe up to {state.ceiling}"
+        new = min(new, state.ceiling)
+    if new <= state.limit:
+        return state.limit, f"at the ceiling {state.ceiling} set by preemption or a full KV cache"
+    return _set(state, opts, new, why)
+
+
+def _set(state: EngineState, opts: EngineOptions, new: int, why: str) -> tuple[int, str]:
+    state.limit = max(opts.min_limit, min(opts.max_limit, new))
+    return state.limit, why
+
+
+@dataclass
+class EngineController:
+    """One endpoint's controller: the engine's gauges when it has them, else latency and 429s."""
+
+    limit: adaptive.Resizable
+    sampler: EngineSampler
+    log: AttemptLog
+    in_flight: Any  # () -> int: this run's requests in flight at the endpoint
+    options: EngineOptions = field(default_factory=EngineOptions)
+    fallback: adaptive.AdaptiveOptions = field(default_factory=adaptive.AdaptiveOptions)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        opts = self.options
+        state = EngineState(limit=self.limit.limit)
+        latency = adaptive.AdaptiveState(limit=self.limit.limit)
+        seen_ok, seen_err = self.log.ok, dict(self.log.errors)
+        t_last = t_start = time.perf_counter()
+        before: EngineSample | None = self.sampler.latest
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), opts.interval_s)
+            now = time.perf_counter()
+            errors = {k: v - seen_err.get(k, 0) for k, v in self.log.errors.items() if v > seen_err.get(k, 0)}
+            lat = self.log.drain_latencies()
+            sample = adaptive.Sample(
+                now - t_last, self.log.ok - seen_ok, errors, statistics.median(lat) if lat else None
+            )
+            seen_ok, seen_err = self.log.ok, dict(self.log.errors)
+            samples = self.sampler.between(t_last, now)
+            t_last = now
+            entry: dict[str, Any] = {"t_s": round(now - t_start, 3), "rate": round(sample.rate, 3)}
+            state.limit = latency.limit = self.limit.limit
+            if self.sampler.seen_signal:
+                r = reading(samples, before, self.in_flight())
+                before = samples[-1] if samples else before
+                if errors.get("http_429"):
+                    new, why = adaptive.decide(latency, sample, self.fallback)
+                    state.limit = new
+                else:
+                    new, why = decide(state, r, opts)
+                entry.update(r.as_dict())
+            else:
+                new, why = adaptive.decide(latency, sample, self.fallback)
+                why = f"no engine gauges: {why}"
+            if new != self.limit.limit:
+                self.limit.set_limit(new)
+            self.history.append({**entry, "limit": new, "why": why})
+
+
+@dataclass
+class EngineGroup:
+    """One controller per endpoint; the report holds each one's decisions with their signals."""
+
+    pool: EndpointPool
+    controllers: dict[str, EngineController]
+    started: dict[str, str]
+
+    def report(self) -> dict[str, Any]:
+        """report.json's `adaptive`: the mode, the final total and each decision (by time, with its URL
+        when there are several endpoints)."""
+        if len(self.controllers) == 1:
+            history = next(iter(self.controllers.values())).history
+        else:
+            rows = [{"endpoint": u, **h} for u, c in self.controllers.items() for h in c.history]
+            history = sorted(rows, key=lambda h: h["t_s"])
+        out: dict[str, Any] = {
+            "mode": "engine",
+            "final_parallelism": self.pool.total.limit,
+            "started": self.started,
+            "history": history,
+        }
+        if len(self.controllers) > 1:
+            out["endpoints"] = [
+                {"url": url, "final_limit": c.limit.limit, "history": c.history}
+                for url, c in self.controllers.items()
+            ]
+        return out
+
+
+async def first_samples(samplers: dict[str, EngineSampler]) -> dict[str, EngineSample | None]:
+    """Each endpoint's first reading (waiting for its first answer, within the sampler's bound)."""
+    found = {}
+    for url, sampler in samplers.items():
+        found[url] = sampler.latest if await sampler.has_signal() else None
+    return found
+
+
+@contextlib.asynccontextmanager
+async def engine_control(
+    pool: EndpointPool, samplers: dict[str, EngineSampler], options: EngineOptions | None = None
+) -> AsyncIterator[EngineGroup]:
+    """Within the block, each endpoint's limit follows its engine (from the engine's own capacity when it
+    states one); the pool keeps the total at their sum."""
+    opts = options or EngineOptions()
+    group = EngineGroup(pool, {}, {})
+    for url, sample in (await first_samples(samplers)).items():
+        limit, why = start_limit(sample, pool.endpoint(url).limit, opts)
+        pool.set_limit(url, limit)
+        group.started[url] = f"{limit}: {why}"
+        log = AttemptLog()
+        pool.observe(url, log)
+        ep = pool.endpoint(url)
+        group.controllers[url] = EngineController(
+            adaptive.EndpointLimit(pool, url), samplers[url], log, lambda ep=ep: ep.outstanding, opts
+        )
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(c.run(stop)) for c in group.controllers.values()]
+    try:
+        yield group
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        for url, c in group.controllers.items():
+            pool.endpoint(url).observers.remove(c.log)
