@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.publish.audit import AuditSummary, agent_rows
+from rollflow.tasks.publish.control_plot import CONTROL_PNG, control_markdown, control_png
 from rollflow.tasks.publish.endpoints import agents_markdown, endpoints_markdown
 from rollflow.tasks.publish.plot import data_uri, diagnosis_markdown, throughput_png, tuning_markdown
 from rollflow.tasks.publish.rewards import rewards_markdown, rewards_png
@@ -191,6 +192,8 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
         lines += ["", diagnosis_markdown(report["diagnosis"])]
     if report.get("tuning"):
         lines += ["", tuning_markdown(report["tuning"], image=images.get(THROUGHPUT_PNG, THROUGHPUT_PNG))]
+    if _controlled(report):
+        lines += ["", control_markdown(report["adaptive"], image=images.get(CONTROL_PNG, CONTROL_PNG))]
     if report.get("missing_chunks"):
         chunks = ", ".join(map(str, report["missing_chunks"][:50]))
         lines += ["", f"Chunks not committed ({report['missing']:,} rollouts missing): {chunks}"]
@@ -204,11 +207,19 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
 def write_report(store: Store, report: dict[str, Any]) -> None:
     """report.json, report.md and rewards.png (throughput.png is written by tuning, when it ran)."""
     names = ["report.json", "report.md", *([REWARDS_PNG] if report.get("rewards") else [])]
+    names += [CONTROL_PNG] if _controlled(report) else []
     owned.add(store, owned.REPORT, [store.url(n) for n in names])
     if report.get("rewards"):
         store.write_bytes(REWARDS_PNG, rewards_png(report["rewards"]))
+    if _controlled(report):
+        store.write_bytes(CONTROL_PNG, control_png(report["adaptive"]))
     store.write_bytes("report.json", orjson.dumps(report, option=orjson.OPT_INDENT_2))
     store.write_bytes("report.md", render_markdown(report).encode())
+
+
+def _controlled(report: dict[str, Any]) -> bool:
+    """The limit followed the run (adaptive or engine control) and has decisions to show."""
+    return bool((report.get("adaptive") or {}).get("history"))
 
 
 def write_throughput_png(store: Store, tuning: dict[str, Any]) -> bytes:
@@ -224,5 +235,6 @@ def embedded_images(store: Store, report: dict[str, Any]) -> dict[str, str]:
     which shows no file beside it)."""
     names = [REWARDS_PNG] if report.get("rewards") else []
     names += [THROUGHPUT_PNG] if report.get("tuning") else []
+    names += [CONTROL_PNG] if _controlled(report) else []
     found = store.read_many(names)
     return {name: data_uri(png) for name, png in found.items()}
