@@ -3,7 +3,7 @@
 A self-hosted engine rarely answers 429: given too much it queues, fills its KV cache and preempts. So each
 endpoint's limit is moved from what its engine says every interval, not from rates that need many
 rollouts to read:
-- preemptions: cut below what was in flight and keep that as a ceiling until a calm spell has passed,
+- preemptions: cut below what ran meanwhile and keep that as a ceiling until a calm spell has passed,
   so the engine is never driven into repeated preemption;
 - KV cache above `kv_high`: trim (the cache is the limit, and preemption is near);
 - requests waiting for capacity beyond a small queue (`queue_share` of those running, at least 2): the
@@ -122,7 +122,9 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
         return state.limit, "no engine sample in the interval"
     if r.preempted > 0:
         state.calm = 0
-        cut = max(opts.min_limit, math.floor(min(state.limit, r.in_flight) * opts.cut))
+        # below what ran while it preempted: that is what the cache holds now
+        held = min(state.limit, r.in_flight, math.inf if r.running is None else r.running)
+        cut = max(opts.min_limit, math.floor(held * opts.cut))
         state.ceiling = cut
         return _set(state, opts, cut, f"{r.preempted} preemptions: cut, and hold below {cut} a while")
     state.calm += 1

@@ -1,0 +1,258 @@
+"""The engine-aware controller: its rules, and runs over the simulator's paged KV cache whose capacity
+changes under it (the limit follows within a stated bound, nothing is lost, no preemption storm)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rollout_data import assert_complete, write_rows
+from tuning_support import configure_sim, setup_run, sim_metrics
+
+from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.backends.engine_metrics import EngineSample, parse_engine_metrics, sample_endpoints
+from rollflow.tasks.backends.http import auth_headers, close_loop_session
+from rollflow.tasks.collect.chunk import collect_chunk
+from rollflow.tasks.tuning.engine_control import (
+    EngineOptions,
+    EngineState,
+    Reading,
+    decide,
+    engine_control,
+    reading,
+    start_limit,
+)
+
+OPTS = EngineOptions()
+
+
+def r(running: float, waiting: float, kv: float, in_flight: int, preempted: int = 0) -> Reading:
+    return Reading(1, running, waiting, kv, preempted, in_flight)
+
+
+def test_preemptions_cut_and_set_a_ceiling_growth_respects_until_calm() -> None:
+    state = EngineState(limit=64)
+    limit, why = decide(state, r(60, 4, 1.0, 64, preempted=12), OPTS)
+    assert limit == 48 and "12 preemptions" in why and state.ceiling == 48  # 0.8 of the 60 that ran
+    for _ in range(OPTS.calm_intervals - 1):  # room in the engine, but below the ceiling's calm spell
+        limit, why = decide(state, r(48, 0, 0.2, 48), OPTS)
+        assert limit == 48, why
+    limit, why = decide(state, r(48, 0, 0.2, 48), OPTS)
+    assert limit == 53 and "probe up to 53" in why  # after the calm spell: a careful step above
+
+
+def test_a_queue_beyond_a_small_share_gives_back_the_excess() -> None:
+    state = EngineState(limit=160)
+    limit, why = decide(state, r(128, 32, 0.1, 160), OPTS)
+    assert limit == 140 and "full" in why  # gives back 32 - 12.8 (10% of running stays waiting)
+    assert decide(state, r(128, 12, 0.1, limit), OPTS)[0] == limit  # at the knee: holds
+
+
+def test_growth_doubles_far_from_limits_and_stops_at_the_kv_projection() -> None:
+    state = EngineState(limit=8)
+    assert decide(state, r(8, 0, 0.05, 8), OPTS)[0] == 16
+    state = EngineState(limit=40)
+    limit, why = decide(state, r(40, 0, 0.5, 40), OPTS)
+    assert limit == 50 and "grow" in why  # x1.25; the projection (40 * 0.8 / 0.5 = 64) is higher
+    state = EngineState(limit=40)
+    assert decide(state, r(40, 0, 0.58, 40), OPTS)[0] == 50
+    state = EngineState(limit=40)
+    assert decide(state, r(40, 0, 0.7, 40), OPTS)[0] == 40  # in the band: holds
+    assert decide(state, r(40, 0, 0.85, 40), OPTS)[0] == 36  # above kv_high: trims
+
+
+def test_draining_and_client_bound_intervals_hold() -> None:
+    state = EngineState(limit=20)
+    assert "draining" in decide(state, r(30, 30, 0.1, 40), OPTS)[1]
+    assert "the run, not the engine" in decide(state, r(5, 0, 0.05, 5), OPTS)[1]
+    assert decide(state, Reading(0, None, None, None, 0, 20), OPTS)[0] == 20
+
+
+def test_the_preemption_counter_counts_growth_only() -> None:
+    def s(p: int) -> EngineSample:
+        return EngineSample(1, 0, 0.5, 0.0, preemptions=p)
+
+    assert reading([s(5), s(9)], s(3), 4).preempted == 6
+    assert reading([s(2)], s(90), 4).preempted == 0  # a restarted engine counts from 0 again
+
+
+def test_vllm_cache_config_info_gives_the_start() -> None:
+    text = (
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3.0\n'
+        '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="128",num_gpu_blocks="8192",'
+        'kv_cache_size_tokens="1048576",kv_cache_max_concurrency="512.0",num_cpu_blocks="None"} 1.0\n'
+    )
+    sample = parse_engine_metrics(text)
+    assert sample is not None and sample.kv_capacity_tokens == 1048576 and sample.kv_max_concurrency == 512
+    assert start_limit(sample, 5, OPTS)[0] == 512
+    assert start_limit(parse_engine_metrics(text.split("# TYPE vllm:cache")[0]), 5, OPTS)[0] == 5
+
+
+async def _controlled_run(
+    tmp_path: Path, urls: list[str], rows: int, during: Any, options: EngineOptions | None = None
+) -> tuple[Any, list[Any]]:
+    """Collect every chunk with each endpoint's limit under engine control while `during(group)` runs."""
+    s = setup_run(tmp_path, ",".join(urls), rows=rows, chunk_size=250)
+    try:
+        async with (
+            sample_endpoints(s.ctx.pool, auth_headers(s.ctx.backend)) as samplers,
+            engine_control(s.ctx.pool, samplers, options) as group,
+        ):
+            watcher = asyncio.create_task(during(group))
+            outcomes = await asyncio.gather(*(collect_chunk(s.ctx, c) for c in s.plan.scan.chunks))
+            await watcher
+    finally:
+        await close_loop_session()
+    return group, outcomes
+
+
+def _limits_after(history: list[dict[str, Any]], t_s: float) -> list[int]:
+    return [h["limit"] for h in history if h["t_s"] > t_s]
+
+
+async def test_the_limit_follows_a_capacity_change_and_loses_nothing(tmp_path: Path) -> None:
+    """Another tenant takes most of the engine (max_num_seqs 256 -> 12) and leaves: within 4 intervals the
+    limit is at most 12 + the small queue it keeps; within 6 after the engine is back it is above 24."""
+    sim = spawn_simulator("--profile", "paged", "--seed", "3")
+    marks: dict[str, float] = {}
+
+    async def tenant(group: Any) -> None:
+        start = time.perf_counter()
+        await asyncio.sleep(3)
+        await configure_sim(sim.url, max_num_seqs=12)
+        marks["taken"] = time.perf_counter() - start
+        await asyncio.sleep(6)
+        await configure_sim(sim.url, max_num_seqs=256)
+        marks["back"] = time.perf_counter() - start
+
+    try:
+        group, outcomes = await _controlled_run(tmp_path, [sim.url], 5000, tenant)
+        stats = await sim_metrics(sim.url)
+    finally:
+        sim.stop()
+    history = next(iter(group.controllers.values())).history
+    shown = [(h["t_s"], h["limit"], h["why"]) for h in history]
+    assert sum(o.manifest.rows for o in outcomes) == 5000 and sum(o.manifest.failed for o in outcomes) == 0
+    assert history[0]["limit"] >= 30, shown  # started from the engine's stated capacity, not from 5
+    taken = [h for h in history if marks["taken"] < h["t_s"] < marks["back"]]
+    assert min(h["limit"] for h in taken[:4]) <= 12 + OPTS.min_queue + 1, shown
+    assert max(h["limit"] for h in taken[4:]) <= 12 + OPTS.min_queue + 1, shown  # and stays there
+    back = _limits_after(history, marks["back"])
+    assert max(back[:6]) > 24, shown
+    assert stats["preemptions"] <= 0.01 * stats["requests"], stats
+
+
+async def test_a_cache_too_small_for_the_limit_brings_no_preemption_storm(tmp_path: Path) -> None:
+    """The cache shrinks to a quarter mid-run: a few preemptions, the limit cut below what the cache holds,
+    then none; a fixed limit at the old level on the same cache preempts over and over."""
+    sim = spawn_simulator("--profile", "paged", "--seed", "4")
+    marks: dict[str, float] = {}
+
+    async def shrink(group: Any) -> None:
+        start = time.perf_counter()
+        await asyncio.sleep(2)
+        await configure_sim(sim.url, kv_blocks=64)
+        marks["shrunk"] = time.perf_counter() - start
+        marks["preempted_at_shrink"] = (await sim_metrics(sim.url))["preemptions"]
+
+    try:
+        group, outcomes = await _controlled_run(tmp_path, [sim.url], 3000, shrink)
+        controlled = await sim_metrics(sim.url)
+        history = next(iter(group.controllers.values())).history
+        await configure_sim(sim.url, kv_blocks=64)
+        fixed = await _fixed_preemptions(sim.url, history[0]["limit"], controlled["completed"])
+    finally:
+        sim.stop()
+    shown = [(h["t_s"], h["limit"], h.get("preempted"), h["why"]) for h in history]
+    assert sum(o.manifest.rows for o in outcomes) == 3000 and sum(o.manifest.failed for o in outcomes) == 0
+    after = [h for h in history if h["t_s"] > marks["shrunk"]]
+    assert after and max(h["limit"] for h in after[3:]) <= 12, shown  # the small cache holds about 9
+    late = sum(h.get("preempted") or 0 for h in after[5:])
+    assert late <= 2, shown  # no storm: preemption stops once the limit is cut
+    # the same cache at the starting limit, held: a storm of at least one preemption per 10 requests
+    assert fixed >= 0.1 * controlled["completed"], (fixed, controlled)
+
+
+async def _fixed_preemptions(url: str, limit: int, requests: int) -> int:
+    """Preemptions `requests` chat requests at a fixed `limit` in flight cause on the simulator now."""
+    import aiohttp
+
+    before = (await sim_metrics(url))["preemptions"]
+    gate = asyncio.Semaphore(limit)
+    body = {"model": "sim", "messages": [{"role": "user", "content": "What is 2 + 3?"}]}
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        async with gate, session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            await resp.read()
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.wait_for(asyncio.gather(*(one(session) for _ in range(requests))), 120)
+    return (await sim_metrics(url))["preemptions"] - before
+
+
+async def test_replicas_of_unequal_kv_capacity_get_their_own_limits(tmp_path: Path) -> None:
+    big = spawn_simulator("--profile", "paged", "--kv-blocks", "256")
+    small = spawn_simulator("--profile", "paged", "--kv-blocks", "64")
+
+    async def idle(group: Any) -> None:
+        return None
+
+    try:
+        group, outcomes = await _controlled_run(tmp_path, [big.url, small.url], 3000, idle)
+        preempted = [(await sim_metrics(u))["preemptions"] for u in (big.url, small.url)]
+    finally:
+        big.stop()
+        small.stop()
+    report = group.report()
+    final = {ep["url"]: ep["final_limit"] for ep in report["endpoints"]}
+    assert final[big.url] >= 3 * final[small.url], report["started"]
+    assert report["final_parallelism"] == sum(final.values())
+    assert sum(o.manifest.rows for o in outcomes) == 3000
+    assert sum(preempted) <= 10, preempted
+    assert {h["endpoint"] for h in report["history"]} == {big.url, small.url}
+
+
+async def test_a_server_without_gauges_falls_back_to_latency_and_429s(tmp_path: Path) -> None:
+    sim = spawn_simulator("--profile", "paged", "--metrics-format", "none")
+
+    async def idle(group: Any) -> None:
+        return None
+
+    try:
+        group, outcomes = await _controlled_run(tmp_path, [sim.url], 2000, idle)
+    finally:
+        sim.stop()
+    report = group.report()
+    assert "states no KV capacity" in next(iter(report["started"].values()))
+    assert report["history"] and all(h["why"].startswith("no engine gauges: ") for h in report["history"])
+    assert all("kv_cache_usage" not in h for h in report["history"])
+    assert sum(o.manifest.rows for o in outcomes) == 2000
+
+
+def test_auto_on_a_long_run_follows_the_engine_without_tuning(run_cli, tmp_path: Path) -> None:
+    """`run --parallelism auto` of 5,000 rollouts over an engine with gauges: no probing, the limit from
+    the engine's capacity, the decisions in report.json, report.md and control.png."""
+    sim = spawn_simulator("--profile", "paged")
+    inp, out = write_rows(tmp_path / "rows.jsonl", 2500), tmp_path / "out"
+    try:
+        res = run_cli(
+            "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url",
+            sim.url, "--num-repeats", "2", "--parallelism", "auto", "--no-progress",
+        )  # fmt: skip
+        preempted = asyncio.run(sim_metrics(sim.url))["preemptions"]
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert "tuning" not in report and "diagnosis" not in report
+    control = report["adaptive"]
+    assert control["mode"] == "engine" and "KV cache holds" in next(iter(control["started"].values()))
+    assert report["stages"]["tune"] == 0.0
+    assert preempted <= 50, preempted  # 5,000 rollouts
+    md = (out / "report.md").read_text()
+    assert "## Concurrency control" in md and "![concurrency control](control.png)" in md
+    assert (out / "control.png").read_bytes()[:4] == b"\x89PNG"
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 2500, 2)
