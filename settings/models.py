@@ -106,6 +106,11 @@ class BackendParams(Settings):
     timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Per-request timeout (whole request)")
     connect_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS, description="TCP connect timeout")
     max_retries: int = Field(5, ge=0, le=50, description="Retries per rollout on transient errors")
+    prefix_affinity: bool = Field(
+        True,
+        description="Send a task's repeats to the replica that served it before while it is about as free "
+        "as the least loaded, so its prefix cache computes the prompt once",
+    )
     backoff_base_s: float = Field(
         0.5, ge=0, le=MAX_SECONDS, description="First backoff; doubles each retry, with jitter"
     )

@@ -49,7 +49,8 @@ def test_two_replicas_share_the_run_and_the_report_has_their_table(run_cli, pref
     assert sum(r["rollouts"] for r in rows) == 400 and all(r["rollouts"] > 0 for r in rows)
     assert all(r["rollouts_per_s"] > 0 and r["errors"] == 0 for r in rows)
     # Sampled while collecting: the replica serving vLLM's /metrics has engine peaks, the other none.
-    assert set(rows[0]["engine"]) == {"running_max", "waiting_max", "kv_cache_usage_max"}, rows[0]
+    peaks = {"running_max", "waiting_max", "kv_cache_usage_max", "preemptions", "prefix_cache_hit_rate"}
+    assert set(rows[0]["engine"]) == peaks, rows[0]
     assert rows[0]["engine"]["running_max"] >= 0 and rows[1]["engine"] is None
     markdown = (out / "report.md").read_text()
     assert "## Endpoints" in markdown and all(sim.url in markdown for sim in sims)

@@ -155,10 +155,11 @@ class BatchingEngine:
         self._admit()
         self._reschedule()
 
-    async def serve(self, output_tokens: int) -> None:
-        """Wait (FIFO) for admission, then decode `output_tokens`; QueueFull if too many already wait."""
+    async def serve(self, output_tokens: int, cached: bool = False) -> None:
+        """Wait (FIFO) for admission, then decode `output_tokens` (after prefilling the prompt unless its
+        prefix is `cached`); QueueFull if too many already wait."""
         cfg = self.config
-        work = float(output_tokens + cfg.prefill_tokens)
+        work = float(output_tokens + (0 if cached else cfg.prefill_tokens))
         if cfg.jitter:
             work = max(0.0, work * (1.0 + cfg.jitter * (2.0 * self.rng.random() - 1.0)))
         req = _Request(work, output_tokens + cfg.kv_prompt_tokens, asyncio.get_running_loop().create_future())

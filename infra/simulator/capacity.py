@@ -34,6 +34,8 @@ class Counters:
     max_in_flight_seen: int = 0
     max_served_seen: int = 0
     preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     endpoints: dict[str, int] = field(default_factory=dict)
 
@@ -41,7 +43,7 @@ class Counters:
 class Engine(Protocol):
     """What the server needs of a capacity model (Capacity here, BatchingEngine in batching.py)."""
 
-    async def serve(self, output_tokens: int) -> None: ...
+    async def serve(self, output_tokens: int, cached: bool = False) -> None: ...
 
     def busy_now(self) -> int: ...
 
@@ -95,7 +97,7 @@ class Capacity:
             base *= 1.0 + cfg.jitter * (2.0 * self.rng.random() - 1.0)
         return base
 
-    async def serve(self, output_tokens: int) -> None:
+    async def serve(self, output_tokens: int, cached: bool = False) -> None:
         """Wait in the FIFO queue for a slot, then hold it for the service time (QueueFull past max_queue)."""
         c = self.counters
         cfg = self.config

@@ -44,7 +44,12 @@ BATCHING_FLAGS: dict[str, tuple[type, str]] = {
     ),
     "block_size": (int, "tokens per KV block (with --kv-blocks)"),
     "kv_prompt_tokens": (int, "KV tokens a request's prompt holds"),
-    "prefill_tokens": (int, "extra decode-step work per request, as for prefilling its prompt"),
+    "prefill_tokens": (
+        int,
+        "extra decode-step work per request, as for prefilling its prompt (none when "
+        "its prompt is in the prefix cache)",
+    ),
+    "prefix_cache_prompts": (int, "the prefix cache keeps the last this many prompts"),
     "preempt_after": (int, "past this many running, preemption divides each sequence's rate further"),
     "recompute": (
         float,

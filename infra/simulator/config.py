@@ -44,6 +44,7 @@ class SimConfig:
     block_size: int = 16
     kv_prompt_tokens: int = 64
     prefill_tokens: int = 0
+    prefix_cache_prompts: int = 256
     preempt_after: int | None = None
     recompute: float = 0.0
 
@@ -106,7 +107,7 @@ class SimConfig:
             raise ValueError("step_ms and seq_step_ms cannot both be 0: a decode step must take some time")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        for name in ("kv_prompt_tokens", "prefill_tokens"):
+        for name in ("kv_prompt_tokens", "prefill_tokens", "prefix_cache_prompts"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

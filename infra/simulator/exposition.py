@@ -21,6 +21,12 @@ vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} {kv}
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{{engine="0",model_name="{model}"}} {preemptions:.1f}
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="{model}"}} {prefix_queries:.1f}
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{engine="0",model_name="{model}"}} {prefix_hits:.1f}
 # HELP vllm:request_success_total Count of successfully processed requests.
 # TYPE vllm:request_success_total counter
 vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{model}"}} {completed:.1f}
@@ -70,9 +76,11 @@ def exposition(
     latency_s: float,
     preemptions: int = 0,
     cache: tuple[int, int, int] | None = None,
+    prefix: tuple[int, int] = (0, 0),
 ) -> str:
     """The /metrics body for `fmt` ('vllm' or 'sglang'); `kv` is the capacity model's KV-cache use, 0..1,
-    `cache` the paged cache's (blocks, block size, tokens a request may hold), as vLLM's cache_config_info."""
+    `cache` the paged cache's (blocks, block size, tokens a request may hold), as vLLM's cache_config_info,
+    `prefix` the prefix cache's queried and hit tokens."""
     template = _VLLM if fmt == "vllm" else _SGLANG
     cache_info = ""
     if cache is not None:
@@ -90,4 +98,6 @@ def exposition(
         latency_sum=round(completed * latency_s, 3),
         preemptions=preemptions,
         cache_info=cache_info,
+        prefix_queries=prefix[0],
+        prefix_hits=prefix[1],
     )

@@ -26,6 +26,7 @@ from rollflow.infra.simulator.content import (
 )
 from rollflow.infra.simulator.exposition import GARBAGE, exposition
 from rollflow.infra.simulator.faults import REPLY_FAULTS, Faults
+from rollflow.infra.simulator.prefix_cache import PrefixCache
 
 JSON = "application/json"
 SIMULATOR_KEY = web.AppKey("simulator", "Simulator")
@@ -97,6 +98,7 @@ class Simulator:
         )
         self.faults = Faults(config, self.counters)
         self.content = ContentModel(config.seed, config.correct_rate, config.min_tokens, config.max_tokens)
+        self.prefix_cache = PrefixCache(config.prefix_cache_prompts, self.counters)
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         """One generation request: count, parse, maybe fail, queue for a slot, answer deterministically."""
@@ -130,7 +132,8 @@ class Simulator:
         draw = ("seed", seed) if isinstance(seed, int) and not isinstance(seed, bool) else rollout
         made = self.content.get(messages, draw, expected)
         try:
-            await self.capacity.serve(made.output_tokens)
+            cached = self.prefix_cache.lookup(messages, self.config.kv_prompt_tokens)
+            await self.capacity.serve(made.output_tokens, cached)
         except QueueFull:
             c.faults["queue_full"] = c.faults.get("queue_full", 0) + 1
             return web.Response(status=503, text="over capacity: queue full")
@@ -199,6 +202,7 @@ class Simulator:
             self.capacity.nominal_latency_s(),
             self.counters.preemptions,
             _cache(cfg),
+            (self.counters.prefix_queries, self.counters.prefix_hits),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

@@ -163,6 +163,10 @@ class BackendClient:
             params = {**params, "model": self.settings.model}
         return rowjson.dumps(params)
 
+    def _affine_to(self, task_index: int) -> int | None:
+        """The task whose replica an attempt prefers (None: least loaded only)."""
+        return task_index if self.settings.prefix_affinity else None
+
     async def rollout(self, row: dict[str, Any], task_index: int, rollout_index: int) -> RolloutResult:
         """The rollout's result, or BackendError once retries are exhausted (or at once if not retryable)."""
         body = self._body(row)
@@ -175,7 +179,9 @@ class BackendClient:
         agent = (row.get("agent_ref") or {}).get("name") if self.pool.routed else None
         while True:
             try:
-                ep = self.pool.choose((failed[-1][0].url,) if failed else (), agent)
+                ep = self.pool.choose(
+                    (failed[-1][0].url,) if failed else (), agent, self._affine_to(task_index)
+                )
             except UnknownAgent as exc:
                 raise BackendError(str(exc), kind="unknown_agent") from None
             token = self.pool.begin(ep)

@@ -5,13 +5,15 @@ so unequal replicas get load in proportion to their capacity. A replica that ref
 fails STREAK_OUT times in a row (5xx, dropped connection, timeout, a garbled 200 body), leaves rotation;
 after a backoff, capped so a replica that comes back gets load again within seconds, one trial request
 decides whether it is back (half-open). The one ConcurrencyLimit that workers take follows the
-in-rotation limits.
+in-rotation limits. A task's repeats go to the replica that served it before while that replica is about
+as free as the least loaded (prefix affinity), so the engine computes the prompt once.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,8 @@ BACKOFF_MAX_S = 2.0  # trial interval cap: a returning replica is back within th
 # broken as one answering 5xx: "malformed" counts toward the streak too.
 STREAK_KINDS = ("connection", "timeout", "malformed")
 OUT_AT_START = -1
+AFFINITY_SLACK = 0.25  # a task's replica may carry this share of its limit more than the least loaded
+AFFINITY_TASKS = 4096  # tasks remembered (repeats of a task are dispatched close together)
 FOLLOWED_TRIAL_S = 4 * BACKOFF_MAX_S  # a trial of a replica another worker took out, if it never returns
 # Numbers this process's rotation findings, across all its pools: a pool opened later for the same run
 # (same worker name) reports larger numbers than an earlier one, so the book never takes them as old.
@@ -61,6 +65,12 @@ class Endpoint:
     observers: list[AttemptObserver] = field(default_factory=list)
     engine: Callable[[], dict[str, Any] | None] | None = None
     agents: frozenset[str] = frozenset()  # the agents whose rows it answers (empty: any row)
+    peak: int = 0  # the most in flight at once since a controller last read it (`take_peak`)
+
+    def take_peak(self) -> int:
+        """The most in flight at once since the last call (an instant's count is noise at small limits)."""
+        peak, self.peak = max(self.peak, self.outstanding), self.outstanding
+        return peak
 
     @property
     def weight(self) -> int:
@@ -121,6 +131,8 @@ class EndpointPool:
         self.started: float | None = None
         self.last: float | None = None
         self._begun = 0
+        self._affinity: OrderedDict[int, str] = OrderedDict()  # task -> the replica that last served it
+        self.affine = 0  # attempts sent to their task's replica for its prefix cache
         self._sync_total()
 
     def endpoint(self, url: str) -> Endpoint:
@@ -136,8 +148,11 @@ class EndpointPool:
             raise UnknownAgent(f"no server answers for agent {agent!r} (known agents: {', '.join(known)})")
         return found
 
-    def choose(self, exclude: Collection[str] = (), agent: str | None = None) -> Endpoint:
-        """A due half-open trial first; else the in-rotation endpoint with the most free capacity.
+    def choose(
+        self, exclude: Collection[str] = (), agent: str | None = None, task: int | None = None
+    ) -> Endpoint:
+        """A due half-open trial first; else the in-rotation endpoint with the most free capacity, or the
+        one that served `task` before while it is nearly as free (prefix affinity).
 
         With every endpoint out of rotation, requests still go out (to the least loaded), so a run whose
         replicas are all down fails through the usual bounded retries. Only `agent`'s endpoints are
@@ -154,11 +169,32 @@ class EndpointPool:
         live = [ep for ep in endpoints if ep.in_rotation]
         allowed = [ep for ep in live if ep.url not in exclude] or live
         allowed = allowed or [ep for ep in endpoints if ep.url not in exclude] or endpoints
-        return min(allowed, key=lambda ep: (ep.outstanding / ep.weight, -ep.weight, ep.last_begun))
+        best = min(allowed, key=lambda ep: (ep.outstanding / ep.weight, -ep.weight, ep.last_begun))
+        if task is None or len(allowed) == 1:
+            return best
+        return self._affine(task, best, allowed)
+
+    def _affine(self, task: int, best: Endpoint, allowed: list[Endpoint]) -> Endpoint:
+        """The replica that last served this task while it is about as free as the best (its prefix cache
+        holds the prompt); else the best, remembered for the task's next repeats."""
+        url = self._affinity.get(task)
+        ep = self._by_url.get(url) if url is not None else None
+        if ep is not None and ep in allowed:
+            slack = AFFINITY_SLACK * max(1, ep.weight)
+            if ep.outstanding <= best.outstanding / best.weight * ep.weight + slack:
+                self._affinity.move_to_end(task)
+                self.affine += 1
+                return ep
+        self._affinity[task] = best.url
+        self._affinity.move_to_end(task)
+        while len(self._affinity) > AFFINITY_TASKS:
+            self._affinity.popitem(last=False)
+        return best
 
     def begin(self, ep: Endpoint) -> int:
         """Count an attempt in flight; the token tells `caused_by_rotation` what rotation it started in."""
         ep.outstanding += 1
+        ep.peak = max(ep.peak, ep.outstanding)
         self._begun += 1
         ep.last_begun = self._begun
         return ep.ejections if ep.in_rotation else OUT_AT_START

@@ -33,6 +33,9 @@ CACHE_INFO = "vllm:cache_config_info"
 _FIELD = {name: field for field, names in (("running", RUNNING), ("waiting", WAITING)) for name in names}
 _FIELD.update({name: "kv" for name in KV_CACHE})
 _FIELD.update({name: "preemptions" for name in PREEMPTIONS})
+_FIELD.update(
+    {"vllm:prefix_cache_queries_total": "prefix_queries", "vllm:prefix_cache_hits_total": "prefix_hits"}
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class EngineSample:
     waiting_for_capacity: int | None = None  # vLLM's waiting_by_reason{reason="capacity"}
     kv_capacity_tokens: int | None = None  # cache_config_info: blocks x block size
     kv_max_concurrency: float | None = None  # cache_config_info: requests of max_model_len it holds
+    prefix_queries: int | None = None  # prompt tokens looked up in the prefix cache (a counter)
+    prefix_hits: int | None = None  # of them, found there (a counter)
 
 
 def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | None:
@@ -74,6 +79,7 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
         return None
     running, waiting, kv = found.get("running"), found.get("waiting"), found.get("kv")
     preempted, capacity = found.get("preemptions"), found.get("capacity")
+    queries, hits = found.get("prefix_queries"), found.get("prefix_hits")
     return EngineSample(
         running=round(sum(running)) if running else None,
         waiting=round(sum(waiting)) if waiting else None,
@@ -83,6 +89,8 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
         waiting_for_capacity=round(sum(capacity)) if capacity else None,
         kv_capacity_tokens=_cache_tokens(cache),
         kv_max_concurrency=_number(cache.get("kv_cache_max_concurrency")),
+        prefix_queries=round(sum(queries)) if queries else None,
+        prefix_hits=round(sum(hits)) if hits else None,
     )
 
 
@@ -148,6 +156,7 @@ class EngineSampler:
         self._loaded_timeout = aiohttp.ClientTimeout(total=max(5.0, 4 * self.min_interval_s))
         self.seen_signal = False
         self.missed = 0
+        self._first: EngineSample | None = None
 
     @property
     def latest(self) -> EngineSample | None:
@@ -227,6 +236,8 @@ class EngineSampler:
         return [s for s in self.samples if t0 <= s.at <= t1]
 
     def _record(self, sample: EngineSample) -> None:
+        if self._first is None:
+            self._first = sample
         self.samples.append(sample)
         for key, value in (
             ("running_max", sample.running),
@@ -255,7 +266,8 @@ class EngineSampler:
         if since is None:
             if not self._max:
                 return None
-            return {k: self._max.get(k) for k in ("running_max", "waiting_max", "kv_cache_usage_max")}
+            peaks = {k: self._max.get(k) for k in ("running_max", "waiting_max", "kv_cache_usage_max")}
+            return {**peaks, **self._growth()}
         recent = [s for s in self.samples if s.at >= since]
         if not recent:
             return None
@@ -264,6 +276,21 @@ class EngineSampler:
             "waiting_max": _max_of(s.waiting for s in recent),
             "kv_cache_usage_max": _max_of(s.kv_cache_usage for s in recent),
         }
+
+    def _growth(self) -> dict[str, Any]:
+        """The counters' growth while sampled: preemptions, and the prefix cache's hit rate."""
+        first = self._first
+        last = self.samples[-1] if self.samples else None
+        out: dict[str, Any] = {}
+        if first is None or last is None:
+            return out
+        if first.preemptions is not None and last.preemptions is not None:
+            out["preemptions"] = max(0, last.preemptions - first.preemptions)
+        if None not in (first.prefix_queries, last.prefix_queries, first.prefix_hits, last.prefix_hits):
+            asked = last.prefix_queries - first.prefix_queries  # type: ignore[operator]
+            hit = last.prefix_hits - first.prefix_hits  # type: ignore[operator]
+            out["prefix_cache_hit_rate"] = round(hit / asked, 4) if asked > 0 else None
+        return out
 
     def waiting_persistent(self, window_s: float, now: float | None = None) -> bool:
         """Every sample of the last `window_s` had requests waiting, and there were enough samples to say so

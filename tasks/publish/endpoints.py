@@ -11,12 +11,18 @@ ENDPOINT_COLUMNS = ("endpoint", "rollouts", "rollouts/s", "errors", "limit", "ou
 
 
 def engine_cell(engine: dict[str, Any] | None) -> str:
-    """Engine peaks as `running/waiting/KV%`, or `-` when the endpoint serves no metrics."""
+    """Engine peaks as `running/waiting/KV%` (then preemptions and the prefix cache's hit rate while the
+    run sampled it), or `-` when the endpoint serves no metrics."""
     if not engine:
         return "-"
     kv = engine.get("kv_cache_usage_max")
     kv_text = "-" if kv is None else f"{100 * kv:.0f}%"
-    return f"{engine.get('running_max', '-')}/{engine.get('waiting_max', '-')}/{kv_text}"
+    cell = f"{engine.get('running_max', '-')}/{engine.get('waiting_max', '-')}/{kv_text}"
+    if engine.get("preemptions"):
+        cell += f", {engine['preemptions']:,} preempted"
+    if engine.get("prefix_cache_hit_rate") is not None:
+        cell += f", prefix hits {100 * engine['prefix_cache_hit_rate']:.0f}%"
+    return cell
 
 
 def endpoint_cells(row: dict[str, Any]) -> tuple[str, ...]:

@@ -9,7 +9,8 @@ rollouts to read:
 - requests waiting for capacity beyond a small queue (`queue_share` of those running, at least 2): the
   engine is full, so give back the excess; the small queue keeps it fed between replies;
 - nothing waiting, the KV cache below `kv_grow` and the limit used: grow, x2 while far from any limit,
-  else x`grow`, never past what the cache's use projects it holds at `kv_high`;
+  else x`grow`, never past what the cache's use projects it holds at `kv_high`; but not while fewer
+  than half of those in flight reach the engine (its API server is the bottleneck then);
 - otherwise hold, and say why.
 An endpoint whose engine publishes no gauges (OpenAI, a gateway) falls back to the latency and 429
 rules of `adaptive.py`. `decide` is pure; every decision is kept with the signals behind it.
@@ -23,7 +24,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +50,13 @@ class EngineOptions:
     calm_intervals: int = 20
     probe_above_ceiling: float = 1.1
     client_bound: float = 0.9
+    front_share: float = 0.5
 
 
 @dataclass(frozen=True)
 class Reading:
     """One interval of one engine: medians of running and waiting for capacity, the KV cache's highest
-    use, the preemptions counted in it, and what this run had in flight there at its end."""
+    use, the preemptions counted in it, and the most this run had in flight there during it."""
 
     samples: int
     running: float | None
@@ -140,6 +142,12 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
         return _set(state, opts, lower, f"{r.waiting:g} waiting for capacity at {r.running:g} running: full")
     if r.in_flight < opts.client_bound * state.limit:
         return state.limit, f"only {r.in_flight} of {state.limit} in flight: the run, not the engine, limits"
+    at_engine = (r.running or 0.0) + (r.waiting or 0.0)
+    if at_engine < opts.front_share * r.in_flight:
+        return state.limit, (
+            f"{r.in_flight} in flight, {at_engine:g} at the engine: its API server or the network holds "
+            "the rest, so more would only wait there"
+        )
     if r.waiting:
         return state.limit, f"at the knee: {r.waiting:g} waiting, {r.running:g} running"
     if r.kv is not None and r.kv >= opts.kv_grow:
@@ -180,7 +188,7 @@ class EngineController:
     limit: adaptive.Resizable
     sampler: EngineSampler
     log: AttemptLog
-    in_flight: Any  # () -> int: this run's requests in flight at the endpoint
+    in_flight: Callable[[], int]  # this run's most requests in flight at the endpoint in the interval
     options: EngineOptions = field(default_factory=EngineOptions)
     fallback: adaptive.AdaptiveOptions = field(default_factory=adaptive.AdaptiveOptions)
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -204,7 +212,11 @@ class EngineController:
             seen_ok, seen_err = self.log.ok, dict(self.log.errors)
             samples = self.sampler.between(t_last, now)
             t_last = now
-            entry: dict[str, Any] = {"t_s": round(now - t_start, 3), "rate": round(sample.rate, 3)}
+            entry: dict[str, Any] = {
+                "t_s": round(now - t_start, 3),
+                "at": round(time.time(), 3),  # epoch seconds, to set beside the engine's own logs
+                "rate": round(sample.rate, 3),
+            }
             state.limit = latency.limit = self.limit.limit
             if self.sampler.seen_signal:
                 r = reading(samples, before, self.in_flight())
@@ -277,7 +289,7 @@ async def engine_control(
         pool.observe(url, log)
         ep = pool.endpoint(url)
         group.controllers[url] = EngineController(
-            adaptive.EndpointLimit(pool, url), samplers[url], log, lambda ep=ep: ep.outstanding, opts
+            adaptive.EndpointLimit(pool, url), samplers[url], log, ep.take_peak, opts
         )
     stop = asyncio.Event()
     tasks = [asyncio.create_task(c.run(stop)) for c in group.controllers.values()]
