@@ -175,3 +175,20 @@ async def test_a_search_cut_by_its_step_budget_still_checks_its_choice(tmp_path)
         assert t.stable and not t.notes, t.as_dict()
     finally:
         sim.stop()
+
+
+def test_errors_that_do_not_grow_with_load_do_not_cut_the_limit() -> None:
+    """10% random faults at every limit of a backend whose rate grows with the limit: one cut before any
+    other limit was read, then the controller grows through them; errors that rise with the limit cut."""
+    opts = AdaptiveOptions()
+    st = AdaptiveState(limit=30, slow_start=False)
+
+    def at(limit: int, fault_share: float = 0.1) -> Sample:
+        ok = 3 * limit
+        return Sample(1.0, ok, {"http_500": round(ok * fault_share / (1 - fault_share))}, 0.1)
+
+    new, why = decide(st, at(30), opts)
+    assert why.startswith("errors") and new == 22  # nothing read at another limit yet
+    limits = [decide(st, at(st.limit), opts)[0] for _ in range(12)]
+    assert max(limits) > 30, limits  # the same 10% at 22 as at 30: it grows through them
+    assert decide(st, at(st.limit, 0.3), opts)[1].startswith("errors")  # 30% here against 10% elsewhere

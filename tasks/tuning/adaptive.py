@@ -3,7 +3,8 @@
 Output lengths and backend load change during a long run, so a value tuned at the start can go stale.
 A controller per endpoint samples that endpoint's attempts of the last interval (successes, failures by
 kind, latency) and moves its limit in the pool (the shared limit is their sum):
-- errors or 429s: back off x `backoff` at once, then hold a while;
+- 429s, or errors that grew with load: back off x `backoff` at once, then hold a while (errors as
+  frequent as at a lower limit are random faults: cutting would not make them rarer);
 - growing: after raising the limit, keep raising while the rate grows by at least `min_gain`: x2 while
   the rate grows nearly in proportion (`linear`) or before the first plateau, else x`grow`;
 - plateau: settle just above the last level that still paid (x`settle`), hold, then probe upward again,
@@ -79,6 +80,9 @@ class AdaptiveState:
     hold: int = 0
     settling: bool = False
     probing: bool = False
+    # each limit's error rate when last read without backing off: errors that were as frequent at a
+    # lower limit do not grow with load (random faults), so they do not cut the limit
+    errors_at: dict[int, float] = field(default_factory=dict)
 
 
 def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple[int, str]:
@@ -88,11 +92,23 @@ def decide(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> tuple
         return state.limit, "settling"
     if sample.ok + sum(sample.errors.values()) < opts.min_completions:
         return state.limit, "too few completions"
-    if sample.errors.get("http_429", 0) or sample.error_rate > opts.max_error_rate:
+    load = _load_errors(state, sample, opts)
+    state.errors_at[state.limit] = sample.error_rate
+    if sample.errors.get("http_429", 0) or load:
         return _back_off(state, sample, opts)
     if state.prev_limit is not None and state.prev_rate is not None:
         return _after_raise(state, sample, opts, state.prev_limit, state.prev_rate)
     return _steady(state, sample, opts)
+
+
+def _load_errors(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -> bool:
+    """Errors above `max_error_rate` that follow load: no other limit read shows them about as often (a
+    lower one had fewer, a higher one more). With no other limit read yet, any such errors count."""
+    rate = sample.error_rate
+    if rate <= opts.max_error_rate:
+        return False
+    margin = opts.max_error_rate
+    return all(abs(other - rate) > margin for limit, other in state.errors_at.items() if limit != state.limit)
 
 
 def _change(state: AdaptiveState, opts: AdaptiveOptions, new: int, why: str) -> tuple[int, str]:
