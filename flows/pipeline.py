@@ -212,21 +212,23 @@ def nemo_gym_style(spec: RunSpec) -> bool:
 async def choose_step(
     spec: RunSpec, settings: RollflowSettings, handles: RunHandles, plan: RunPlan
 ) -> tuple[int, dict[str, Any]]:
-    """A fixed parallelism as given; `auto`/`adaptive` diagnose and tune first, unless too little is left."""
+    """A fixed parallelism as given; `adaptive` (and `auto` on a long run) over engines with gauges
+    follows them from their own capacity; else `auto`/`adaptive` diagnose and tune first, unless too
+    little is left."""
     mode, pending = spec.collection.parallelism, plan.pending
     if isinstance(mode, int):
         return mode, {}
     if not pending:
         return plan.identity.parallelism or FALLBACK_PARALLELISM, {}
     remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
+    if await follows_engine(spec, settings, remaining):
+        return FALLBACK_PARALLELISM, {"controller": "engine"}
     needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows * len(spec.backend.urls)
     if remaining < needed:
         return FALLBACK_PARALLELISM, {
             "tuning_skipped": f"only {remaining} rollouts left: too few to diagnose and tune (needs "
             f"{needed}); collected at parallelism {FALLBACK_PARALLELISM}"
         }
-    if await follows_engine(spec, settings, remaining):
-        return FALLBACK_PARALLELISM, {"controller": "engine"}
     from rollflow.flows.tuning import choose_parallelism
 
     return await choose_parallelism(spec, settings, handles, plan)

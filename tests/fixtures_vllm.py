@@ -27,9 +27,10 @@ def vllm_venv() -> Path:
 
 @pytest.fixture(scope="module")
 def vllm(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """One vLLM server: 16 sequences at once, a KV cache of 64 MiB (65,536 tokens of the tiny model)."""
+    """One vLLM server: 16 sequences at once, a KV cache of 16 MiB (16,384 tokens of the tiny model: 8
+    requests of its 2,048-token context, so 16 long replies preempt)."""
     server = VllmServer(
-        max_num_seqs=16, kv_cache_gb=1 / 16, venv=vllm_venv, log_dir=tmp_path_factory.mktemp("vllm")
+        max_num_seqs=16, kv_cache_gb=1 / 64, venv=vllm_venv, log_dir=tmp_path_factory.mktemp("vllm")
     )
     server.start()
     try:

@@ -56,12 +56,16 @@ def test_growth_doubles_far_from_limits_and_stops_at_the_kv_projection() -> None
     assert decide(state, r(8, 0, 0.05, 8), OPTS)[0] == 16
     state = EngineState(limit=40)
     limit, why = decide(state, r(40, 0, 0.5, 40), OPTS)
-    assert limit == 50 and "grow" in why  # x1.25; the projection (40 * 0.8 / 0.5 = 64) is higher
+    assert limit == 50 and "grow" in why  # x1.25; the projection (40 * 0.9 / 0.5 = 72) is higher
     state = EngineState(limit=40)
-    assert decide(state, r(40, 0, 0.58, 40), OPTS)[0] == 50
+    limit, why = decide(state, r(40, 0, 0.7, 40), OPTS)
+    assert limit == 50 and "KV" not in why  # x1.25 = 50 < 40 * 0.9 / 0.7 = 51
     state = EngineState(limit=40)
-    assert decide(state, r(40, 0, 0.7, 40), OPTS)[0] == 40  # in the band: holds
-    assert decide(state, r(40, 0, 0.85, 40), OPTS)[0] == 36  # above kv_high: trims
+    limit, why = decide(state, r(40, 0, 0.74, 40), OPTS)
+    assert limit == 48 and "what the KV cache holds" in why  # the projection: 40 * 0.9 / 0.74 = 48.6
+    state = EngineState(limit=40)
+    assert decide(state, r(40, 0, 0.8, 40), OPTS)[0] == 40  # in the band: holds
+    assert decide(state, r(40, 0, 0.92, 40), OPTS)[0] == 36  # above kv_high: trims
 
 
 def test_draining_and_client_bound_intervals_hold() -> None:

@@ -41,8 +41,8 @@ class EngineOptions:
     max_limit: int = 4096
     queue_share: float = 0.1
     min_queue: int = 2
-    kv_grow: float = 0.6
-    kv_high: float = 0.8
+    kv_grow: float = 0.75
+    kv_high: float = 0.9
     fast_grow: float = 2.0
     grow: float = 1.25
     trim: float = 0.9
@@ -116,6 +116,9 @@ class EngineState:
     limit: int
     ceiling: int | None = None
     calm: int = 0
+
+
+Rule = Callable[[EngineState, Reading, EngineOptions], tuple[int, str]]
 
 
 def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
@@ -192,6 +195,7 @@ class EngineController:
     options: EngineOptions = field(default_factory=EngineOptions)
     fallback: adaptive.AdaptiveOptions = field(default_factory=adaptive.AdaptiveOptions)
     history: list[dict[str, Any]] = field(default_factory=list)
+    rule: Rule = decide  # another rule set, for benchmarks beside it
 
     async def run(self, stop: asyncio.Event) -> None:
         opts = self.options
@@ -225,7 +229,7 @@ class EngineController:
                     new, why = adaptive.decide(latency, sample, self.fallback)
                     state.limit = new
                 else:
-                    new, why = decide(state, r, opts)
+                    new, why = self.rule(state, r, opts)
                 entry.update(r.as_dict())
             else:
                 new, why = adaptive.decide(latency, sample, self.fallback)
@@ -275,7 +279,10 @@ async def first_samples(samplers: dict[str, EngineSampler]) -> dict[str, EngineS
 
 @contextlib.asynccontextmanager
 async def engine_control(
-    pool: EndpointPool, samplers: dict[str, EngineSampler], options: EngineOptions | None = None
+    pool: EndpointPool,
+    samplers: dict[str, EngineSampler],
+    options: EngineOptions | None = None,
+    rule: Rule | None = None,
 ) -> AsyncIterator[EngineGroup]:
     """Within the block, each endpoint's limit follows its engine (from the engine's own capacity when it
     states one); the pool keeps the total at their sum."""
@@ -289,7 +296,7 @@ async def engine_control(
         pool.observe(url, log)
         ep = pool.endpoint(url)
         group.controllers[url] = EngineController(
-            adaptive.EndpointLimit(pool, url), samplers[url], log, ep.take_peak, opts
+            adaptive.EndpointLimit(pool, url), samplers[url], log, ep.take_peak, opts, rule=rule or decide
         )
     stop = asyncio.Event()
     tasks = [asyncio.create_task(c.run(stop)) for c in group.controllers.values()]

@@ -1,0 +1,237 @@
+"""Concurrency controllers side by side in one run, on the simulator's paged KV cache (vLLM-like: a full
+cache preempts the youngest request, which is recomputed) or on a real vLLM (`--vllm`, CPU, tiny model).
+
+The reference is the best of a fixed-parallelism sweep. Each method then collects the same number of
+rollouts from a cold start:
+- tune-then-hold: diagnose + tune (doubling from 5, steady-rate steps), then its choice held;
+- adaptive (latency): the latency and 429 rules, on the same engine with its gauges hidden;
+- engine: rollflow's engine-aware controller (`adaptive`, and `auto` on long runs);
+- prime-rl rules: a controller written from prime-rl's published rules (start from KV capacity / the
+  longest request, x1.25 per interval while KV use < 0.6, trim above 0.8, cut harder above 0.9 and on
+  preemptions; rollflow cannot cancel work in flight, so "cancel the youngest" is a harder cut).
+Figures per method: seconds to reach 0.95 of the best fixed rate (1 s buckets of completions), the share
+of the run's seconds at or above it, the whole run's rate against the best, preemptions per 1,000
+rollouts, and rollouts spent probing (tuning's probes; the controllers probe nothing apart).
+Goal: >= 0.95 of the best fixed value over the whole run, in half the probing rollouts of tune-then-hold,
+with no more preemptions than the best fixed value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from harness import spawn_simulator
+from tuning import _context, diagnose_and_tune, measure
+
+from rollflow.tasks.backends.engine_metrics import sample_endpoints
+from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.collect.rollouts import RolloutBatch, run_rollouts
+from rollflow.tasks.tuning.adaptive import adaptive_control
+from rollflow.tasks.tuning.engine_control import EngineOptions, EngineState, Reading, engine_control
+
+SWEEP = (8, 16, 24, 32, 40, 48, 64, 96)
+TARGET = 0.95
+
+
+def prime_rl_rule(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
+    """prime-rl's published rules, as a rollflow rule (for comparison only)."""
+    if r.samples == 0 or r.kv is None:
+        return state.limit, "no signal"
+    if r.preempted:
+        state.limit = max(1, math.floor(state.limit * 0.5))
+        return state.limit, "preempted: halve"
+    if r.kv > 0.9:
+        state.limit = max(1, math.floor(state.limit * 0.75))
+        return state.limit, "KV > 0.9: cut (in place of cancelling the youngest)"
+    if r.kv > 0.8:
+        state.limit = max(1, math.floor(state.limit * 0.9))
+        return state.limit, "KV > 0.8: trim"
+    if r.kv < 0.6:
+        state.limit = math.ceil(state.limit * 1.25)
+        return state.limit, "KV < 0.6: grow x1.25"
+    return state.limit, "hold"
+
+
+def _stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _preemptions(url: str) -> int:
+    """The engine's preemption counter: the simulator's /stats, or vLLM's /metrics."""
+    try:
+        return int(_stats(url)["preemptions"])
+    except Exception:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return round(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:num_preemptions_total")
+            )
+        )
+
+
+def _buckets(batch: RolloutBatch, t0: float, t1: float) -> list[int]:
+    """Completed rollouts in each whole second from t0 to t1."""
+    counts = [0] * max(1, math.ceil(t1 - t0))
+    for rec in batch.records:
+        if rec.error is None and t0 <= rec.end < t1:
+            counts[min(len(counts) - 1, int(rec.end - t0))] += 1
+    return counts
+
+
+def _figures(
+    name: str, buckets: list[int], lead_s: float, n: int, wall: float, best: float, pre: int, probes: int
+) -> str:
+    """One method's line: time to 0.95 of best, share at or above it, whole-run rate share, and costs."""
+    reached = next((i + 1 for i, c in enumerate(buckets) if c >= TARGET * best), None)
+    to_target = "never" if reached is None else f"{lead_s + reached:5.1f} s"
+    at_target = sum(1 for c in buckets if c >= TARGET * best) / (len(buckets) + lead_s)
+    return (
+        f"  {name:<16} reach 0.95 of best: {to_target:>7} | share of run at >= 0.95: {at_target:4.2f} | "
+        f"whole run {n / wall:7.1f}/s = {n / wall / best:4.2f} of best | preemptions/1k "
+        f"{1000 * pre / n:6.1f} | probe rollouts {probes:>6,}"
+    )
+
+
+async def _controlled(
+    ctx: Any, feed: Any, n: int, control: Callable[[], Any]
+) -> tuple[RolloutBatch, float, float]:
+    """Collect n rollouts under `control` (an async context manager factory); the batch and its span."""
+    batch = RolloutBatch()
+    items = await feed.next(n)
+    t0 = time.perf_counter()
+    async with control():
+        await run_rollouts(ctx, items, batch)
+    return batch, t0, time.perf_counter()
+
+
+async def run_methods(url: str, hidden_url: str | None, n: int, start: int) -> None:
+    """The sweep, then each method from a cold start on n rollouts (hidden_url: that engine, no gauges)."""
+    work = Path(tempfile.mkdtemp(prefix="rollflow-bench-controllers-"))
+    ctx, plan = _context(url, work, n * 8 + 20_000)
+    feed = _feed(ctx, plan)
+    sweep = {p: await measure(ctx, plan, feed, p, n=max(600, n // 4)) for p in SWEEP}
+    best_p, best = max(sweep.items(), key=lambda kv: kv[1])
+    print("  fixed sweep: " + ", ".join(f"{p}: {r:.1f}/s" for p, r in sweep.items()) + f" (best {best_p})")
+    pre0 = _preemptions(url)
+    await measure(ctx, plan, feed, best_p, n=n)
+    print(f"  best fixed ({best_p}) preemptions/1k: {1000 * (_preemptions(url) - pre0) / n:.1f}")
+
+    async def engine(rule: Any = None) -> Any:
+        ctx.limit.set_limit(start)
+        return await _under_engine(ctx, feed, n, rule)
+
+    lines: list[str] = []
+    for name, method in (("engine", lambda: engine()), ("prime-rl rules", lambda: engine(prime_rl_rule))):
+        pre0 = _preemptions(url)
+        batch, t0, t1 = await method()
+        lines.append(
+            _figures(name, _buckets(batch, t0, t1), 0.0, n, t1 - t0, best, _preemptions(url) - pre0, 0)
+        )
+    pre0, t_start = _preemptions(url), time.perf_counter()
+    d, t = await diagnose_and_tune(ctx, plan, feed)
+    probes = d.probe_rollouts + t.probe_rollouts
+    ctx.limit.set_limit(t.chosen_parallelism)
+    rest = max(1, n - probes)
+    batch, t0, t1 = await _controlled(ctx, feed, rest, _nothing)
+    held = _buckets(batch, t0, t1)
+    pre = _preemptions(url) - pre0
+    lines.append(
+        _figures(f"tune ({t.chosen_parallelism})", held, t0 - t_start, n, t1 - t_start, best, pre, probes)
+    )
+    if hidden_url is not None:
+        lines.append(await _latency_method(hidden_url, n, start, best))
+    feed.close()
+    await close_loop_session()
+    print("\n".join(lines))
+
+
+async def _under_engine(ctx: Any, feed: Any, n: int, rule: Any) -> tuple[RolloutBatch, float, float]:
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def control() -> Any:
+        async with sample_endpoints(ctx.pool, {}) as samplers, engine_control(ctx.pool, samplers, rule=rule):
+            yield
+
+    return await _controlled(ctx, feed, n, control)
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _feed(ctx: Any, plan: Any) -> Any:
+    from rollflow.tasks.tuning.probe import ProbeFeed
+
+    return ProbeFeed(ctx, plan)
+
+
+async def _latency_method(url: str, n: int, start: int, best: float) -> str:
+    """The latency and 429 rules on the same engine with its gauges hidden, from `start`."""
+    work = Path(tempfile.mkdtemp(prefix="rollflow-bench-latency-"))
+    ctx, plan = _context(url, work, n + 1000)
+    feed = _feed(ctx, plan)
+    ctx.limit.set_limit(start)
+    pre0 = _preemptions(url)
+    batch, t0, t1 = await _controlled(ctx, feed, n, lambda: adaptive_control(ctx))
+    feed.close()
+    await close_loop_session()
+    return _figures(
+        "adaptive (lat.)", _buckets(batch, t0, t1), 0.0, n, t1 - t0, best, _preemptions(url) - pre0, 0
+    )
+
+
+def _simulated(profile: str) -> Callable[[], Awaitable[None]]:
+    async def go(n: int) -> None:
+        sim = spawn_simulator("--profile", profile, "--seed", "1")
+        hidden = spawn_simulator("--profile", profile, "--seed", "1", "--metrics-format", "none")
+        try:
+            print(f"simulator --profile {profile}, {n:,} rollouts per method")
+            await run_methods(sim.url, hidden.url, n, start=5)
+        finally:
+            sim.stop()
+            hidden.stop()
+
+    return go  # type: ignore[return-value]
+
+
+async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> None:
+    from rollflow.infra.vllm.stack import VllmServer
+
+    log_dir = Path(tempfile.mkdtemp(prefix="rollflow-bench-vllm-"))
+    with VllmServer(max_num_seqs=max_num_seqs, kv_cache_gb=kv_gb, log_dir=log_dir) as server:
+        print(
+            f"vLLM (CPU, tiny model) max_num_seqs {max_num_seqs}, KV {kv_gb * 1024:.0f} MiB; {n:,} rollouts"
+        )
+        await run_methods(server.base_url, None, n, start=5)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollouts", type=int, default=6000)
+    ap.add_argument("--profile", default="paged")
+    ap.add_argument("--vllm", action="store_true", help="also on a real vLLM (installs it on first use)")
+    ap.add_argument("--vllm-rollouts", type=int, default=1500)
+    args = ap.parse_args()
+    await _simulated(args.profile)(args.rollouts)  # type: ignore[call-arg]
+    if args.vllm:
+        await _on_vllm(args.vllm_rollouts, 64, 1 / 64)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
