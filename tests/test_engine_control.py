@@ -33,6 +33,13 @@ def r(running: float, waiting: float, kv: float, in_flight: int, preempted: int 
     return Reading(1, running, waiting, kv, preempted, in_flight)
 
 
+def twice(state: EngineState, reading: Reading) -> tuple[int, str]:
+    """Growth needs room in two intervals in a row: the first holds."""
+    limit, why = decide(state, reading, OPTS)
+    assert limit == state.limit and why == "room in the engine: grow if it stays", why
+    return decide(state, reading, OPTS)
+
+
 def test_preemptions_cut_and_set_a_ceiling_growth_respects_until_calm() -> None:
     state = EngineState(limit=64)
     limit, why = decide(state, r(60, 4, 1.0, 64, preempted=12), OPTS)
@@ -40,7 +47,7 @@ def test_preemptions_cut_and_set_a_ceiling_growth_respects_until_calm() -> None:
     for _ in range(OPTS.calm_intervals - 1):  # room in the engine, but below the ceiling's calm spell
         limit, why = decide(state, r(48, 0, 0.2, 48), OPTS)
         assert limit == 48, why
-    limit, why = decide(state, r(48, 0, 0.2, 48), OPTS)
+    limit, why = decide(state, r(48, 0, 0.2, 48), OPTS)  # the 20th calm interval, the 2nd with room
     assert limit == 53 and "probe up to 53" in why  # after the calm spell: a careful step above
 
 
@@ -53,18 +60,19 @@ def test_a_queue_beyond_a_small_share_gives_back_the_excess() -> None:
 
 def test_growth_doubles_far_from_limits_and_stops_at_the_kv_projection() -> None:
     state = EngineState(limit=8)
-    assert decide(state, r(8, 0, 0.05, 8), OPTS)[0] == 16
+    assert twice(state, r(8, 0, 0.05, 8))[0] == 16
     state = EngineState(limit=40)
-    limit, why = decide(state, r(40, 0, 0.5, 40), OPTS)
+    limit, why = twice(state, r(40, 0, 0.5, 40))
     assert limit == 50 and "grow" in why  # x1.25; the projection (40 * 0.9 / 0.5 = 72) is higher
     state = EngineState(limit=40)
-    limit, why = decide(state, r(40, 0, 0.7, 40), OPTS)
+    limit, why = twice(state, r(40, 0, 0.7, 40))
     assert limit == 50 and "KV" not in why  # x1.25 = 50 < 40 * 0.9 / 0.7 = 51
     state = EngineState(limit=40)
-    limit, why = decide(state, r(40, 0, 0.74, 40), OPTS)
+    limit, why = twice(state, r(40, 0, 0.74, 40))
     assert limit == 48 and "what the KV cache holds" in why  # the projection: 40 * 0.9 / 0.74 = 48.6
     state = EngineState(limit=40)
     assert decide(state, r(40, 0, 0.8, 40), OPTS)[0] == 40  # in the band: holds
+    assert decide(state, r(40, 0, 0.2, 40), OPTS)[0] == 40  # room once, after a hold: not yet
     assert decide(state, r(40, 0, 0.92, 40), OPTS)[0] == 36  # above kv_high: trims
 
 
@@ -72,6 +80,7 @@ def test_draining_and_client_bound_intervals_hold() -> None:
     state = EngineState(limit=20)
     assert "draining" in decide(state, r(30, 30, 0.1, 40), OPTS)[1]
     assert "the run, not the engine" in decide(state, r(5, 0, 0.05, 5), OPTS)[1]
+    assert "its API server or the network holds" in decide(state, r(14, 0, 0.05, 20), OPTS)[1]
     assert decide(state, Reading(0, None, None, None, 0, 20), OPTS)[0] == 20
 
 

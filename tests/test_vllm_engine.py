@@ -96,20 +96,16 @@ def test_vllms_own_gauges_are_read_while_it_runs(run_cli, vllm, tmp_path: Path) 
 def test_the_limit_follows_vllms_own_capacity_and_never_preempts(run_cli, vllm, tmp_path: Path) -> None:
     """`--parallelism adaptive` on vLLM (16 sequences at once, a cache of 8 full contexts) starts from the
     capacity vLLM states and settles at its 16 plus the small queue it keeps, with short replies; with
-    replies of 1,200 tokens, where 16 at once overflow the cache and a fixed 16 preempts over and over,
-    it keeps the cache from overflowing: no preemption, nothing lost."""
-    short = _adaptive_run(run_cli, vllm, tmp_path / "short", rows=300, tokens=24)
+    replies of 1,200 tokens, of which 16 at once would overflow the cache, it keeps the cache from
+    overflowing: no preemption, nothing lost."""
+    short = _adaptive_run(run_cli, vllm, tmp_path / "short", rows=2000, tokens=24)
     assert "holds 8 requests" in next(iter(short["started"].values())), short["started"]
     assert 8 <= _settled(short["history"]) <= 16 + 2 + 1, _shown(short)  # 2: EngineOptions.min_queue
     before = vllm.metric("vllm:num_preemptions_total")
     long = _adaptive_run(run_cli, vllm, tmp_path / "long", rows=24, tokens=1200)
     assert vllm.metric("vllm:num_preemptions_total") == before, _shown(long)
-    fixed = tmp_path / "fixed"
-    fixed.mkdir()
-    inp = _rows(fixed / "rows.jsonl", 24, 1200)
-    res = _collect(run_cli, inp, fixed / "out", vllm.base_url, "chat", vllm.model, "--parallelism", "16")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert vllm.metric("vllm:num_preemptions_total") - before >= 10  # what the controller avoided
+    kv = [h["kv_cache_usage"] for h in long["history"] if h.get("kv_cache_usage") is not None]
+    assert kv and max(kv) > 0.3, _shown(long)  # the long replies did fill the cache
 
 
 def _adaptive_run(run_cli, vllm: Any, folder: Path, rows: int, tokens: int) -> dict[str, Any]:

@@ -7,10 +7,12 @@ rollouts to read:
   so the engine is never driven into repeated preemption;
 - KV cache above `kv_high`: trim (the cache is the limit, and preemption is near);
 - requests waiting for capacity beyond a small queue (`queue_share` of those running, at least 2): the
-  engine is full, so give back the excess; the small queue keeps it fed between replies;
+  engine is full, so give back the excess, down to what it runs plus that queue at most; the small
+  queue keeps it fed between replies;
 - nothing waiting, the KV cache below `kv_grow` and the limit used: grow, x2 while far from any limit,
-  else x`grow`, never past what the cache's use projects it holds at `kv_high`; but not while fewer
-  than half of those in flight reach the engine (its API server is the bottleneck then);
+  else x`grow`, never past what the cache's use projects it holds at `kv_high`; only after
+  `room_intervals` such intervals in a row, and not while a tenth of those in flight have not reached
+  the engine (its API server holds them: more would only wait there);
 - otherwise hold, and say why.
 An endpoint whose engine publishes no gauges (OpenAI, a gateway) falls back to the latency and 429
 rules of `adaptive.py`. `decide` is pure; every decision is kept with the signals behind it.
@@ -50,7 +52,8 @@ class EngineOptions:
     calm_intervals: int = 20
     probe_above_ceiling: float = 1.1
     client_bound: float = 0.9
-    front_share: float = 0.5
+    front_share: float = 0.9
+    room_intervals: int = 2
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class EngineState:
     limit: int
     ceiling: int | None = None
     calm: int = 0
+    room: int = 0  # consecutive intervals that showed room
 
 
 Rule = Callable[[EngineState, Reading, EngineOptions], tuple[int, str]]
@@ -123,6 +127,13 @@ Rule = Callable[[EngineState, Reading, EngineOptions], tuple[int, str]]
 
 def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
     """The next limit and why; updates `state`. Pure apart from `state`."""
+    limit, why = _decide(state, r, opts)
+    if not why.startswith("room in the engine"):
+        state.room = 0  # growth needs room in consecutive intervals
+    return limit, why
+
+
+def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
     if r.samples == 0:
         return state.limit, "no engine sample in the interval"
     if r.preempted > 0:
@@ -141,7 +152,9 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
         return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
     queue = max(opts.min_queue, opts.queue_share * (r.running or 0.0))
     if r.waiting is not None and r.waiting > queue:
-        lower = state.limit - math.ceil(r.waiting - queue)
+        # give back the excess; and no more than the engine runs plus the queue (requests its API server
+        # holds are not yet counted as waiting, so the excess alone can take several intervals)
+        lower = min(state.limit - math.ceil(r.waiting - queue), math.ceil((r.running or 0.0) + queue))
         return _set(state, opts, lower, f"{r.waiting:g} waiting for capacity at {r.running:g} running: full")
     if r.in_flight < opts.client_bound * state.limit:
         return state.limit, f"only {r.in_flight} of {state.limit} in flight: the run, not the engine, limits"
@@ -155,6 +168,10 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
         return state.limit, f"at the knee: {r.waiting:g} waiting, {r.running:g} running"
     if r.kv is not None and r.kv >= opts.kv_grow:
         return state.limit, f"KV cache {r.kv:.0%} used: holding"
+    state.room += 1
+    if state.room < opts.room_intervals:
+        return state.limit, "room in the engine: grow if it stays"
+    state.room = 0
     return _grow(state, r, opts)
 
 
