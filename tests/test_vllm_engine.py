@@ -121,8 +121,8 @@ def _adaptive_run(run_cli, vllm: Any, folder: Path, rows: int, tokens: int) -> d
 
 
 def _settled(history: list[dict[str, Any]]) -> int:
-    """The limit over the run's second half (the highest it held there)."""
-    return max(h["limit"] for h in history[len(history) // 2 :])
+    """The limit over the run's last third (the highest it held there)."""
+    return max(h["limit"] for h in history[-max(1, len(history) // 3) :])
 
 
 def _shown(control: dict[str, Any]) -> list[tuple[Any, ...]]:

@@ -67,6 +67,7 @@ class Reading:
     kv: float | None
     preempted: int
     in_flight: int
+    at_engine: float | None = None  # the most running + waiting in one sample (its API server lags)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +88,7 @@ def reading(samples: Sequence[EngineSample], before: EngineSample | None, in_fli
     preemption counter is cumulative, so its growth is counted from there)."""
     running = [s.running for s in samples if s.running is not None]
     waiting = [_waiting(s) for s in samples if _waiting(s) is not None]
+    seen = [(s.running or 0) + (_waiting(s) or 0) for s in samples if s.running is not None]
     kv = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
     counts = [s.preemptions for s in (before, *samples) if s is not None and s.preemptions is not None]
     # a restarted engine starts its counter again: only growth between neighbours counts
@@ -98,6 +100,7 @@ def reading(samples: Sequence[EngineSample], before: EngineSample | None, in_fli
         kv=max(kv) if kv else None,
         preempted=preempted,
         in_flight=in_flight,
+        at_engine=max(seen) if seen else None,
     )
 
 
@@ -158,7 +161,7 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
         return _set(state, opts, lower, f"{r.waiting:g} waiting for capacity at {r.running:g} running: full")
     if r.in_flight < opts.client_bound * state.limit:
         return state.limit, f"only {r.in_flight} of {state.limit} in flight: the run, not the engine, limits"
-    at_engine = (r.running or 0.0) + (r.waiting or 0.0)
+    at_engine = r.at_engine if r.at_engine is not None else (r.running or 0.0) + (r.waiting or 0.0)
     if at_engine < opts.front_share * r.in_flight:
         return state.limit, (
             f"{r.in_flight} in flight, {at_engine:g} at the engine: its API server or the network holds "
