@@ -52,6 +52,7 @@ from rollflow.tasks.publish.plot import (
 )
 from rollflow.tasks.publish.report import write_throughput_png
 from rollflow.tasks.storage.lease import Lease
+from rollflow.tasks.tuning.diagnose import reconcile
 from rollflow.tasks.tuning.fail_fast import FAILURES_FILE, BackendRejects
 from rollflow.tasks.tuning.per_endpoint import (
     SharedFeed,
@@ -116,9 +117,14 @@ async def _diagnose_and_tune_one(
         tuning = await tune_task(
             ctx, plan, TuneOptions.from_settings(params), feed, [diagnosis.low, diagnosis.high]
         )
+        rates = {st.parallelism: st.rollouts_per_s for st in tuning.steps if st.errors == 0}
+        chosen, note = reconcile(diagnosis, tuning.chosen_parallelism, rates)
+        if note is not None:
+            tuning.notes.append(note)
+        tuning.chosen_parallelism = chosen
         found["tuning"] = tuning.as_dict()
         found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
-        found["chosen"] = tuning.chosen_parallelism
+        found["chosen"] = chosen
     return found
 
 

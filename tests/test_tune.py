@@ -192,3 +192,19 @@ def test_errors_that_do_not_grow_with_load_do_not_cut_the_limit() -> None:
     limits = [decide(st, at(st.limit), opts)[0] for _ in range(12)]
     assert max(limits) > 30, limits  # the same 10% at 22 as at 30: it grows through them
     assert decide(st, at(st.limit, 0.3), opts)[1].startswith("errors")  # 30% here against 10% elsewhere
+
+
+def test_the_choice_is_squared_with_the_verdict() -> None:
+    """A ceiling the diagnosis found (429s, errors with load) caps the tuned choice; a choice far above a
+    level it advised stands with the rates that justify it, said in a note."""
+    from rollflow.tasks.tuning.diagnose import Diagnosis, reconcile
+
+    def diagnosis(verdict: str, advised: int, ceiling: bool) -> Diagnosis:
+        return Diagnosis(verdict, "", "", None, None, 1.0, {}, advised, ceiling)  # type: ignore[arg-type]
+
+    chosen, note = reconcile(diagnosis("rate-limited", 5, True), 40, {5: 90.0, 40: 95.0})
+    assert chosen == 5 and note is not None and note.startswith("capped at 5") and "40" in note
+    chosen, note = reconcile(diagnosis("backend-bound", 5, False), 60, {5: 50.0, 10: 52.0, 60: 99.6})
+    assert chosen == 60 and note is not None and "99.6/s there against 52.0/s at 10" in note
+    assert reconcile(diagnosis("backend-bound", 5, False), 8, {8: 60.0}) == (8, None)  # near enough
+    assert reconcile(diagnosis("rate-limited", 20, True), 16, {16: 60.0}) == (16, None)  # below it

@@ -37,6 +37,9 @@ class Diagnosis:
     high: StepResult
     speedup: float
     figures: dict[str, Any] = field(default_factory=dict)
+    # the most in flight the verdict advises: a ceiling ("at or below") or a level ("near"), else None
+    advised: int | None = None
+    ceiling: bool = False
 
     @property
     def probe_rollouts(self) -> int:
@@ -55,6 +58,8 @@ class Diagnosis:
     def as_dict(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict,
+            "advised_parallelism": self.advised,
+            "advised_is_ceiling": self.ceiling,
             "next_step": self.next_step,
             "reason": self.reason,
             "speedup": round(self.speedup, 3),
@@ -124,12 +129,16 @@ class _Reading:
             rates = f"{engine_clause(high.engine, hi_p)}; {rates}"
         return cls(low, high, verify_processes, speedup, VerifyLoad.of(high, verify_processes), rates)
 
-    def done(self, name: str, next_step: str, reason: str) -> Diagnosis:
+    def done(
+        self, name: str, next_step: str, reason: str, advised: int | None = None, ceiling: bool = False
+    ) -> Diagnosis:
         figures: dict[str, Any] = {
             "time_split": time_split(self.low, self.high),
             "verification": self.load.as_dict(),
         }
-        return Diagnosis(name, next_step, reason, self.low, self.high, self.speedup, figures)
+        return Diagnosis(
+            name, next_step, reason, self.low, self.high, self.speedup, figures, advised, ceiling
+        )
 
 
 def verdict(low: StepResult, high: StepResult, verify_processes: int | None = None) -> Diagnosis:
@@ -165,6 +174,8 @@ def _rate_limited(r: _Reading) -> Diagnosis | None:
         f"raise the quota; more parallelism only buys more refusals.",
         f"{limited} of {high.attempts} attempts at {hi_p} in flight were answered 429 "
         f"({low.rate_limited} at {lo_p}); {r.rates}.",
+        advised=lo_p if low.rate_limited else hi_p,
+        ceiling=True,
     )
 
 
@@ -186,6 +197,8 @@ def _over_capacity(r: _Reading) -> Diagnosis | None:
         f"stop below the level where errors start.",
         f"{high.errors} of {high.rollouts} rollouts failed at {hi_p} in flight ({kinds}) against "
         f"{low.errors} of {low.rollouts} at {lo_p}; {r.rates}.",
+        advised=lo_p,
+        ceiling=True,
     )
 
 
@@ -227,6 +240,7 @@ def _saturated(r: _Reading) -> Diagnosis | None:
             f"backend keeps up. {verify_next_step(processes)} Keep parallelism near "
             f"{lo_p if r.speedup < NO_GAIN else hi_p}.",
             f"{r.rates}; {split}; at {hi_p} in flight {r.load.clause()}.",
+            advised=lo_p if r.speedup < NO_GAIN else hi_p,
         )
     return r.done(
         "backend-bound",
@@ -234,6 +248,7 @@ def _saturated(r: _Reading) -> Diagnosis | None:
         f"requests wait in its queue. Add replicas/GPUs or a faster model; keep parallelism near "
         f"{lo_p} (tuning will find the exact knee).",
         f"{r.rates}; {split}.",
+        advised=lo_p,
     )
 
 
@@ -244,6 +259,31 @@ def _verifier_queues(r: _Reading, backend_grew: float, verify_grew: float, verif
     if r.verify_processes is not None:  # CPU-bound checks: judged by what they used
         return verification_limits(r.low, r.high, r.verify_processes)
     return verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else verify_longer
+
+
+def reconcile(d: Diagnosis, chosen: int, rate_at: dict[int, float]) -> tuple[int, str | None]:
+    """The tuned choice squared with the verdict: a ceiling the verdict set (429s, errors with load) caps
+    it; a choice far above a level it advised stands only with the rates that justify it, said in a note.
+
+    `rate_at`: the tuning's measured rollouts/s by parallelism."""
+    if d.advised is None or chosen <= d.advised:
+        return chosen, None
+    if d.ceiling:
+        return d.advised, (
+            f"capped at {d.advised}: the diagnosis found {d.verdict} (more in flight only bought refusals or "
+            f"errors), where tuning alone chose {chosen}"
+        )
+    if chosen < 2 * d.advised:
+        return chosen, None
+    near = max((p for p in rate_at if p <= 2 * d.advised), default=None)
+    if near is None:
+        return chosen, f"the diagnosis said {d.verdict} near {d.advised}; tuning measured nothing near it"
+    return chosen, (
+        f"the diagnosis said {d.verdict}, near {d.advised} in flight, from two short steps; tuning chose "
+        f"{chosen} because it measured {rate_at[chosen]:.1f}/s there against {rate_at[near]:.1f}/s at {near}"
+        if chosen in rate_at
+        else f"the diagnosis said {d.verdict} near {d.advised}; tuning chose {chosen}"
+    )
 
 
 def _ms(seconds: float | None) -> str:
