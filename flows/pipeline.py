@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -231,7 +232,8 @@ async def choose_step(
         }
     from rollflow.flows.tuning import choose_parallelism
 
-    return await choose_parallelism(spec, settings, handles, plan)
+    budget = math.floor(spec.tuning.probe_share * remaining)
+    return await choose_parallelism(spec, settings, handles, plan, probe_budget=budget)
 
 
 async def follows_engine(spec: RunSpec, settings: RollflowSettings, remaining: int) -> bool:

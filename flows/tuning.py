@@ -8,6 +8,7 @@ part, so collection (now or in a later `rollflow run` on the same output) adopts
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -106,17 +107,22 @@ async def _diagnose_and_tune_one(
     feed: ProbeFeed,
     tune_too: bool,
     diagnosed: Callable[[], None],
+    probe_budget: int | None = None,
 ) -> dict[str, Any]:
-    """One endpoint: its diagnosis, then (if asked) its tuning, as report.json shows them."""
+    """One endpoint: its diagnosis, then (if asked) its tuning, as report.json shows them; with
+    `probe_budget`, tuning stops once diagnosis and tuning have spent about that many rollouts."""
     diagnosis = await diagnose_task(
         ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
     )
     diagnosed()
     found: dict[str, Any] = {"diagnosis": diagnosis.as_dict(), "chosen": params.diagnose_high}
     if tune_too:
-        tuning = await tune_task(
-            ctx, plan, TuneOptions.from_settings(params), feed, [diagnosis.low, diagnosis.high]
-        )
+        opts = TuneOptions.from_settings(params)
+        if probe_budget is not None:
+            opts = dataclasses.replace(
+                opts, max_probe_rollouts=max(0, probe_budget - diagnosis.probe_rollouts)
+            )
+        tuning = await tune_task(ctx, plan, opts, feed, [diagnosis.low, diagnosis.high])
         rates = {st.parallelism: st.rollouts_per_s for st in tuning.steps if st.errors == 0}
         chosen, note = reconcile(diagnosis, tuning.chosen_parallelism, rates)
         if note is not None:
@@ -135,6 +141,7 @@ async def _per_endpoint(
     urls: list[str],
     tune_too: bool,
     clock: StageClock,
+    probe_budget: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Every endpoint diagnosed and tuned at once; one endpoint gives exactly the one-backend sections.
 
@@ -159,7 +166,13 @@ async def _per_endpoint(
         runs = await for_each_endpoint(
             [",".join(live)] if routed else live,
             lambda url: _diagnose_and_tune_one(
-                ctx if routed else endpoint_context(ctx, url), plan, params, feed, tune_too, diagnosed
+                ctx if routed else endpoint_context(ctx, url),
+                plan,
+                params,
+                feed,
+                tune_too,
+                diagnosed,
+                None if probe_budget is None else probe_budget // (1 if routed else len(live)),
             ),
         )
     finally:
@@ -179,6 +192,7 @@ async def choose_parallelism(
     *,
     tune_too: bool = True,
     params: TuningParams | None = None,
+    probe_budget: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Diagnose, then tune: (chosen parallelism, {"diagnosis": ..., "tuning": ...} for report.json).
 
@@ -191,7 +205,9 @@ async def choose_parallelism(
     ctx = collect_context(handles, settings, 1)
     urls = ctx.backend.urls
     try:
-        chosen, found = await _per_endpoint(ctx, plan, _params(spec, params), urls, tune_too, handles.clock)
+        chosen, found = await _per_endpoint(
+            ctx, plan, _params(spec, params), urls, tune_too, handles.clock, probe_budget
+        )
     except BackendRejects as exc:
         await asyncio.to_thread(handles.store.write_bytes, FAILURES_FILE, exc.lines())
         raise exc.written_to(spec.output) from None

@@ -307,6 +307,13 @@ class TuningSettings(Settings):
 
     diagnose_low: int = Field(5, ge=1, le=65536, description="Low parallelism of the diagnosis")
     diagnose_high: int = Field(20, ge=2, le=65536, description="High parallelism of the diagnosis")
+    probe_share: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="With parallelism auto, tuning stops once diagnosis and tuning have spent this share "
+        "of the run's rollouts (the diagnosis always runs; every probe rollout is kept in the dataset)",
+    )
     engine_min_rollouts: int = Field(
         5000,
         ge=0,

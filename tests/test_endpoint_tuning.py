@@ -78,7 +78,9 @@ def test_auto_tunes_each_replica_at_its_own_knee_concurrently(run_cli, tmp_path:
     try:
         inp, out = write_rows(tmp_path / "rows.jsonl", rows), tmp_path / "out"
         urls = ",".join(sim.url for sim in sims.values())
-        res = run_cli("run", *_run_args(inp, out, urls, "--parallelism", "auto"))
+        # tuning each replica to its knee is what is checked here: no cap on the share it probes
+        share = {"ROLLFLOW_TUNING__PROBE_SHARE": "1"}
+        res = run_cli("run", *_run_args(inp, out, urls, "--parallelism", "auto"), env=share)
     finally:
         for sim in sims.values():
             sim.stop()

@@ -58,11 +58,15 @@ def test_report_counts_the_whole_command(run_cli, fast_sim: Service, tmp_path: P
     assert stages_in_markdown((tmp_path / "out" / "report.md").read_text())
 
 
-def test_run_of_only_probes_still_has_a_rate(run_cli, fast_sim: Service, tmp_path: Path):
-    """When tuning used every rollout, collection had nothing left to ask, yet the dataset was made."""
+def test_a_short_run_spends_a_bounded_share_probing(run_cli, fast_sim: Service, tmp_path: Path):
+    """Tuning stops once diagnosis and tuning have spent a tenth of the run (ROLLFLOW_TUNING__PROBE_SHARE);
+    the diagnosis always runs. Here it alone is a third of 60 rollouts, so no tuning step follows, and
+    collection asks the backend for the rest."""
     report, measured = _timed_auto_run(run_cli, fast_sim, tmp_path, 60)
-    assert report["tuning"]["adopted"] == report["rows_written"] == 60, report["tuning"]
-    assert report["metrics"]["collected"] == 0
+    tuning = report["tuning"]
+    assert [st["phase"] for st in tuning["steps"]] == ["seed", "seed"], tuning["steps"]
+    assert tuning["total_probe_rollouts"] == 20 and tuning["adopted"] == 20, tuning
+    assert report["metrics"]["collected"] == 40 and report["collect_rollouts_per_s"] > 0
     _assert_whole_run(report, measured)
 
 

@@ -17,7 +17,8 @@ from rich.console import Console
 from rollflow.flows.cli.errors import EXIT_OK
 from rollflow.flows.cli.prefect_api import PrefectApi
 from rollflow.flows.cli.runner import run_and_print
-from rollflow.settings import BackendParams, CollectionSettings, RunSpec
+from rollflow.settings import BackendParams, CollectionSettings, RunSpec, TuningSettings
+from rollflow.settings.models import MAX_COUNT
 
 SAMPLE = Path(str(files("rollflow.infra") / "data" / "sample.jsonl"))
 SLOTS, LATENCY_MS, JITTER = 32, 100.0, 0.2
@@ -58,6 +59,9 @@ async def run_demo(
             restart=True,
             backend=BackendParams(kind="agent", url=sim.url),
             collection=CollectionSettings(parallelism=parallelism, num_repeats=num_repeats, chunk_size=100),
+            # the demo walks the pipeline's stages: diagnose and tune, then collect at the choice (a long
+            # run over an engine with gauges would follow them instead; see the README)
+            tuning=TuningSettings(engine_min_rollouts=MAX_COUNT),
         )
         status = await asyncio.to_thread(
             run_and_print, spec, "run", progress=True, print_json=False, started_at=started_at, api=api

@@ -74,7 +74,13 @@ class Search:
 
     def out_of_budget(self) -> bool:
         ran = len(self.history) - len(self.seeds)
-        return ran >= self.opts.max_steps or self.out_of_time()
+        return ran >= self.opts.max_steps or self.out_of_time() or self.out_of_rollouts()
+
+    def out_of_rollouts(self) -> bool:
+        """The run's share for probing is spent (`max_probe_rollouts`; None: no such bound)."""
+        cap = self.opts.max_probe_rollouts
+        spent = sum(s.rollouts + s.errors for _, s, _ in self.history[len(self.seeds) :])
+        return cap is not None and spent >= cap
 
     def out_of_time(self) -> bool:
         return time.monotonic() - self.t0 > self.opts.time_budget_s
@@ -206,9 +212,15 @@ class Search:
         return False, chosen
 
     async def _stretch(self, chosen: int) -> StepResult | None:
-        """The step budget bounds the search, not the check of its choice: only the time budget skips it."""
+        """The step budget bounds the search, not the check of its choice: only the time budget and the
+        run's share for probing skip it."""
         if self.out_of_time():
             self.notes.append("no stability check: time budget reached")
+            return None
+        if self.out_of_rollouts():
+            self.notes.append(
+                f"no stability check: the probing share ({self.opts.max_probe_rollouts}) is spent"
+            )
             return None
         step = await self.measure(chosen, "stability", stability=True)
         if step is None:

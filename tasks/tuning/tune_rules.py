@@ -39,6 +39,7 @@ class TuneOptions:
     max_parallelism: int = 4096
     max_steps: int = 14
     time_budget_s: float = 900.0
+    max_probe_rollouts: int | None = None  # a run's share for probing; None: the steps and time bound it
     # With the engine's signal a step only needs to hold P in flight past one mid-step sample.
     engine_cycles: float = 1.5
     engine_confirm_cycles: float = 2.0
