@@ -65,3 +65,14 @@ def test_a_busy_replica_is_not_waited_for() -> None:
     assert pool.choose(task=7) is b  # 3 against 0: past it
     assert pool.choose(task=7) is b and pool.choose(task=8) is b  # 7 now lives on b; 8 goes least loaded
     assert pool.affine == 2
+
+
+def test_a_controller_does_not_take_affinitys_slack_for_draining() -> None:
+    """Affinity may carry a replica a quarter past its share; its controller still grows it."""
+    from rollflow.tasks.tuning.engine_control import EngineOptions, EngineState, Reading, decide
+
+    state, opts = EngineState(limit=36), EngineOptions()
+    for _ in range(2):
+        limit, why = decide(state, Reading(1, 38.0, 0.0, 0.2, 0, 38), opts)
+    assert limit > 36, why
+    assert "draining" in decide(EngineState(limit=36), Reading(1, 30.0, 0.0, 0.2, 0, 46), opts)[1]

@@ -179,7 +179,7 @@ class EndpointPool:
         holds the prompt); else the best, remembered for the task's next repeats."""
         url = self._affinity.get(task)
         ep = self._by_url.get(url) if url is not None else None
-        if ep is not None and ep in allowed:
+        if ep is not None and ep in allowed:  # it may carry up to the slack past its share, not more
             slack = AFFINITY_SLACK * max(1, ep.weight)
             if ep.outstanding <= best.outstanding / best.weight * ep.weight + slack:
                 self._affinity.move_to_end(task)

@@ -67,10 +67,10 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 field = _FIELD.get(sample.name)
-                if field is not None:
+                if field is None and sample.name == WAITING_BY_REASON:
+                    field = "capacity" if sample.labels.get("reason") == "capacity" else None
+                if field is not None and _plausible(field, float(sample.value)):
                     found.setdefault(field, []).append(float(sample.value))
-                elif sample.name == WAITING_BY_REASON and sample.labels.get("reason") == "capacity":
-                    found.setdefault("capacity", []).append(float(sample.value))
                 elif sample.name == CACHE_INFO:
                     cache = dict(sample.labels)
     except Exception:  # the parser's errors on foreign text are not one documented type: any is "no signal"
@@ -92,6 +92,11 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
         prefix_queries=round(sum(queries)) if queries else None,
         prefix_hits=round(sum(hits)) if hits else None,
     )
+
+
+def _plausible(field: str, value: float) -> bool:
+    """A count is finite and not negative, a KV cache's use a fraction: anything else is no reading."""
+    return math.isfinite(value) and value >= 0 and (field != "kv" or value <= 1)
 
 
 def _cache_tokens(labels: dict[str, str]) -> int | None:

@@ -51,21 +51,28 @@ def _panel(ax: Any, history: list[dict[str, Any]], url: str) -> None:
     ax.set_title(f"rollflow concurrency control {url}".strip(), fontsize=9)
 
 
+def _moves(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decisions that moved the limit (and the first, where it started)."""
+    return [h for i, h in enumerate(history) if i == 0 or h["limit"] != history[i - 1]["limit"]]
+
+
 def control_markdown(adaptive: dict[str, Any], image: str = CONTROL_PNG) -> str:
     """Where each limit started and why, its moves with their reasons, and the plot."""
     lines = ["## Concurrency control", ""]
     for url, why in (adaptive.get("started") or {}).items():
         lines.append(f"- {url} started at {why}")
     lines.append(f"- final parallelism: {adaptive['final_parallelism']}")
-    history = adaptive["history"]
-    moves = [
-        (a, b)
-        for a, b in zip([None, *history], history, strict=False)
-        if a is None or a["limit"] != b["limit"]
-    ]
+    histories = [(ep["url"], ep["history"]) for ep in adaptive.get("endpoints") or []]
+    histories = histories or [("", adaptive["history"])]
+    moves = sorted(
+        ((h["t_s"], url, h) for url, history in histories for h in _moves(history)), key=lambda m: m[0]
+    )
     lines += ["", "| t (s) | endpoint | limit | why |", "|---|---|---|---|"]
-    for _, h in moves[:40]:
-        lines.append(f"| {h['t_s']:.1f} | {h.get('endpoint', '')} | {h['limit']} | {h['why']} |")
+    for t_s, url, h in moves[:60]:
+        lines.append(f"| {t_s:.1f} | {url} | {h['limit']} | {h['why']} |")
+    if len(moves) > 60:
+        lines.append(f"| | | | {len(moves) - 60} more moves in report.json's adaptive history |")
+    history = [h for _, hist in histories for h in hist]
     held = Counter(re.sub(r"\d+(\.\d+)?", "N", h["why"]) for h in history)
     lines += [
         "",

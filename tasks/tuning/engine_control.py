@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.tasks.backends.endpoints import EndpointPool
+from rollflow.tasks.backends.endpoints import AFFINITY_SLACK, EndpointPool
 from rollflow.tasks.backends.engine_metrics import EngineSample, EngineSampler
 from rollflow.tasks.backends.observe import AttemptLog
 from rollflow.tasks.tuning import adaptive
@@ -41,6 +41,9 @@ class EngineOptions:
     interval_s: float = 1.0
     min_limit: int = 1
     max_limit: int = 4096
+    max_start: int = 1024
+    blind_intervals: int = 3  # intervals without an engine sample before the latency rules take over
+    history_kept: int = 4000  # decisions kept per endpoint; older holds are thinned past it
     queue_share: float = 0.1
     min_queue: int = 2
     kv_grow: float = 0.75
@@ -110,11 +113,17 @@ def _waiting(sample: EngineSample) -> int | None:
 
 
 def start_limit(sample: EngineSample | None, fallback: int, opts: EngineOptions) -> tuple[int, str]:
-    """Where to start: the requests of full length the engine says its KV cache holds, else `fallback`."""
-    if sample is not None and sample.kv_max_concurrency is not None:
-        n = max(opts.min_limit, min(opts.max_limit, math.floor(sample.kv_max_concurrency)))
-        return n, f"the engine's KV cache holds {sample.kv_max_concurrency:g} requests of its longest"
-    return fallback, "the engine states no KV capacity: started at the given parallelism"
+    """Where to start: the requests of full length the engine says its KV cache holds (never more than
+    `max_start`, nor than the tokens it says the cache has), else `fallback`."""
+    if sample is None:
+        return fallback, "no engine gauges read at the start: started at the given parallelism"
+    stated = sample.kv_max_concurrency
+    if stated is None:
+        return fallback, "the engine states no KV capacity: started at the given parallelism"
+    bound = min(opts.max_start, opts.max_limit, sample.kv_capacity_tokens or opts.max_start)
+    n = max(opts.min_limit, min(bound, math.floor(stated)))
+    capped = "" if n >= math.floor(stated) else f" (started at {n})"
+    return n, f"the engine's KV cache holds {stated:g} requests of its longest{capped}"
 
 
 @dataclass
@@ -151,7 +160,7 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
         trimmed = math.floor(state.limit * opts.trim)
         state.ceiling = min(state.ceiling or trimmed, trimmed) if state.ceiling else trimmed
         return _set(state, opts, trimmed, f"KV cache {r.kv:.0%} used: trim")
-    if r.in_flight > state.limit:
+    if r.in_flight > math.ceil(state.limit * (1 + AFFINITY_SLACK)):  # affinity may carry it past a little
         return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
     queue = max(opts.min_queue, opts.queue_share * (r.running or 0.0))
     if r.waiting is not None and r.waiting > queue:
@@ -188,14 +197,19 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
         projected = math.floor(r.running * opts.kv_high / r.kv)
         if projected < new:
             new, why = max(state.limit, projected), f"grow to what the KV cache holds at {opts.kv_high:.0%}"
-    if state.ceiling is not None:
-        if state.calm >= opts.calm_intervals:
+    if state.ceiling is not None and state.calm >= opts.calm_intervals:
+        if r.kv is not None and r.kv < opts.kv_grow / 2:  # the cache has room again: forget the ceiling
+            state.ceiling = None
+            why = f"calm for {opts.calm_intervals} intervals, KV cache {r.kv:.0%} used: the ceiling is lifted"
+        else:
             state.ceiling = max(state.ceiling + 1, math.ceil(state.ceiling * opts.probe_above_ceiling))
-            state.calm = 0
             why = f"calm for {opts.calm_intervals} intervals: probe up to {state.ceiling}"
+        state.calm = 0
+    if state.ceiling is not None:
         new = min(new, state.ceiling)
     if new <= state.limit:
-        return state.limit, f"at the ceiling {state.ceiling} set by preemption or a full KV cache"
+        held_by = "the KV cache's projection" if state.ceiling is None else f"the ceiling {state.ceiling}"
+        return state.limit, f"held by {held_by} (set by preemption or a full KV cache)"
     return _set(state, opts, new, why)
 
 
@@ -224,6 +238,7 @@ class EngineController:
         seen_ok, seen_err = self.log.ok, dict(self.log.errors)
         t_last = t_start = time.perf_counter()
         before: EngineSample | None = self.sampler.latest
+        blind = 0
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), opts.interval_s)
@@ -242,7 +257,10 @@ class EngineController:
                 "rate": round(sample.rate, 3),
             }
             state.limit = latency.limit = self.limit.limit
-            if self.sampler.seen_signal:
+            blind = blind + 1 if not samples else 0
+            if stop.is_set():
+                new, why = self.limit.limit, "the run ended"
+            elif self.sampler.seen_signal and blind < opts.blind_intervals:
                 r = reading(samples, before, self.in_flight())
                 before = samples[-1] if samples else before
                 if errors.get("http_429"):
@@ -253,10 +271,23 @@ class EngineController:
                 entry.update(r.as_dict())
             else:
                 new, why = adaptive.decide(latency, sample, self.fallback)
-                why = f"no engine gauges: {why}"
+                seen = self.sampler.seen_signal
+                why = f"{f'no engine sample for {blind} intervals' if seen else 'no engine gauges'}: {why}"
+                state.limit = new
             if new != self.limit.limit:
                 self.limit.set_limit(new)
             self.history.append({**entry, "limit": new, "why": why})
+            if len(self.history) > opts.history_kept:
+                self.history = thinned(self.history)
+
+
+def thinned(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The older half without every other hold (a decision that kept the limit): every move stays, and
+    a day-long run's record stays bounded."""
+    half = len(history) // 2
+    older = history[:half]
+    kept = [h for i, h in enumerate(older) if i % 2 == 0 or h["limit"] != older[i - 1]["limit"]]
+    return kept + history[half:]
 
 
 @dataclass
