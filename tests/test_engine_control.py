@@ -122,8 +122,12 @@ async def _controlled_run(
     return group, outcomes
 
 
-def _limits_after(history: list[dict[str, Any]], t_s: float) -> list[int]:
-    return [h["limit"] for h in history if h["t_s"] > t_s]
+async def _change_after(delay_s: float, url: str, **settings: Any) -> float:
+    """Change the simulator's live settings `delay_s` from now; when it took effect (epoch seconds, the
+    clock of the controller's `at`)."""
+    await asyncio.sleep(delay_s)
+    await configure_sim(url, **settings)
+    return time.time()
 
 
 async def test_the_limit_follows_a_capacity_change_and_loses_nothing(tmp_path: Path) -> None:
@@ -133,13 +137,8 @@ async def test_the_limit_follows_a_capacity_change_and_loses_nothing(tmp_path: P
     marks: dict[str, float] = {}
 
     async def tenant(group: Any) -> None:
-        start = time.perf_counter()
-        await asyncio.sleep(3)
-        await configure_sim(sim.url, max_num_seqs=12)
-        marks["taken"] = time.perf_counter() - start
-        await asyncio.sleep(6)
-        await configure_sim(sim.url, max_num_seqs=256)
-        marks["back"] = time.perf_counter() - start
+        marks["taken"] = await _change_after(3, sim.url, max_num_seqs=12)
+        marks["back"] = await _change_after(6, sim.url, max_num_seqs=256)
 
     try:
         group, outcomes = await _controlled_run(tmp_path, [sim.url], 5000, tenant)
@@ -150,10 +149,10 @@ async def test_the_limit_follows_a_capacity_change_and_loses_nothing(tmp_path: P
     shown = [(h["t_s"], h["limit"], h["why"]) for h in history]
     assert sum(o.manifest.rows for o in outcomes) == 5000 and sum(o.manifest.failed for o in outcomes) == 0
     assert history[0]["limit"] >= 30, shown  # started from the engine's stated capacity, not from 5
-    taken = [h for h in history if marks["taken"] < h["t_s"] < marks["back"]]
+    taken = [h for h in history if marks["taken"] < h["at"] < marks["back"]]
     assert min(h["limit"] for h in taken[:4]) <= 12 + OPTS.min_queue + 1, shown
     assert max(h["limit"] for h in taken[4:]) <= 12 + OPTS.min_queue + 1, shown  # and stays there
-    back = _limits_after(history, marks["back"])
+    back = [h["limit"] for h in history if h["at"] > marks["back"]]
     assert max(back[:6]) > 24, shown
     assert stats["preemptions"] <= 0.01 * stats["requests"], stats
 
@@ -165,10 +164,7 @@ async def test_a_cache_too_small_for_the_limit_brings_no_preemption_storm(tmp_pa
     marks: dict[str, float] = {}
 
     async def shrink(group: Any) -> None:
-        start = time.perf_counter()
-        await asyncio.sleep(2)
-        await configure_sim(sim.url, kv_blocks=64)
-        marks["shrunk"] = time.perf_counter() - start
+        marks["shrunk"] = await _change_after(2, sim.url, kv_blocks=64)
         marks["preempted_at_shrink"] = (await sim_metrics(sim.url))["preemptions"]
 
     try:
@@ -181,7 +177,7 @@ async def test_a_cache_too_small_for_the_limit_brings_no_preemption_storm(tmp_pa
         sim.stop()
     shown = [(h["t_s"], h["limit"], h.get("preempted"), h["why"]) for h in history]
     assert sum(o.manifest.rows for o in outcomes) == 3000 and sum(o.manifest.failed for o in outcomes) == 0
-    after = [h for h in history if h["t_s"] > marks["shrunk"]]
+    after = [h for h in history if h["at"] > marks["shrunk"]]
     assert after and max(h["limit"] for h in after[3:]) <= 12, shown  # the small cache holds about 9
     late = sum(h.get("preempted") or 0 for h in after[5:])
     assert late <= 2, shown  # no storm: preemption stops once the limit is cut
@@ -350,8 +346,7 @@ async def test_gauges_lost_mid_run_hand_over_to_the_latency_rules(tmp_path: Path
     sim = spawn_simulator("--profile", "paged", "--seed", "5")
 
     async def lose(group: Any) -> None:
-        await asyncio.sleep(3)
-        await configure_sim(sim.url, metrics_format="none")
+        await _change_after(3, sim.url, metrics_format="none")
 
     try:
         group, outcomes = await _controlled_run(tmp_path, [sim.url], 3000, lose)
@@ -360,3 +355,32 @@ async def test_gauges_lost_mid_run_hand_over_to_the_latency_rules(tmp_path: Path
     history = next(iter(group.controllers.values())).history
     assert any(h["why"].startswith("no engine sample for 3 intervals: ") for h in history), history
     assert sum(o.manifest.rows for o in outcomes) == 3000
+
+
+async def test_a_failing_controller_never_fails_the_collection() -> None:
+    """A controller that raises leaves its limit where it was; the report names the error."""
+    from dataclasses import dataclass, field
+
+    from rollflow.tasks.backends.endpoints import EndpointPool
+    from rollflow.tasks.backends.limiter import ConcurrencyLimit
+    from rollflow.tasks.backends.observe import AttemptLog
+    from rollflow.tasks.tuning.adaptive import AdaptiveGroup, EndpointLimit
+
+    pool = EndpointPool(["http://a"], {"http://a": 7}, ConcurrencyLimit(7))
+
+    @dataclass
+    class Broken:
+        limit: EndpointLimit
+        log: AttemptLog = field(default_factory=AttemptLog)
+        history: list[dict[str, Any]] = field(default_factory=list)
+
+        async def run(self, stop: asyncio.Event) -> None:
+            raise ValueError("cannot convert float NaN to integer")
+
+    broken = Broken(EndpointLimit(pool, "http://a"))
+    pool.observe("http://a", broken.log)
+    group = AdaptiveGroup(pool, {"http://a": broken})
+    async with group.running():
+        await asyncio.sleep(0.01)
+    assert pool.endpoint("http://a").limit == 7 and pool.endpoint("http://a").observers == []
+    assert group.report()["errors"] == ["http://a: ValueError: cannot convert float NaN to integer"]

@@ -248,12 +248,23 @@ class AdaptiveController:
             )
 
 
+class Controller(Protocol):
+    """A controller of one endpoint's limit: runs until `stop`, feeding on `log`, keeping a `history`."""
+
+    limit: Resizable
+    log: AttemptLog
+    history: list[dict[str, Any]]
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
 @dataclass
 class AdaptiveGroup:
     """One controller per endpoint, each fed by that endpoint's own attempts."""
 
     pool: EndpointPool
-    controllers: dict[str, AdaptiveController]
+    controllers: dict[str, Controller]
+    errors: list[str] = field(default_factory=list)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -271,7 +282,26 @@ class AdaptiveGroup:
                 {"url": url, "final_limit": c.limit.limit, "history": c.history}
                 for url, c in self.controllers.items()
             ]
+        if self.errors:
+            out["errors"] = self.errors
         return out
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Each controller runs while the block does. One that fails leaves its limit where it was and is
+        named in the report: steering is advice, and never fails a collection."""
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(c.run(stop)) for c in self.controllers.values()]
+        try:
+            yield
+        finally:
+            stop.set()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for url, result in zip(self.controllers, results, strict=True):
+                if isinstance(result, Exception):
+                    self.errors.append(f"{url}: {type(result).__name__}: {result}")
+            for url, c in self.controllers.items():
+                self.pool.endpoint(url).observers.remove(c.log)
 
 
 @contextlib.asynccontextmanager
@@ -288,12 +318,5 @@ async def adaptive_control(
         log = AttemptLog()
         pool.observe(ep.url, log)
         group.controllers[ep.url] = AdaptiveController(EndpointLimit(pool, ep.url), log, opts)
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(c.run(stop)) for c in group.controllers.values()]
-    try:
+    async with group.running():
         yield group
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
-        for url, c in group.controllers.items():
-            pool.endpoint(url).observers.remove(c.log)

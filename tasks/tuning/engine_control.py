@@ -291,33 +291,14 @@ def thinned(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @dataclass
-class EngineGroup:
+class EngineGroup(adaptive.AdaptiveGroup):
     """One controller per endpoint; the report holds each one's decisions with their signals."""
 
-    pool: EndpointPool
-    controllers: dict[str, EngineController]
-    started: dict[str, str]
+    started: dict[str, str] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
-        """report.json's `adaptive`: the mode, the final total and each decision (by time, with its URL
-        when there are several endpoints)."""
-        if len(self.controllers) == 1:
-            history = next(iter(self.controllers.values())).history
-        else:
-            rows = [{"endpoint": u, **h} for u, c in self.controllers.items() for h in c.history]
-            history = sorted(rows, key=lambda h: h["t_s"])
-        out: dict[str, Any] = {
-            "mode": "engine",
-            "final_parallelism": self.pool.total.limit,
-            "started": self.started,
-            "history": history,
-        }
-        if len(self.controllers) > 1:
-            out["endpoints"] = [
-                {"url": url, "final_limit": c.limit.limit, "history": c.history}
-                for url, c in self.controllers.items()
-            ]
-        return out
+        """report.json's `adaptive`: the mode, where each limit started, and the latency rules' report."""
+        return {"mode": "engine", "started": self.started, **super().report()}
 
 
 async def first_samples(samplers: dict[str, EngineSampler]) -> dict[str, EngineSample | None]:
@@ -338,7 +319,7 @@ async def engine_control(
     """Within the block, each endpoint's limit follows its engine (from the engine's own capacity when it
     states one); the pool keeps the total at their sum."""
     opts = options or EngineOptions()
-    group = EngineGroup(pool, {}, {})
+    group = EngineGroup(pool, {})
     for url, sample in (await first_samples(samplers)).items():
         limit, why = start_limit(sample, pool.endpoint(url).limit, opts)
         pool.set_limit(url, limit)
@@ -349,12 +330,5 @@ async def engine_control(
         group.controllers[url] = EngineController(
             adaptive.EndpointLimit(pool, url), samplers[url], log, ep.take_peak, opts, rule=rule or decide
         )
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(c.run(stop)) for c in group.controllers.values()]
-    try:
+    async with group.running():
         yield group
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
-        for url, c in group.controllers.items():
-            pool.endpoint(url).observers.remove(c.log)
