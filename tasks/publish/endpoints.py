@@ -11,18 +11,28 @@ ENDPOINT_COLUMNS = ("endpoint", "rollouts", "rollouts/s", "errors", "limit", "ou
 
 
 def engine_cell(engine: dict[str, Any] | None) -> str:
-    """Engine peaks as `running/waiting/KV%` (then preemptions and the prefix cache's hit rate while the
-    run sampled it), or `-` when the endpoint serves no metrics."""
+    """Engine peaks as `running/waiting/KV%`, or `-` when the endpoint serves no metrics."""
     if not engine:
         return "-"
     kv = engine.get("kv_cache_usage_max")
     kv_text = "-" if kv is None else f"{100 * kv:.0f}%"
-    cell = f"{engine.get('running_max', '-')}/{engine.get('waiting_max', '-')}/{kv_text}"
-    if engine.get("preemptions"):
-        cell += f", {engine['preemptions']:,} preempted"
-    if engine.get("prefix_cache_hit_rate") is not None:
-        cell += f", prefix hits {100 * engine['prefix_cache_hit_rate']:.0f}%"
-    return cell
+    return f"{engine.get('running_max', '-')}/{engine.get('waiting_max', '-')}/{kv_text}"
+
+
+def engine_counters(rows: list[dict[str, Any]]) -> list[str]:
+    """Each endpoint's engine counters while the run sampled it: preemptions and the prefix cache's hit
+    rate (what prefix affinity raises); none for an endpoint without them."""
+    lines = []
+    for row in rows:
+        engine = row.get("engine") or {}
+        said = []
+        if engine.get("preemptions") is not None:
+            said.append(f"{engine['preemptions']:,} preemptions")
+        if engine.get("prefix_cache_hit_rate") is not None:
+            said.append(f"prefix hits {100 * engine['prefix_cache_hit_rate']:.0f}% of prompt tokens")
+        if said:
+            lines.append(f"- {row['url']}: {', '.join(said)}")
+    return lines
 
 
 def endpoint_cells(row: dict[str, Any]) -> tuple[str, ...]:
@@ -48,6 +58,9 @@ def endpoints_markdown(rows: list[dict[str, Any]]) -> str:
         "|---|" + "---:|" * (len(ENDPOINT_COLUMNS) - 2) + "---|",
     ]
     lines += ["| " + " | ".join(endpoint_cells(row)) + " |" for row in rows]
+    counters = engine_counters(rows)
+    if counters:
+        lines += ["", "Engine counters while the run sampled them:", "", *counters]
     return "\n".join(lines)
 
 
