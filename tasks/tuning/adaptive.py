@@ -191,6 +191,22 @@ def _latency_knee(state: AdaptiveState, sample: Sample, opts: AdaptiveOptions) -
     )
 
 
+class Intervals:
+    """Reads an AttemptLog interval by interval: each `sample` holds the attempts since the last one."""
+
+    def __init__(self, log: AttemptLog) -> None:
+        self.log = log
+        self.ok, self.errors = log.ok, dict(log.errors)
+
+    def sample(self, duration_s: float) -> Sample:
+        log, seen = self.log, self.errors
+        errors = {k: v - seen.get(k, 0) for k, v in log.errors.items() if v > seen.get(k, 0)}
+        latencies = log.drain_latencies()
+        sample = Sample(duration_s, log.ok - self.ok, errors, median(latencies) if latencies else None)
+        self.ok, self.errors = log.ok, dict(log.errors)
+        return sample
+
+
 class Resizable(Protocol):
     """A limit the controller reads and moves: a ConcurrencyLimit, or one endpoint's share of a pool."""
 
@@ -227,18 +243,13 @@ class AdaptiveController:
     async def run(self, stop: asyncio.Event) -> None:
         opts = self.options
         state = AdaptiveState(limit=self.limit.limit)
-        seen_ok, seen_err = self.log.ok, dict(self.log.errors)
+        attempts = Intervals(self.log)
         t_last = t_start = time.perf_counter()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), opts.interval_s)
             now = time.perf_counter()
-            errors = {k: v - seen_err.get(k, 0) for k, v in self.log.errors.items() if v > seen_err.get(k, 0)}
-            latencies = self.log.drain_latencies()
-            sample = Sample(
-                now - t_last, self.log.ok - seen_ok, errors, median(latencies) if latencies else None
-            )
-            seen_ok, seen_err, t_last = self.log.ok, dict(self.log.errors), now
+            sample, t_last = attempts.sample(now - t_last), now
             state.limit = self.limit.limit
             new, why = decide(state, sample, opts)
             if new != self.limit.limit:

@@ -235,7 +235,7 @@ class EngineController:
         opts = self.options
         state = EngineState(limit=self.limit.limit)
         latency = adaptive.AdaptiveState(limit=self.limit.limit)
-        seen_ok, seen_err = self.log.ok, dict(self.log.errors)
+        attempts = adaptive.Intervals(self.log)
         t_last = t_start = time.perf_counter()
         before: EngineSample | None = self.sampler.latest
         blind = 0
@@ -243,12 +243,8 @@ class EngineController:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), opts.interval_s)
             now = time.perf_counter()
-            errors = {k: v - seen_err.get(k, 0) for k, v in self.log.errors.items() if v > seen_err.get(k, 0)}
-            lat = self.log.drain_latencies()
-            sample = adaptive.Sample(
-                now - t_last, self.log.ok - seen_ok, errors, statistics.median(lat) if lat else None
-            )
-            seen_ok, seen_err = self.log.ok, dict(self.log.errors)
+            sample = attempts.sample(now - t_last)
+            errors = sample.errors
             samples = self.sampler.between(t_last, now)
             t_last = now
             entry: dict[str, Any] = {
