@@ -296,6 +296,15 @@ def test_a_stated_capacity_beyond_belief_is_bounded() -> None:
     assert start_limit(small, 5, OPTS)[0] == 300  # a request holds a token at least
 
 
+def test_far_below_a_ceiling_growth_doubles_up_to_it() -> None:
+    """A trim set a ceiling of 40, then a tenant took the engine (limit 14); once it leaves, the limit
+    doubles to the ceiling and steps by quarters only near it."""
+    state = EngineState(limit=14, ceiling=40)
+    assert twice(state, r(14, 0, 0.1, 14))[0] == 28
+    assert twice(state, r(28, 0, 0.1, 28))[0] == 35  # x2 would pass 40: x1.25
+    assert twice(state, r(35, 0, 0.1, 35))[0] == 40  # capped by the ceiling
+
+
 def test_a_ceiling_is_lifted_once_the_cache_has_room_again() -> None:
     """After a preemption cut, a calm spell with the cache mostly empty lifts the ceiling at once (a
     capacity that came back is found in seconds, not by 10% steps)."""

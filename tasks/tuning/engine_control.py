@@ -190,7 +190,10 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
 def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
     """Room in the engine: x2 while far from every limit, else x`grow`; never past the KV projection or,
     until calm, the ceiling a preemption or a trim set."""
-    far = state.ceiling is None and (r.kv is None or r.kv < opts.kv_grow / 2)
+    # far: the cache mostly empty and a doubling still under any ceiling (a limit cut well below its
+    # ceiling by a tenant who has since left climbs back at x2, not by quarters)
+    below_ceiling = state.ceiling is None or state.limit * opts.fast_grow <= state.ceiling
+    far = below_ceiling and (r.kv is None or r.kv < opts.kv_grow / 2)
     new = math.ceil(state.limit * (opts.fast_grow if far else opts.grow))
     why = "room in the engine: grow"
     if r.kv and r.running:
