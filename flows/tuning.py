@@ -53,7 +53,12 @@ from rollflow.tasks.publish.plot import (
 )
 from rollflow.tasks.publish.report import write_throughput_png
 from rollflow.tasks.storage.lease import Lease
-from rollflow.tasks.tuning.diagnose import reconcile
+from rollflow.tasks.tuning.diagnose import (
+    DIAGNOSIS_FILE,
+    diagnosis_record,
+    earlier_diagnosis,
+    reconcile,
+)
 from rollflow.tasks.tuning.fail_fast import FAILURES_FILE, BackendRejects
 from rollflow.tasks.tuning.per_endpoint import (
     SharedFeed,
@@ -108,28 +113,34 @@ async def _diagnose_and_tune_one(
     tune_too: bool,
     diagnosed: Callable[[], None],
     probe_budget: int | None = None,
+    earlier: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One endpoint: its diagnosis, then (if asked) its tuning, as report.json shows them; with
-    `probe_budget`, tuning stops once diagnosis and tuning have spent about that many rollouts."""
-    diagnosis = await diagnose_task(
-        ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
-    )
+    """One endpoint: its diagnosis (or `earlier`, one `rollflow diagnose` made), then (if asked) its
+    tuning, as report.json shows them; with `probe_budget`, tuning stops once diagnosis and tuning have
+    spent about that many rollouts."""
+    if earlier is not None:
+        seeds, spent, said = [], 0, earlier
+    else:
+        diagnosis = await diagnose_task(
+            ctx, plan, params.diagnose_low, params.diagnose_high, params.diagnose_rows, feed
+        )
+        seeds, spent, said = [diagnosis.low, diagnosis.high], diagnosis.probe_rollouts, diagnosis.as_dict()
     diagnosed()
-    found: dict[str, Any] = {"diagnosis": diagnosis.as_dict(), "chosen": params.diagnose_high}
+    found: dict[str, Any] = {"diagnosis": said, "chosen": params.diagnose_high}
     if tune_too:
         opts = TuneOptions.from_settings(params)
         if probe_budget is not None:
-            opts = dataclasses.replace(
-                opts, max_probe_rollouts=max(0, probe_budget - diagnosis.probe_rollouts)
-            )
-        tuning = await tune_task(ctx, plan, opts, feed, [diagnosis.low, diagnosis.high])
+            opts = dataclasses.replace(opts, max_probe_rollouts=max(0, probe_budget - spent))
+        tuning = await tune_task(ctx, plan, opts, feed, seeds)
         rates = {st.parallelism: st.rollouts_per_s for st in tuning.steps if st.errors == 0}
-        chosen, note = reconcile(diagnosis, tuning.chosen_parallelism, rates)
+        chosen, note = reconcile(said, tuning.chosen_parallelism, rates)
         if note is not None:
             tuning.notes.append(note)
+        if earlier is not None:
+            tuning.notes.append(f"diagnosis not repeated: {earlier['reused']}")
         tuning.chosen_parallelism = chosen
         found["tuning"] = tuning.as_dict()
-        found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + diagnosis.probe_rollouts
+        found["tuning"]["total_probe_rollouts"] = tuning.probe_rollouts + spent
         found["chosen"] = chosen
     return found
 
@@ -142,8 +153,10 @@ async def _per_endpoint(
     tune_too: bool,
     clock: StageClock,
     probe_budget: int | None = None,
+    earlier: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Every endpoint diagnosed and tuned at once; one endpoint gives exactly the one-backend sections.
+    """Every endpoint diagnosed and tuned at once; one endpoint gives exactly the one-backend sections
+    (and may reuse `earlier`, its diagnosis from `rollflow diagnose`).
 
     The diagnose stage ends when the last endpoint's diagnosis does.
     """
@@ -173,6 +186,7 @@ async def _per_endpoint(
                 tune_too,
                 diagnosed,
                 None if probe_budget is None else probe_budget // (1 if routed else len(live)),
+                earlier if len(live) == 1 else None,
             ),
         )
     finally:
@@ -204,9 +218,11 @@ async def choose_parallelism(
     """
     ctx = collect_context(handles, settings, 1)
     urls = ctx.backend.urls
+    tuning = _params(spec, params)
+    earlier = None if spec.restart or not tune_too else await _earlier(handles, urls, tuning)
     try:
         chosen, found = await _per_endpoint(
-            ctx, plan, _params(spec, params), urls, tune_too, handles.clock, probe_budget
+            ctx, plan, tuning, urls, tune_too, handles.clock, probe_budget, earlier
         )
     except BackendRejects as exc:
         await asyncio.to_thread(handles.store.write_bytes, FAILURES_FILE, exc.lines())
@@ -215,6 +231,17 @@ async def choose_parallelism(
     await _publish(handles, found)
     handles.clock.mark("tune" if tune_too else "diagnose")
     return chosen, found
+
+
+async def _earlier(handles: RunHandles, urls: list[str], params: TuningParams) -> dict[str, Any] | None:
+    """The output's diagnosis of this backend, when `rollflow diagnose` made one recently enough."""
+    if params.reuse_diagnosis_s <= 0 or len(urls) != 1:
+        return None
+    try:
+        raw = await asyncio.to_thread(handles.store.read_bytes, DIAGNOSIS_FILE)
+    except FileNotFoundError:
+        return None
+    return earlier_diagnosis(raw, urls, params.reuse_diagnosis_s)
 
 
 async def _stage(spec: RunSpec, tune_too: bool) -> dict[str, Any]:
@@ -240,10 +267,13 @@ async def _diagnose_and_tune(
     plan = await plan_task(handles, None)
     spec = handles.spec = used_agents(with_chunk_rows(spec, plan.identity.chunk_size), plan.scan.agents)
     chosen, found = await choose_parallelism(spec, settings, handles, plan, tune_too=tune_too)
-    name = "tuning.json" if tune_too else "diagnosis.json"
-    await asyncio.to_thread(
-        handles.store.write_bytes, name, orjson.dumps({**found, "chosen_parallelism": chosen}, option=2)
+    record = (
+        {**found, "chosen_parallelism": chosen}
+        if tune_too
+        else diagnosis_record(found, handles.spec.backend.urls, chosen)
     )
+    name = "tuning.json" if tune_too else DIAGNOSIS_FILE
+    await asyncio.to_thread(handles.store.write_bytes, name, orjson.dumps(record, option=2))
     return {**found, "chosen_parallelism": chosen, "output": spec.output}
 
 

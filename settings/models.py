@@ -322,6 +322,13 @@ class TuningSettings(Settings):
         "their gauges (vLLM, SGLang) follows them as it goes instead of tuning first",
     )
     diagnose_rows: int = Field(100, ge=10, le=MAX_COUNT, description="Rollouts at each diagnosis level")
+    reuse_diagnosis_s: float = Field(
+        3600,
+        ge=0,
+        le=7 * 86400,
+        description="Tuning uses the diagnosis `rollflow diagnose` wrote into the output for the same "
+        "backend when it is at most this many seconds old, instead of diagnosing again (0: always diagnose)",
+    )
     tune_start: int = Field(
         8, ge=1, le=65536, description="First level of the search when there is no diagnosis"
     )

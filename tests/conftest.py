@@ -25,6 +25,7 @@ CONCURRENT = {
     "test_cli",
     "test_consistency",
     "test_deploy",
+    "test_diagnosis_reuse",
     "test_errors",
     "test_input_sources",
     "test_lease_scope",

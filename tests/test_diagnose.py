@@ -11,6 +11,7 @@ from rollflow.tasks.collect.parts import chunk_part_rollouts
 from rollflow.tasks.tuning.diagnose import diagnose, verdict
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult, VerifyUsage, probe_step
 from rollflow.tasks.tuning.throughput import measure_step
+from rollflow.tasks.verify.pool import close_pools
 
 
 def step(p: int, slots: int, latency: float = 0.05, **kw) -> StepResult:
@@ -128,3 +129,23 @@ async def test_a_cpu_bound_verifier_is_named_with_its_figures_and_the_processes_
     figures = d.as_dict()["verification"]
     assert figures["verify_processes"] == 0 and figures["verify_capacity_per_s"], figures
     assert "sustains" in d.reason, d.reason
+
+
+async def test_the_verifier_processes_start_is_not_counted_as_check_time(tmp_path) -> None:
+    """A verifier whose import takes 3 s: the diagnosis waits for its processes before the first step and
+    states that start apart, so the checks it times are checks (cheap here), not the import."""
+    sim = spawn_simulator("--slots", "64", "--latency-ms", "5")
+    try:
+        s = setup_run(
+            tmp_path, sim.url, rows=200, kind="responses", chunk_size=100,
+            verifier="slow_import_verifier:score", verify_processes=2,
+        )  # fmt: skip
+        d = await diagnose(s.ctx, s.plan, low=5, high=20, rows=40)
+        await close_loop_session()
+    finally:
+        sim.stop()
+        close_pools()
+    assert d.as_dict()["verifier_start_s"] >= 3.0, d.as_dict()
+    verify_s = d.low.verify_s + d.high.verify_s  # 80 cheap checks; a cold start in them is 5 x 3 s or more
+    assert verify_s < 3.0, (verify_s, d.reason)
+    assert d.low.measure.ok == 40 and d.high.measure.ok == 40

@@ -10,6 +10,7 @@ import orjson
 from rollout_data import write_rows
 
 from rollflow.infra.local import Service
+from rollflow.tasks.publish.plot import evidence_said
 
 STAGES = ("startup", "diagnose", "tune", "collect", "verify", "publish")
 # After report.json is written: the markdown artifact, the flow run's final state, the summary table, then
@@ -55,7 +56,12 @@ def test_report_counts_the_whole_command(run_cli, fast_sim: Service, tmp_path: P
     _assert_whole_run(report, measured)
     assert report["tuning"]["adopted"] > 0 and report["metrics"]["collected"] > 0
     assert report["collect_rollouts_per_s"] > 0
-    assert stages_in_markdown((tmp_path / "out" / "report.md").read_text())
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert stages_in_markdown(markdown)
+    tuning = report["tuning"]  # the choice states its readings at its level, and the report says them
+    at = [s for s in tuning["steps"] if s["parallelism"] == tuning["chosen_parallelism"] and s["errors"] == 0]
+    assert tuning["evidence"]["readings"] == len(at), tuning
+    assert f"At the chosen level: {evidence_said(tuning)}." in markdown
 
 
 def test_a_short_run_spends_a_bounded_share_probing(run_cli, fast_sim: Service, tmp_path: Path):

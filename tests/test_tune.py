@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from tuning_support import assert_nothing_wasted, closed_loop, setup_run
 
 from rollflow.infra.local import spawn_simulator
 from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.publish.plot import evidence_said
 from rollflow.tasks.tuning.adaptive import AdaptiveOptions, AdaptiveState, Sample, decide
 from rollflow.tasks.tuning.diagnose import diagnose
 from rollflow.tasks.tuning.probe import ProbeFeed, StepResult
 from rollflow.tasks.tuning.throughput import StepMeasure, measure_step
 from rollflow.tasks.tuning.tune import (
     TuneOptions,
+    TuneStep,
+    Tuning,
     choose,
     knee_estimate,
     refine_target,
@@ -197,10 +202,10 @@ def test_errors_that_do_not_grow_with_load_do_not_cut_the_limit() -> None:
 def test_the_choice_is_squared_with_the_verdict() -> None:
     """A ceiling the diagnosis found (429s, errors with load) caps the tuned choice; a choice far above a
     level it advised stands with the rates that justify it, said in a note."""
-    from rollflow.tasks.tuning.diagnose import Diagnosis, reconcile
+    from rollflow.tasks.tuning.diagnose import reconcile
 
-    def diagnosis(verdict: str, advised: int, ceiling: bool) -> Diagnosis:
-        return Diagnosis(verdict, "", "", None, None, 1.0, {}, advised, ceiling)  # type: ignore[arg-type]
+    def diagnosis(verdict: str, advised: int, ceiling: bool) -> dict[str, Any]:
+        return {"verdict": verdict, "advised_parallelism": advised, "advised_is_ceiling": ceiling}
 
     chosen, note = reconcile(diagnosis("rate-limited", 5, True), 40, {5: 90.0, 40: 95.0})
     assert chosen == 5 and note is not None and note.startswith("capped at 5") and "40" in note
@@ -208,3 +213,31 @@ def test_the_choice_is_squared_with_the_verdict() -> None:
     assert chosen == 60 and note is not None and "99.6/s there against 52.0/s at 10" in note
     assert reconcile(diagnosis("backend-bound", 5, False), 8, {8: 60.0}) == (8, None)  # near enough
     assert reconcile(diagnosis("rate-limited", 20, True), 16, {16: 60.0}) == (16, None)  # below it
+
+
+def _step(parallelism: int, rate: float, err: float, errors: int = 0) -> TuneStep:
+    return TuneStep("search", parallelism, rate, 0.1, 0.2, errors, 100, rollouts_per_s_err=err)
+
+
+def test_the_choice_states_its_readings_and_their_spread() -> None:
+    """A choice is never shown surer than its readings: their count, mean, range and error; one reading
+    says so; a level set by a rule between measured ones says it was not measured."""
+    steps = [_step(16, 50.0, 2.0), _step(32, 96.0, 3.0), _step(64, 90.0, 4.0), _step(32, 104.0, 5.0)]
+    tuning = Tuning(steps, knee=32, chosen_parallelism=32, probe_rollouts=400, stop_reason="x",
+                    peak_rollouts_per_s=104.0, base_latency_s=0.1)  # fmt: skip
+    assert tuning.evidence() == {
+        "readings": 2,
+        "rollouts_per_s": 100.0,
+        "low": 96.0,
+        "high": 104.0,
+        "err": 5.0,
+    }
+    said = evidence_said(tuning.as_dict())
+    assert said == "100.0 ± 5.0 rollouts/s over 2 readings (96.0 to 104.0)", said
+    tuning.chosen_parallelism = 64
+    assert "from one reading" in evidence_said(tuning.as_dict())
+    tuning.chosen_parallelism = 51  # x0.8 headroom after errors at 64: never measured itself
+    assert tuning.evidence() == {"readings": 0, "nearest_below": 32}
+    assert "not measured at its level" in evidence_said(tuning.as_dict())
+    steps.append(_step(51, 80.0, 1.0, errors=3))  # a reading with errors is no evidence for the level
+    assert tuning.evidence()["readings"] == 0

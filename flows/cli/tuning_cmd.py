@@ -35,7 +35,7 @@ def _cell(value: Any) -> str:
 
 def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     """The verdict, its next step and the tuning table, as the CLI shows them."""
-    from rollflow.tasks.publish.plot import probe_fate, tuning_parts
+    from rollflow.tasks.publish.plot import evidence_said, probe_fate, tuning_parts
 
     d = found["diagnosis"]
     console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
@@ -46,8 +46,11 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
             console.print(_steps(part, "tune-parallelism" + (f" {url}" if url else "")))
             if url:
                 console.print(
-                    f"{url}: knee {part['knee']}, chosen {part['chosen_parallelism']}", highlight=False
+                    f"{url}: knee {part['knee']}, chosen {part['chosen_parallelism']}: {evidence_said(part)}",
+                    highlight=False,
                 )
+            else:
+                console.print(f"at the chosen level: {evidence_said(part)}", highlight=False)
         console.print(
             f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
             f"{'in all ' if len(tuning_parts(t)) > 1 else ''}"
@@ -67,8 +70,8 @@ def _steps(tuning: dict[str, Any], title: str) -> Table:
     )  # fmt: skip
     for col in ("phase", "in flight", "rollouts/s", "p50 ms", "p95 ms", "errors", "rollouts", "note"):
         table.add_column(col, justify="left" if col in ("phase", "note") else "right", overflow="fold")
-    for row in steps_table(tuning):
-        table.add_row(*(_cell(v) for v in row.values()))
+    for row in steps_table(tuning):  # each rate's error is in report.md; the chosen level's is said below
+        table.add_row(*(_cell(v) for k, v in row.items() if k != "±"))
     return table
 
 

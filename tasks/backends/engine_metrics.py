@@ -282,6 +282,13 @@ class EngineSampler:
             "kv_cache_usage_max": _max_of(s.kv_cache_usage for s in recent),
         }
 
+    def stated(self) -> dict[str, Any]:
+        """What the engine says it holds (cache_config_info), the capacity line of the tuning plot."""
+        last = self.samples[-1] if self.samples else None
+        if last is None or last.kv_max_concurrency is None:
+            return {}
+        return {"kv_max_concurrency": round(last.kv_max_concurrency, 2)}
+
     def _growth(self) -> dict[str, Any]:
         """The counters' growth while sampled: preemptions, and the prefix cache's hit rate."""
         first = self._first

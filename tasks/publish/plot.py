@@ -15,7 +15,9 @@ def throughput_png(tuning: dict[str, Any]) -> bytes:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     try:
-        ax.plot(xs, rates, "o-", color="tab:blue", label="rollouts/s")
+        errs = [s.get("rollouts_per_s_err", 0.0) for s in sorted(tuning["steps"], key=_level)]
+        ax.errorbar(xs, rates, yerr=errs, fmt="o-", color="tab:blue", capsize=3, label="rollouts/s ± error")
+        _capacity_line(ax, tuning)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("parallelism (requests in flight)")
         ax.set_ylabel("rollouts/s (steady)", color="tab:blue")
@@ -57,8 +59,21 @@ def _pyplot() -> Any:
     return plt
 
 
+def _level(step: dict[str, Any]) -> int:
+    return int(step["parallelism"])
+
+
+def _capacity_line(ax: Any, tuning: dict[str, Any]) -> None:
+    """The engine's own capacity where it stated one (running at most, or its KV cache's sequences)."""
+    engine = tuning.get("engine") or {}
+    capacity = engine.get("kv_max_concurrency") or engine.get("running_max")
+    if capacity:
+        what = "KV capacity" if engine.get("kv_max_concurrency") else "most running"
+        ax.axvline(capacity, color="tab:purple", linestyle="-.", label=f"engine {what} {capacity:g}")
+
+
 def _curve(tuning: dict[str, Any]) -> tuple[list[int], list[float], list[float]]:
-    steps = sorted(tuning["steps"], key=lambda s: s["parallelism"])
+    steps = sorted(tuning["steps"], key=_level)
     p95 = [(s["latency_p95_s"] or 0.0) * 1000 for s in steps]
     return [s["parallelism"] for s in steps], [s["rollouts_per_s"] for s in steps], p95
 
@@ -99,6 +114,21 @@ def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def evidence_said(tuning: dict[str, Any]) -> str:
+    """How sure the choice is, in words: its readings, their spread and their error; or that it was set by
+    a rule between measured levels, not measured itself."""
+    ev = tuning.get("evidence")
+    if not ev:
+        return ""
+    if ev["readings"] == 0:
+        near = ev.get("nearest_below")
+        return "not measured at its level: set by the rule" + (f" from {near} below it" if near else "")
+    rate = f"{ev['rollouts_per_s']:,.1f} ± {ev['err']:,.1f} rollouts/s"
+    if ev["readings"] == 1:
+        return f"{rate} from one reading (no second reading to compare)"
+    return f"{rate} over {ev['readings']} readings ({ev['low']:,.1f} to {ev['high']:,.1f})"
+
+
 def tuning_parts(tuning: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
     """(endpoint URL, its tuning) for each endpoint tuned; (None, tuning) for a one-endpoint run."""
     if "endpoints" not in tuning:
@@ -115,6 +145,7 @@ def steps_table(tuning: dict[str, Any]) -> list[dict[str, Any]]:
             "phase": s["phase"],
             "parallelism": s["parallelism"],
             "rollouts/s": round(s["rollouts_per_s"], 1),
+            "±": round(s.get("rollouts_per_s_err", 0.0), 1),
             "p50 ms": None if s["latency_p50_s"] is None else round(s["latency_p50_s"] * 1000, 1),
             "p95 ms": None if s["latency_p95_s"] is None else round(s["latency_p95_s"] * 1000, 1),
             "errors": s["errors"],
@@ -152,12 +183,12 @@ def probe_fate(tuning: dict[str, Any]) -> str:
 
 def _steps_lines(tuning: dict[str, Any]) -> list[str]:
     lines = [
-        "| phase | parallelism | rollouts/s | p50 ms | p95 ms | errors | rollouts | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| phase | parallelism | rollouts/s | ± | p50 ms | p95 ms | errors | rollouts | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in steps_table(tuning):
         lines.append(
-            f"| {row['phase']} | {row['parallelism']} | {row['rollouts/s']:,.1f} | "
+            f"| {row['phase']} | {row['parallelism']} | {row['rollouts/s']:,.1f} | {row['±']:,.1f} | "
             f"{_num(row['p50 ms'], ',.1f')} | {_num(row['p95 ms'], ',.1f')} | {row['errors']} | "
             f"{row['rollouts']} | {row['note']} |"
         )
@@ -182,7 +213,9 @@ def tuning_markdown(tuning: dict[str, Any], image: str = "throughput.png") -> st
         "",
         f"Knee **{tuning['knee']}**, chosen parallelism **{tuning['chosen_parallelism']}** "
         f"(stopped on {tuning['stop_reason']}; peak {tuning['peak_rollouts_per_s']:,.1f} rollouts/s; "
-        f"choice: {tuning.get('choice_rule') or 'best measured throughput'}). " + _cost(tuning),
+        f"choice: {tuning.get('choice_rule') or 'best measured throughput'}). "
+        + (f"At the chosen level: {evidence_said(tuning)}. " if tuning.get("evidence") else "")
+        + _cost(tuning),
         "",
         *_steps_lines(tuning),
     ]

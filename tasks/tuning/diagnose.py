@@ -8,8 +8,12 @@ rule with the figures attached (pure, unit-tested); `diagnose()` runs the two st
 
 from __future__ import annotations
 
+import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from rollflow.tasks.backends.engine_metrics import EngineSampler
 from rollflow.tasks.collect.plan import RunPlan
@@ -76,6 +80,8 @@ class Diagnosis:
             "time_split": self.figures.get("time_split", {}),
             "verification": self.figures.get("verification", {}),
             "probe_rollouts": self.probe_rollouts,
+            # the verifier processes' start, waited for before the first step: never counted as checks
+            "verifier_start_s": self.figures.get("verifier_start_s"),
             **({"engine": self.engine} if self.engine is not None else {}),
         }
 
@@ -261,28 +267,30 @@ def _verifier_queues(r: _Reading, backend_grew: float, verify_grew: float, verif
     return verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else verify_longer
 
 
-def reconcile(d: Diagnosis, chosen: int, rate_at: dict[int, float]) -> tuple[int, str | None]:
+def reconcile(d: dict[str, Any], chosen: int, rate_at: dict[int, float]) -> tuple[int, str | None]:
     """The tuned choice squared with the verdict: a ceiling the verdict set (429s, errors with load) caps
     it; a choice far above a level it advised stands only with the rates that justify it, said in a note.
 
+    `d`: the diagnosis as report.json holds it (so one read back from diagnosis.json serves as well);
     `rate_at`: the tuning's measured rollouts/s by parallelism."""
-    if d.advised is None or chosen <= d.advised:
+    advised, verdict = d.get("advised_parallelism"), d["verdict"]
+    if advised is None or chosen <= advised:
         return chosen, None
-    if d.ceiling:
-        return d.advised, (
-            f"capped at {d.advised}: the diagnosis found {d.verdict} (more in flight only bought refusals or "
+    if d.get("advised_is_ceiling"):
+        return advised, (
+            f"capped at {advised}: the diagnosis found {verdict} (more in flight only bought refusals or "
             f"errors), where tuning alone chose {chosen}"
         )
-    if chosen < 2 * d.advised:
+    if chosen < 2 * advised:
         return chosen, None
-    near = max((p for p in rate_at if p <= 2 * d.advised), default=None)
+    near = max((p for p in rate_at if p <= 2 * advised), default=None)
     if near is None:
-        return chosen, f"the diagnosis said {d.verdict} near {d.advised}; tuning measured nothing near it"
+        return chosen, f"the diagnosis said {verdict} near {advised}; tuning measured nothing near it"
     return chosen, (
-        f"the diagnosis said {d.verdict}, near {d.advised} in flight, from two short steps; tuning chose "
+        f"the diagnosis said {verdict}, near {advised} in flight, from two short steps; tuning chose "
         f"{chosen} because it measured {rate_at[chosen]:.1f}/s there against {rate_at[near]:.1f}/s at {near}"
         if chosen in rate_at
-        else f"the diagnosis said {d.verdict} near {d.advised}; tuning chose {chosen}"
+        else f"the diagnosis said {verdict} near {advised}; tuning chose {chosen}"
     )
 
 
@@ -307,6 +315,8 @@ async def diagnose(
     """
     own = feed is None
     feed = feed or ProbeFeed(ctx, plan)
+    warm = getattr(ctx.verifier, "warm", None)
+    started_s = await warm() if warm is not None else None  # the processes' start is no check time
     try:
         async with engine_sampler(ctx, engine) as sampler:
             lo = await probe_next(ctx, plan, feed, low, rows, f"diagnose-p{low}", sampler)
@@ -319,4 +329,36 @@ async def diagnose(
             f"The input has too few rows left to diagnose ({feed.handed_out} rollouts available, "
             f"{2 * rows} needed); lower --diagnose-rows or skip diagnosis with a fixed --parallelism."
         )
-    return verdict(lo, hi, getattr(ctx.verifier, "processes", None))
+    found = verdict(lo, hi, getattr(ctx.verifier, "processes", None))
+    if started_s is not None:
+        found.figures["verifier_start_s"] = round(started_s, 3)
+    return found
+
+
+DIAGNOSIS_FILE = "diagnosis.json"  # what `rollflow diagnose` writes into the output
+
+
+def backend_key(urls: list[str]) -> str:
+    """Which backend a diagnosis was of, without its URLs (a URL may carry a key in its query)."""
+    return hashlib.sha256("\n".join(sorted(urls)).encode()).hexdigest()[:16]
+
+
+def diagnosis_record(found: dict[str, Any], urls: list[str], chosen: int) -> dict[str, Any]:
+    """diagnosis.json: the stage's findings, with the backend and the time, so a later tune can reuse it."""
+    return {**found, "chosen_parallelism": chosen, "backend": backend_key(urls), "diagnosed_at": time.time()}
+
+
+def earlier_diagnosis(raw: bytes, urls: list[str], max_age_s: float) -> dict[str, Any] | None:
+    """The diagnosis in a diagnosis.json of the same single backend, no older than `max_age_s`, marked as
+    reused; None when it is of another backend, too old, of several endpoints, or unreadable."""
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    found = record.get("diagnosis") if isinstance(record, dict) else None
+    if not isinstance(found, dict) or "verdict" not in found or "endpoints" in found:
+        return None
+    age = time.time() - float(record.get("diagnosed_at") or 0)
+    if record.get("backend") != backend_key(urls) or not 0 <= age <= max_age_s:
+        return None
+    return {**found, "reused": f"the diagnosis in {DIAGNOSIS_FILE}, made {age:,.0f} s earlier"}

@@ -123,11 +123,29 @@ class Tuning:
     verification: dict[str, Any] = field(default_factory=dict)
     choice_rule: str = ""
 
+    def evidence(self) -> dict[str, Any]:
+        """What the chosen level measured: every error-free reading there, their mean, the spread between
+        them and each one's own error, so a choice is never read as surer than its readings."""
+        at = [s for s in self.steps if s.parallelism == self.chosen_parallelism and s.errors == 0]
+        if not at:
+            below = [s for s in self.steps if s.parallelism < self.chosen_parallelism and s.errors == 0]
+            near = max(below, key=lambda s: s.parallelism, default=None)
+            return {"readings": 0, "nearest_below": None if near is None else near.parallelism}
+        rates = [s.rollouts_per_s for s in at]
+        return {
+            "readings": len(at),
+            "rollouts_per_s": round(sum(rates) / len(rates), 3),
+            "low": round(min(rates), 3),
+            "high": round(max(rates), 3),
+            "err": round(max(s.rollouts_per_s_err for s in at), 3),  # the least sure reading's error
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "steps": [s.as_dict() for s in self.steps],
             "knee": self.knee,
             "chosen_parallelism": self.chosen_parallelism,
+            "evidence": self.evidence(),
             "probe_rollouts": self.probe_rollouts,
             "seed_rollouts": self.seed_rollouts,
             "stop_reason": self.stop_reason,
@@ -197,6 +215,8 @@ async def tune(
             _require_a_valid_level(run)
             choice = await _choose(run, stop, opts)
             figures = sampler.summary(since=run.t0_perf)
+            if figures is not None:
+                figures.update(sampler.stated())
     finally:
         if own:
             run.feed.close()

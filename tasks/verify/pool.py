@@ -231,13 +231,29 @@ class VerifyPool:
         with self._lock:  # a job queued before close() is settled by it or by a dispatcher
             if self.closed:
                 raise BackendError("verifier pool closed (the run is stopping)", kind="verifier_crash")
-            if not self._threads:
-                for i in range(self.processes):
-                    thread = threading.Thread(target=self._serve, name=f"rollflow-verify-{i}", daemon=True)
-                    self._threads.append(thread)
-                    thread.start()
+            self._dispatch()
             self._jobs.put(job)
         return await job.future
+
+    def _dispatch(self) -> None:
+        """Start the dispatchers (each launches its process) once; under the lock."""
+        if not self._threads:
+            for i in range(self.processes):
+                thread = threading.Thread(target=self._serve, name=f"rollflow-verify-{i}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    async def warm(self) -> float:
+        """Start every process and wait until each is ready (or the start timeout passes): the seconds it
+        took, so a measurement that follows times checks, not the processes' imports."""
+        t0 = time.monotonic()
+        with self._lock:
+            if self.closed:
+                return 0.0
+            self._dispatch()
+        while len(self._ready) < self.processes and time.monotonic() - t0 < self.start_timeout_s:
+            await asyncio.sleep(0.02)
+        return time.monotonic() - t0
 
     def _spawn(self) -> _Worker:
         """A started worker; StartFailed when it cannot start (or the pool closed meanwhile)."""

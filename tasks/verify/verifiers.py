@@ -161,6 +161,8 @@ class CachedVerifier:
         self.meter: VerifyMeter | None = None
         # A check cheap enough to run inline (microseconds): bulk callers (reverify) batch it on one thread.
         self.plain: Callable[[dict[str, Any], str], float] | None = None
+        # Starts its verifier processes and waits for them: the seconds it took (pooled checks only).
+        self.warm: Callable[[], Awaitable[float]] | None = None
 
     def usage(self) -> tuple[float, float, int]:
         """CPU and busy seconds the checks have taken so far, and how many (CPU-bound verifiers)."""
@@ -241,6 +243,10 @@ def _cpu_bound(
     check = pooled if processes else _threaded(spec, fn, settings.check_timeout_s, meter)
     verifier = CachedVerifier(spec, view, check)
     verifier.processes, verifier.meter = processes, meter
+    if processes:
+        verifier.warm = lambda: shared_pool(
+            spec, processes, settings.check_timeout_s, settings.start_timeout_s
+        ).warm()
     return verifier
 
 
