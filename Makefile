@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(CURDIR)/.venv/prefect-home
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test lint bench clean up
+.PHONY: demo test lint docs bench clean up
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +35,13 @@ lint: $(STAMP)
 	cp -R rollflow/. flows tasks settings infra $(VENV)/lint-tree/rollflow/
 	cd $(VENV)/lint-tree && PYTHONPATH=. ../bin/lint-imports --no-cache --config $(CURDIR)/pyproject.toml
 
-# Tests that check no rate, duration or deadline run two at a time; the rest then run alone.
-test: lint
+# The docs site: the reference pages generated from the code, then MkDocs with warnings as errors.
+docs: $(STAMP)
+	$(PY) docs/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# Tests that check no rate, duration or deadline run three at a time; the rest then run alone.
+test: lint docs
 	$(PY) -m pytest -q -ra -m concurrent -n 3 --dist loadfile --durations=10; side=$$?; \
 	$(PY) -m pytest -q -ra -m "not concurrent" --durations=15; alone=$$?; \
 	test $$side -eq 0 && test $$alone -eq 0
@@ -56,7 +62,7 @@ bench: $(STAMP)
 	$(PY) bench/reverify.py
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) demo-out site
 
 up: $(STAMP)
 	PY=$(PY) infra/local-up.sh

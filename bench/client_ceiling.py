@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 
 def main() -> None:
@@ -51,6 +52,22 @@ def main() -> None:
     print(f"  collect wall           {m['collect_s']:.2f} s")
     print(f"  whole command wall     {res.wall_s:.2f} s (start-up, plan, verify, publish included)")
     print(f"  peak RSS               {m['peak_rss_mb']:.0f} MB")
+    figures = {
+        "exit": res.returncode,
+        "rollouts": m["collected"],
+        "rollouts/s (collect)": round(rep["collect_rollouts_per_s"]),
+        "client CPU µs/rollout": round(cpu_us),
+        "collect s": round(m["collect_s"], 2),
+        "whole command s": round(res.wall_s, 2),
+        "peak RSS MB": round(m["peak_rss_mb"]),
+    }
+    save(
+        "client_ceiling",
+        [figures],
+        title="Client ceiling: a backend that answers instantly",
+        params=vars(args),
+        goal=">= 3,000 rollouts/s and < 400 µs client CPU per rollout",
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import spawn_simulator
+from results import RESULTS, save
 from tuning import _context, diagnose_and_tune, measure
 
 from rollflow.tasks.backends.engine_metrics import sample_endpoints
@@ -93,15 +94,28 @@ def _buckets(batch: RolloutBatch, t0: float, t1: float) -> list[int]:
 
 def _figures(
     name: str, buckets: list[int], lead_s: float, n: int, wall: float, best: float, pre: int, probes: int
-) -> str:
-    """One method's line: time to 0.95 of best, share at or above it, whole-run rate share, and costs."""
+) -> dict[str, Any]:
+    """One method's row: time to 0.95 of best, share at or above it, whole-run rate share, and costs."""
     reached = next((i + 1 for i, c in enumerate(buckets) if c >= TARGET * best), None)
-    to_target = "never" if reached is None else f"{lead_s + reached:5.1f} s"
-    at_target = sum(1 for c in buckets if c >= TARGET * best) / (len(buckets) + lead_s)
+    row = {
+        "method": name,
+        "reach_0.95_s": None if reached is None else round(lead_s + reached, 1),
+        "share_at_0.95": round(sum(1 for c in buckets if c >= TARGET * best) / (len(buckets) + lead_s), 3),
+        "rollouts_per_s": round(n / wall, 1),
+        "of_best": round(n / wall / best, 3),
+        "preemptions_per_1k": round(1000 * pre / n, 1),
+        "probe_rollouts": probes,
+    }
+    print(_line(row))
+    return row
+
+
+def _line(row: dict[str, Any]) -> str:
+    to_target = "never" if row["reach_0.95_s"] is None else f"{row['reach_0.95_s']:5.1f} s"
     return (
-        f"  {name:<16} reach 0.95 of best: {to_target:>7} | share of run at >= 0.95: {at_target:4.2f} | "
-        f"whole run {n / wall:7.1f}/s = {n / wall / best:4.2f} of best | preemptions/1k "
-        f"{1000 * pre / n:6.1f} | probe rollouts {probes:>6,}"
+        f"  {row['method']:<16} reach 0.95 of best: {to_target:>7} | share of run at >= 0.95: "
+        f"{row['share_at_0.95']:4.2f} | whole run {row['rollouts_per_s']:7.1f}/s = {row['of_best']:4.2f} of "
+        f"best | preemptions/1k {row['preemptions_per_1k']:6.1f} | probe rollouts {row['probe_rollouts']:>6,}"
     )
 
 
@@ -117,23 +131,31 @@ async def _controlled(
     return batch, t0, time.perf_counter()
 
 
-async def run_methods(url: str, hidden_url: str | None, n: int, start: int) -> None:
-    """The sweep, then each method from a cold start on n rollouts (hidden_url: that engine, no gauges)."""
+async def run_methods(
+    url: str, hidden_url: str | None, n: int, start: int, backend: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The sweep, then each method from a cold start on n rollouts (hidden_url: that engine, no gauges;
+    `backend`: the kind and model when not the simulator's agent)."""
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-controllers-"))
-    ctx, plan = _context(url, work, n * 8 + 20_000)
+    ctx, plan = _context(url, work, n * 8 + 20_000, backend)
     feed = _feed(ctx, plan)
     sweep = {p: await measure(ctx, plan, feed, p, n=max(600, n // 4)) for p in SWEEP}
     best_p, best = max(sweep.items(), key=lambda kv: kv[1])
     print("  fixed sweep: " + ", ".join(f"{p}: {r:.1f}/s" for p, r in sweep.items()) + f" (best {best_p})")
     pre0 = _preemptions(url)
     await measure(ctx, plan, feed, best_p, n=n)
-    print(f"  best fixed ({best_p}) preemptions/1k: {1000 * (_preemptions(url) - pre0) / n:.1f}")
+    fixed_pre = 1000 * (_preemptions(url) - pre0) / n
+    print(f"  best fixed ({best_p}) preemptions/1k: {fixed_pre:.1f}")
+    lines: list[dict[str, Any]] = [
+        {"method": f"best fixed ({best_p})", "reach_0.95_s": None, "share_at_0.95": None,
+         "rollouts_per_s": round(best, 1), "of_best": 1.0, "preemptions_per_1k": round(fixed_pre, 1),
+         "probe_rollouts": None, "sweep": {str(p): round(r, 1) for p, r in sweep.items()}},
+    ]  # fmt: skip
 
     async def engine(rule: Any = None) -> Any:
         ctx.limit.set_limit(start)
         return await _under_engine(ctx, feed, n, rule)
 
-    lines: list[str] = []
     for name, method in (("engine", lambda: engine()), ("prime-rl rules", lambda: engine(prime_rl_rule))):
         pre0 = _preemptions(url)
         batch, t0, t1 = await method()
@@ -155,7 +177,7 @@ async def run_methods(url: str, hidden_url: str | None, n: int, start: int) -> N
         lines.append(await _latency_method(hidden_url, n, start, best))
     feed.close()
     await close_loop_session()
-    print("\n".join(lines))
+    return lines
 
 
 async def _under_engine(ctx: Any, feed: Any, n: int, rule: Any) -> tuple[RolloutBatch, float, float]:
@@ -181,7 +203,7 @@ def _feed(ctx: Any, plan: Any) -> Any:
     return ProbeFeed(ctx, plan)
 
 
-async def _latency_method(url: str, n: int, start: int, best: float) -> str:
+async def _latency_method(url: str, n: int, start: int, best: float) -> dict[str, Any]:
     """The latency and 429 rules on the same engine with its gauges hidden, from `start`."""
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-latency-"))
     ctx, plan = _context(url, work, n + 1000)
@@ -197,12 +219,12 @@ async def _latency_method(url: str, n: int, start: int, best: float) -> str:
 
 
 def _simulated(profile: str) -> Callable[[], Awaitable[None]]:
-    async def go(n: int) -> None:
+    async def go(n: int) -> list[dict[str, Any]]:
         sim = spawn_simulator("--profile", profile, "--seed", "1")
         hidden = spawn_simulator("--profile", profile, "--seed", "1", "--metrics-format", "none")
         try:
             print(f"simulator --profile {profile}, {n:,} rollouts per method")
-            await run_methods(sim.url, hidden.url, n, start=5)
+            return await run_methods(sim.url, hidden.url, n, start=5)
         finally:
             sim.stop()
             hidden.stop()
@@ -210,7 +232,7 @@ def _simulated(profile: str) -> Callable[[], Awaitable[None]]:
     return go  # type: ignore[return-value]
 
 
-async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> None:
+async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> list[dict[str, Any]]:
     from rollflow.infra.vllm.stack import VllmServer
 
     log_dir = Path(tempfile.mkdtemp(prefix="rollflow-bench-vllm-"))
@@ -218,7 +240,8 @@ async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> None:
         print(
             f"vLLM (CPU, tiny model) max_num_seqs {max_num_seqs}, KV {kv_gb * 1024:.0f} MiB; {n:,} rollouts"
         )
-        await run_methods(server.base_url, None, n, start=5)
+        chat = {"kind": "chat", "model": server.model}
+        return await run_methods(server.base_url, None, n, start=5, backend=chat)
 
 
 async def main() -> None:
@@ -226,11 +249,30 @@ async def main() -> None:
     ap.add_argument("--rollouts", type=int, default=6000)
     ap.add_argument("--profile", default="paged")
     ap.add_argument("--vllm", action="store_true", help="also on a real vLLM (installs it on first use)")
+    ap.add_argument("--vllm-only", action="store_true", help="only on a real vLLM")
     ap.add_argument("--vllm-rollouts", type=int, default=1500)
     args = ap.parse_args()
-    await _simulated(args.profile)(args.rollouts)  # type: ignore[call-arg]
-    if args.vllm:
-        await _on_vllm(args.vllm_rollouts, 64, 1 / 64)
+    rows: list[dict[str, Any]] = []
+    if not args.vllm_only:
+        sim = await _simulated(args.profile)(args.rollouts)  # type: ignore[call-arg]
+        rows += [{"engine": f"simulator ({args.profile})", **r} for r in sim]
+        _save(rows, args)
+    if args.vllm or args.vllm_only:
+        rows += [{"engine": "vLLM (CPU)", **r} for r in await _on_vllm(args.vllm_rollouts, 64, 1 / 64)]
+        _save(rows, args)
+
+
+def _save(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The rows of this run, and an earlier run's rows of the engines this one did not measure."""
+    measured = {r["engine"] for r in rows}
+    earlier = RESULTS / "controllers.json"
+    if earlier.exists():
+        rows = [r for r in json.loads(earlier.read_text())["rows"] if r["engine"] not in measured] + rows
+    save(
+        "controllers", rows, title="Concurrency controllers side by side", params=vars(args),
+        goal=">= 0.95 of the best fixed rate over the whole run, in half the probing rollouts of "
+        "tune-then-hold, with no more preemptions than the best fixed value",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 
 def main() -> None:
@@ -27,6 +28,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-"))
     inp = write_input(work / "input.jsonl", args.rows)
     prefect = spawn_prefect_server()
+    table: list[dict[str, object]] = []
     print(f"efficiency: simulator {args.slots} slots x {args.latency_ms:.0f} ms = capacity {capacity:,.0f}/s")
     print(
         f"  {'jitter':>6}  {'parallelism':>11}  {'rollouts':>8}  {'rollouts/s':>10}  {'of capacity':>11}"
@@ -50,11 +52,28 @@ def main() -> None:
                         f"  {jitter:>6.0%}  {parallelism:>11}  {collected:>8,}  {rate:>10,.1f}  "
                         f"{rate / capacity:>11.3f}  {res.returncode}"
                     )
+                    table.append(
+                        {
+                            "jitter": jitter,
+                            "parallelism": parallelism,
+                            "rollouts": collected,
+                            "rollouts/s": round(rate, 1),
+                            "of capacity": round(rate / capacity, 3),
+                            "exit": res.returncode,
+                        }
+                    )
             finally:
                 sim.stop()
     finally:
         prefect.stop()
     print("  goal: >= 0.95 of capacity")
+    save(
+        "efficiency",
+        table,
+        title=f"Efficiency: {args.slots} slots x {args.latency_ms:g} ms",
+        params={**vars(args), "capacity": capacity},
+        goal=">= 0.95 of capacity",
+    )
 
 
 if __name__ == "__main__":

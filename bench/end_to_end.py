@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import Service, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 from rollflow.infra.local import free_port, wait_http
 
@@ -159,6 +160,24 @@ def main() -> None:
         sim.stop()
     print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     _print(rows)
+    table = [
+        {
+            "collector": r.name,
+            "wall s": round(r.wall_s, 2),
+            "rollouts/s": round(ROLLOUTS / r.wall_s),
+            "CPU s": round(r.cpu_s, 2),
+            "CPU ms/rollout": round(r.cpu_s * 1000 / ROLLOUTS, 3),
+            "rows": r.lines,
+            "exit": r.returncode,
+        }
+        for r in rows
+    ]
+    save(
+        "end_to_end",
+        table,
+        title="End to end, beside NeMo Gym's ng_collect_rollouts",
+        params={"rollouts": ROLLOUTS, "parallelism": PARALLELISM},
+    )
 
 
 def _print(rows: list[Row]) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import orjson
 from harness import REPO, run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 from rollflow.infra.local import spawn_moto
 
@@ -223,6 +224,13 @@ def main() -> None:
     for name, verdict, detail in rows:
         print(f"  {name:<42} {verdict:<10} {detail}")
     print(f"  uninterrupted reference: exit {ref.returncode}, {len(reference.splitlines()):,} rows")
+    table = [{"scenario": n, "dataset": v, "detail": d} for n, v, d in rows]
+    save(
+        "fault_suite",
+        table,
+        title="Faults: kills, restarts and corruption against an uninterrupted run",
+        params={"rows": args.rows, "parallelism": PARALLELISM, "flush_s": FLUSH_S},
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 
 def main() -> None:
@@ -21,6 +22,7 @@ def main() -> None:
     sim = spawn_simulator("--latency-ms", "0", "--slots", "4096")
     prefect = spawn_prefect_server()
     peaks: list[float] = []
+    table: list[dict[str, object]] = []
     print(f"  {'rows':>9}  {'peak RSS MB':>11}  {'rollouts/s':>10}  {'wall s':>7}  exit")
     try:
         for rows in args.sizes:
@@ -37,11 +39,27 @@ def main() -> None:
                 f"  {rows:>9,}  {peak:>11,.1f}  {res.report['collect_rollouts_per_s']:>10,.0f}  "
                 f"{res.wall_s:>7.1f}  {res.returncode}"
             )
+            table.append(
+                {
+                    "rows": rows,
+                    "peak RSS MB": round(peak, 1),
+                    "wall s": round(res.wall_s, 1),
+                    "rollouts/s": round(res.report["collect_rollouts_per_s"]),
+                    "exit": res.returncode,
+                }
+            )
     finally:
         sim.stop()
         prefect.stop()
     growth = (max(peaks) - min(peaks)) / min(peaks)
     print(f"  peak RSS difference {growth:.1%}    goal < 20%")
+    save(
+        "memory",
+        table,
+        title="Memory: peak RSS against the size of the run",
+        params={**vars(args), "peak RSS difference": round(growth, 3)},
+        goal="peak RSS difference < 20%",
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 
 def main() -> None:
@@ -22,6 +23,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rollflow-million-"))
     sim = spawn_simulator("--latency-ms", "0", "--slots", "4096", "--max-tokens", "64")
     prefect = spawn_prefect_server()
+    table: list[dict[str, object]] = []
     print(
         f"  {'rollouts':>9}  {'rollouts/s':>10}  {'peak RSS MB':>11}  {'prefect share':>13}  {'wall s':>7}"
         "  exit"
@@ -49,12 +51,29 @@ def main() -> None:
                 f"{share:>13.2%}  {res.wall_s:>7.1f}  {res.returncode}",
                 flush=True,
             )
+            table.append(
+                {
+                    "rollouts": size,
+                    "rollouts/s": round(res.report["collect_rollouts_per_s"]),
+                    "peak RSS MB": round(m["peak_rss_mb"], 1),
+                    "Prefect share": round(share, 4),
+                    "wall s": round(res.wall_s, 1),
+                    "exit": res.returncode,
+                }
+            )
             (work / f"out-{size}" / "rollouts.jsonl").unlink(missing_ok=True)
             inp.unlink()
     finally:
         sim.stop()
         prefect.stop()
     print("  goals: peak RSS flat in rows; Prefect share under 2%")
+    save(
+        "million",
+        table,
+        title="A million rollouts",
+        params=vars(args),
+        goal="peak RSS flat in rows; Prefect share under 2%",
+    )
 
 
 if __name__ == "__main__":

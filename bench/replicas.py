@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 from harness import Service, spawn_simulator, write_input
+from results import save
 
 from rollflow.settings import RollflowSettings, RunSpec
 from rollflow.tasks.backends.http import close_loop_session
@@ -173,6 +174,7 @@ async def main(rollouts: int, latency_ms: float, queue_share: float) -> None:
     print(f"rollflow's per-endpoint limits {limit}; round-robin at the same total, {sum(limit)} in flight")
     print("| dispatch | replicas | rollouts | failed | rollouts/s | share of sum | back in rotation s |")
     print("|---|---|---:|---:|---:|---:|---:|")
+    table: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="rf-replicas-") as tmp:
         inp = write_input(Path(tmp) / "rows.jsonl", rollouts)
         rows = inp.read_bytes().splitlines()
@@ -187,6 +189,13 @@ async def main(rollouts: int, latency_ms: float, queue_share: float) -> None:
                 finally:
                     replicas.stop()
                 print(row.line(), flush=True)
+                table.append(row)
+    save(
+        "replicas",
+        table,
+        title=f"Replicas {SLOTS} slots x {latency_ms:g} ms: rollflow vs round-robin",
+        params={"rollouts": rollouts, "latency_ms": latency_ms, "queue_share": queue_share, "limits": limit},
+    )
 
 
 if __name__ == "__main__":

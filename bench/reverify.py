@@ -22,6 +22,7 @@ from pathlib import Path
 import orjson
 import psutil
 from cpumeter import CpuMeter
+from results import save
 
 from rollflow.settings import VerifySettings
 from rollflow.settings.reverify import ReverifySpec
@@ -175,6 +176,7 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=None, help="verifier processes for math (default: cores)")
     p.add_argument("--only", choices=("exact_match", "math"))
     args = p.parse_args()
+    figures: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         t = time.perf_counter()
@@ -184,6 +186,7 @@ def main() -> None:
         if args.only in (None, "exact_match"):
             fig = asyncio.run(run(base / "big.jsonl", base / "exact", "exact_match", args.chunk_size, None))
             report("exact_match", fig)
+            figures.append({"verifier": "exact_match", **fig})
         if args.only in (None, "math"):
             rows = min(args.math_rows, args.rows)
             if rows < args.rows:
@@ -191,6 +194,8 @@ def main() -> None:
             src = base / "math.jsonl" if rows < args.rows else base / "big.jsonl"
             fig = asyncio.run(run(src, base / "math", "math", args.chunk_size, args.processes))
             report("math", fig, extrapolate_to=args.rows if rows < args.rows else None)
+            figures.append({"verifier": "math", **fig})
+    save("reverify", figures, title="Reverify: a published output scored again", params=vars(args))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import psutil
 from cpumeter import CpuMeter
 from harness import spawn_prefect_server, spawn_simulator, write_input
 from pyspy import Profiler, summary
+from results import save
 from timeline import Timeline
 
 from rollflow.infra.local import free_port
@@ -386,6 +387,12 @@ def report(results: list[Row], ceiling: dict | None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in results:
         print(row.line())
+    save(
+        "scale_out",
+        results,
+        title="Scale-out: the local runner, Dask and Ray",
+        params={"rollouts": ROLLOUTS, "ceiling": ceiling},
+    )
     baseline: list[Row] = []  # each engine is compared with the local runs measured just before it
     split: Row | None = None  # and with the local runner split in two by hand just before it
     after_local = False

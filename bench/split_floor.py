@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from harness import spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 ROLLOUTS = int(os.environ.get("ROLLFLOW_BENCH_ROLLOUTS", "12000"))
 ROUNDS = int(os.environ.get("ROLLFLOW_BENCH_ROUNDS", "3"))
@@ -58,6 +59,7 @@ def main() -> None:
           f"{FIXED_ROWS}-row run's\n")  # fmt: skip
     print("| round | fixed CPU-s | one at 32 | two at 16, side by side | one at 16 |")
     print("|---|---:|---:|---:|---:|")
+    table: list[dict[str, object]] = []
     try:
         runs([(small, 32)], sim.url, env, work)  # the Prefect server's warm-up
         for rnd in range(1, ROUNDS + 1):
@@ -67,9 +69,24 @@ def main() -> None:
             half = (runs([(halves[0], 16)], sim.url, env, work)[0] - fixed) / (ROLLOUTS // 2)
             print(f"| {rnd} | {fixed:.2f} | {1000 * one:.3f} | {1000 * two:.3f} ({two / one:.2f}x) | "
                   f"{1000 * half:.3f} ({half / one:.2f}x) |", flush=True)  # fmt: skip
+            table.append(
+                {
+                    "round": rnd,
+                    "fixed CPU-s": round(fixed, 2),
+                    "one at 32 ms": round(1000 * one, 3),
+                    "two at 16 ms": round(1000 * two, 3),
+                    "one at 16 ms": round(1000 * half, 3),
+                }
+            )
     finally:
         sim.stop()
         prefect.stop()
+    save(
+        "split_floor",
+        table,
+        title="The split by hand: CPU per rollout above a run's fixed cost",
+        params={"rollouts": ROLLOUTS},
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from harness import spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 from rollflow.infra.local import free_port
 
@@ -101,6 +102,10 @@ def main() -> None:
     print(f"{'10-row collect, Prefect server':44} {'wall s':>7} {'CPU s':>7}")
     for name, (wall, cpu, rc) in rows:
         print(f"{name:44} {wall:7.2f} {cpu:7.2f}" + ("" if rc == 0 else f"  (exit {rc})"))
+    table = [
+        {"command": n, "wall s": round(w, 2), "CPU s": round(c, 2), "exit": rc} for n, (w, c, rc) in rows
+    ]
+    save("startup", table, title="Start-up: `rollflow --help` and a 10-row collect per Prefect server")
 
 
 def _flags(url: str) -> list[str]:

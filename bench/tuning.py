@@ -52,12 +52,13 @@ REPEATS = 10
 ENGINE_RUNS = 3
 
 
-def _context(url: str, work: Path, rows: int):  # type: ignore[no-untyped-def]
+def _context(url: str, work: Path, rows: int, backend: dict | None = None):  # type: ignore[no-untyped-def]
+    """`backend`: another kind than the simulator's agent (`{"kind": "chat", "model": ...}` for vLLM)."""
     inp = write_input(work / "input.jsonl", rows)
     spec = RunSpec(
         input=str(inp),
         output=str(work / "out"),
-        backend={"kind": "agent", "url": url},
+        backend={"kind": "agent", "url": url, **(backend or {})},
         collection={"chunk_size": 1000},
     )
     settings = RollflowSettings()

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
+from results import save
 
 from rollflow.tasks.verify.pool import default_processes
 
@@ -39,6 +40,7 @@ def main() -> None:
         f"verify: {args.rows:,} rollouts, zero-latency simulator, parallelism {args.parallelism}, "
         f"{os.cpu_count()} cores, default pool {pool} processes"
     )
+    table: list[dict[str, object]] = []
     print(f"  {'verifier':<10}  {'processes':>9}  {'rollouts/s':>10}  {'wall s':>7}  {'speed-up':>8}  exit")
     try:
         for label, verifier in VERIFIERS.items():
@@ -57,10 +59,27 @@ def main() -> None:
                     f"  {label:<10}  {shown:>9}  {rate:>10,.0f}  {res.wall_s:>7.1f}  "
                     f"{rate / base if base else 0:>7.2f}x  {res.returncode}"
                 )
+                table.append(
+                    {
+                        "verifier": label,
+                        "processes": shown,
+                        "rollouts/s": round(rate),
+                        "wall s": round(res.wall_s, 1),
+                        "speed-up": round(rate / base if base else 0, 2),
+                        "exit": res.returncode,
+                    }
+                )
     finally:
         sim.stop()
         prefect.stop()
     print("  goal: the pool at least 1.7x the single process")
+    save(
+        "verify",
+        table,
+        title="Verification: checks in a thread against the process pool",
+        params={**vars(args), "pool": pool},
+        goal="the pool at least 1.7x the single process",
+    )
 
 
 if __name__ == "__main__":

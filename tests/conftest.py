@@ -23,8 +23,10 @@ pytest_plugins = [
 CONCURRENT = {
     "test_chunk_data",
     "test_cli",
+    "test_cli_text",
     "test_consistency",
     "test_deploy",
+    "test_docs",
     "test_diagnosis_reuse",
     "test_errors",
     "test_input_sources",
