@@ -40,6 +40,8 @@ from rollflow.tasks.tuning.adaptive import adaptive_control
 from rollflow.tasks.tuning.engine_control import EngineOptions, EngineState, Reading, engine_control
 
 SWEEP = (8, 16, 24, 32, 40, 48, 64, 96)
+VLLM_SWEEP = (16, 32, 48, 64, 96)  # around its max_num_seqs (64): each level costs minutes on a CPU
+VLLM_TOKENS = 96  # each reply's length: a randomly initialised model never ends one by itself
 TARGET = 0.95
 
 
@@ -132,14 +134,20 @@ async def _controlled(
 
 
 async def run_methods(
-    url: str, hidden_url: str | None, n: int, start: int, backend: dict[str, Any] | None = None
+    url: str,
+    hidden_url: str | None,
+    n: int,
+    start: int,
+    backend: dict[str, Any] | None = None,
+    sweep_levels: tuple[int, ...] | None = None,
 ) -> list[dict[str, Any]]:
     """The sweep, then each method from a cold start on n rollouts (hidden_url: that engine, no gauges;
     `backend`: the kind and model when not the simulator's agent)."""
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-controllers-"))
     ctx, plan = _context(url, work, n * 8 + 20_000, backend)
     feed = _feed(ctx, plan)
-    sweep = {p: await measure(ctx, plan, feed, p, n=max(600, n // 4)) for p in SWEEP}
+    levels, per_level = sweep_levels or SWEEP, max(300, n // 4)
+    sweep = {p: await measure(ctx, plan, feed, p, n=per_level) for p in levels}
     best_p, best = max(sweep.items(), key=lambda kv: kv[1])
     print("  fixed sweep: " + ", ".join(f"{p}: {r:.1f}/s" for p, r in sweep.items()) + f" (best {best_p})")
     pre0 = _preemptions(url)
@@ -240,8 +248,8 @@ async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> list[dict[str, An
         print(
             f"vLLM (CPU, tiny model) max_num_seqs {max_num_seqs}, KV {kv_gb * 1024:.0f} MiB; {n:,} rollouts"
         )
-        chat = {"kind": "chat", "model": server.model}
-        return await run_methods(server.base_url, None, n, start=5, backend=chat)
+        chat = {"kind": "chat", "model": server.model, "max_output_tokens": VLLM_TOKENS}
+        return await run_methods(server.base_url, None, n, start=5, backend=chat, sweep_levels=VLLM_SWEEP)
 
 
 async def main() -> None:

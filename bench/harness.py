@@ -28,15 +28,17 @@ __all__ = [
 ]
 
 
-def write_input(path: Path, rows: int, seed: int = 0) -> Path:
-    """NeMo Gym rows with short arithmetic prompts, streamed to disk."""
+def write_input(path: Path, rows: int, seed: int = 0, max_output_tokens: int | None = None) -> Path:
+    """NeMo Gym rows with short arithmetic prompts, streamed to disk (`max_output_tokens`: a real model's
+    reply length, which a randomly initialised one never ends by itself)."""
     rnd = random.Random(seed)
     with path.open("wb") as fh:
         for i in range(rows):
             a, b = rnd.randint(1, 999), rnd.randint(1, 999)
             row = {
                 "responses_create_params": {
-                    "input": [{"role": "user", "content": f"#{i}: what is {a} + {b}?"}]
+                    "input": [{"role": "user", "content": f"#{i}: what is {a} + {b}?"}],
+                    **({"max_output_tokens": max_output_tokens} if max_output_tokens else {}),
                 },
                 "agent_ref": {"type": "responses_api_agents", "name": "bench_agent"},
                 "expected_answer": str(a + b),

@@ -53,8 +53,10 @@ ENGINE_RUNS = 3
 
 
 def _context(url: str, work: Path, rows: int, backend: dict | None = None):  # type: ignore[no-untyped-def]
-    """`backend`: another kind than the simulator's agent (`{"kind": "chat", "model": ...}` for vLLM)."""
-    inp = write_input(work / "input.jsonl", rows)
+    """`backend`: another kind than the simulator's agent (`{"kind": "chat", "model": ...}` for vLLM, with
+    `max_output_tokens` for the rows, which is not a backend setting)."""
+    backend = dict(backend or {})
+    inp = write_input(work / "input.jsonl", rows, max_output_tokens=backend.pop("max_output_tokens", None))
     spec = RunSpec(
         input=str(inp),
         output=str(work / "out"),

@@ -55,6 +55,7 @@ from rollflow.tasks.publish.report import write_throughput_png
 from rollflow.tasks.storage.lease import Lease
 from rollflow.tasks.tuning.diagnose import (
     DIAGNOSIS_FILE,
+    backend_key,
     diagnosis_record,
     earlier_diagnosis,
     reconcile,
@@ -133,9 +134,13 @@ async def _diagnose_and_tune_one(
             opts = dataclasses.replace(opts, max_probe_rollouts=max(0, probe_budget - spent))
         tuning = await tune_task(ctx, plan, opts, feed, seeds)
         rates = {st.parallelism: st.rollouts_per_s for st in tuning.steps if st.errors == 0}
-        chosen, note = reconcile(said, tuning.chosen_parallelism, rates)
+        advised = said.get("advised_parallelism") or 0
+        clean = all(st.errors == 0 for st in tuning.steps if st.parallelism >= advised)
+        chosen, note = reconcile(said, tuning.chosen_parallelism, rates, clean_above=clean)
         if note is not None:
             tuning.notes.append(note)
+        if chosen != tuning.chosen_parallelism:
+            tuning.choice_rule = f"the diagnosis' ceiling ({said['verdict']}), over {tuning.choice_rule}"
         if earlier is not None:
             tuning.notes.append(f"diagnosis not repeated: {earlier['reused']}")
         tuning.chosen_parallelism = chosen
@@ -219,7 +224,7 @@ async def choose_parallelism(
     ctx = collect_context(handles, settings, 1)
     urls = ctx.backend.urls
     tuning = _params(spec, params)
-    earlier = None if spec.restart or not tune_too else await _earlier(handles, urls, tuning)
+    earlier = None if spec.restart or not tune_too else await _earlier(handles, spec, urls, tuning)
     try:
         chosen, found = await _per_endpoint(
             ctx, plan, tuning, urls, tune_too, handles.clock, probe_budget, earlier
@@ -233,7 +238,25 @@ async def choose_parallelism(
     return chosen, found
 
 
-async def _earlier(handles: RunHandles, urls: list[str], params: TuningParams) -> dict[str, Any] | None:
+def _diagnosed_key(spec: RunSpec, urls: list[str]) -> str:
+    """What a diagnosis depends on besides time: the endpoints, the backend kind and model, the verifier
+    and where its checks run (a diagnosis that advised more verifier processes is not reused once given)."""
+    v = spec.verify
+    return backend_key(
+        {
+            "urls": sorted(urls),
+            "kind": str(spec.backend.kind),
+            "model": spec.backend.model,
+            "verifier": str(v.verifier),
+            "verify_processes": v.processes,
+            "node_processes": v.node_processes,
+        }
+    )
+
+
+async def _earlier(
+    handles: RunHandles, spec: RunSpec, urls: list[str], params: TuningParams
+) -> dict[str, Any] | None:
     """The output's diagnosis of this backend, when `rollflow diagnose` made one recently enough."""
     if params.reuse_diagnosis_s <= 0 or len(urls) != 1:
         return None
@@ -241,7 +264,7 @@ async def _earlier(handles: RunHandles, urls: list[str], params: TuningParams) -
         raw = await asyncio.to_thread(handles.store.read_bytes, DIAGNOSIS_FILE)
     except FileNotFoundError:
         return None
-    return earlier_diagnosis(raw, urls, params.reuse_diagnosis_s)
+    return earlier_diagnosis(raw, _diagnosed_key(spec, urls), params.reuse_diagnosis_s)
 
 
 async def _stage(spec: RunSpec, tune_too: bool) -> dict[str, Any]:
@@ -270,7 +293,7 @@ async def _diagnose_and_tune(
     record = (
         {**found, "chosen_parallelism": chosen}
         if tune_too
-        else diagnosis_record(found, handles.spec.backend.urls, chosen)
+        else diagnosis_record(found, _diagnosed_key(handles.spec, handles.spec.backend.urls), chosen)
     )
     name = "tuning.json" if tune_too else DIAGNOSIS_FILE
     await asyncio.to_thread(handles.store.write_bytes, name, orjson.dumps(record, option=2))

@@ -10,6 +10,7 @@ import orjson
 from rollout_data import write_rows
 
 from rollflow.infra.local import Service
+from rollflow.tasks.tuning.diagnose import diagnosis_record, earlier_diagnosis
 
 SMALL_STEPS = {
     "ROLLFLOW_TUNING__DIAGNOSE_ROWS": "10",
@@ -43,3 +44,22 @@ def test_tune_reuses_the_diagnosis_made_just_before(run_cli, fast_sim: Service, 
     again = _stage(run_cli, "tune", inp, out, fast_sim.url, ROLLFLOW_TUNING__REUSE_DIAGNOSIS_S="0")
     assert "reused" not in again["diagnosis"], again["diagnosis"]  # 0: always diagnose
     assert [s["phase"] for s in again["tuning"]["steps"][:2]] == ["seed", "seed"], again["tuning"]["steps"]
+
+
+def test_a_diagnosis_of_anything_else_or_malformed_is_not_reused() -> None:
+    """Another key (endpoints, kind, model, verifier or its processes), an age past the bound, or fields
+    of the wrong type: nothing is reused, and nothing raises."""
+    found = {"verdict": "verifier-bound", "advised_parallelism": 5, "advised_is_ceiling": False}
+    record = diagnosis_record({"diagnosis": found}, "k1", 20)
+    assert earlier_diagnosis(orjson.dumps(record), "k1", 60)["verdict"] == "verifier-bound"
+    assert earlier_diagnosis(orjson.dumps(record), "k2", 60) is None  # e.g. --verify-processes 2 now
+    assert (
+        earlier_diagnosis(orjson.dumps({**record, "diagnosed_at": record["diagnosed_at"] - 120}), "k1", 60)
+        is None
+    )
+    for bad in ({"diagnosed_at": "soon"}, {"diagnosed_at": None}, {"diagnosis": {**found, "verdict": None}},
+                {"diagnosis": {**found, "advised_parallelism": "5"}}, {"diagnosis": [1]}):  # fmt: skip
+        assert earlier_diagnosis(orjson.dumps({**record, **bad}), "k1", 60) is None, bad
+    assert earlier_diagnosis(b"{not json", "k1", 60) is None
+    capped = diagnosis_record({"diagnosis": {**found, "advised_is_ceiling": True}}, "k1", 20)
+    assert capped["chosen_parallelism"] == 5  # the value to run at honours the verdict's ceiling

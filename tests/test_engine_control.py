@@ -393,3 +393,16 @@ async def test_a_failing_controller_never_fails_the_collection() -> None:
         await asyncio.sleep(0.01)
     assert pool.endpoint("http://a").limit == 7 and pool.endpoint("http://a").observers == []
     assert group.report()["errors"] == ["http://a: ValueError: cannot convert float NaN to integer"]
+
+
+def test_a_kv_gauge_stuck_at_zero_costs_ever_rarer_preemption_bursts() -> None:
+    """An engine that preempts above 40 in flight while its KV gauge reads 0: each probe above the
+    ceiling that meets preemption doubles the wait before the next, so 600 intervals see a handful of
+    bursts, not one every calm spell (a KV use of 0 with requests running never lifts a ceiling)."""
+    state, bursts = EngineState(limit=48), 0
+    for _ in range(600):
+        preempted = 5 if state.limit > 40 else 0
+        bursts += preempted > 0
+        decide(state, r(min(state.limit, 40), 0, 0.0, state.limit, preempted=preempted), OPTS)
+    assert bursts <= 5, bursts  # waits of 20, 40, 80, 160, 320 intervals
+    assert state.limit >= 32, state  # and it runs near what the engine holds meanwhile

@@ -213,6 +213,14 @@ def test_the_choice_is_squared_with_the_verdict() -> None:
     assert chosen == 60 and note is not None and "99.6/s there against 52.0/s at 10" in note
     assert reconcile(diagnosis("backend-bound", 5, False), 8, {8: 60.0}) == (8, None)  # near enough
     assert reconcile(diagnosis("rate-limited", 20, True), 16, {16: 60.0}) == (16, None)  # below it
+    reused = {
+        **diagnosis("over-capacity", 5, True),
+        "reused": "the diagnosis in diagnosis.json, made 60 s earlier",
+    }
+    chosen, note = reconcile(reused, 32, {5: 140.0, 32: 835.0}, clean_above=True)  # the backend grew since
+    assert chosen == 32 and note is not None and note.startswith("not capped at 5"), note
+    assert reconcile(reused, 32, {5: 140.0}, clean_above=False)[0] == 5  # errors above it still: capped
+    assert reconcile(diagnosis("over-capacity", 5, True), 32, {32: 835.0}, clean_above=True)[0] == 5  # fresh
 
 
 def _step(parallelism: int, rate: float, err: float, errors: int = 0) -> TuneStep:
@@ -225,15 +233,14 @@ def test_the_choice_states_its_readings_and_their_spread() -> None:
     steps = [_step(16, 50.0, 2.0), _step(32, 96.0, 3.0), _step(64, 90.0, 4.0), _step(32, 104.0, 5.0)]
     tuning = Tuning(steps, knee=32, chosen_parallelism=32, probe_rollouts=400, stop_reason="x",
                     peak_rollouts_per_s=104.0, base_latency_s=0.1)  # fmt: skip
-    assert tuning.evidence() == {
-        "readings": 2,
-        "rollouts_per_s": 100.0,
-        "low": 96.0,
-        "high": 104.0,
-        "err": 5.0,
-    }
+    ev = {"readings": 2, "rollouts_per_s": 100.0, "low": 96.0, "high": 104.0, "err": 5.0, "agree": True}
+    assert tuning.evidence() == ev
     said = evidence_said(tuning.as_dict())
-    assert said == "100.0 ± 5.0 rollouts/s over 2 readings (96.0 to 104.0)", said
+    assert said == "100.0 ± 5.0 rollouts/s over 2 readings from 96.0 to 104.0", said
+    steps[3] = _step(32, 40.8, 3.9)  # a second reading far below the first: the rate moved meanwhile
+    assert tuning.evidence()["agree"] is False
+    assert "disagree beyond their errors" in evidence_said(tuning.as_dict())
+    steps[3] = _step(32, 104.0, 5.0)
     tuning.chosen_parallelism = 64
     assert "from one reading" in evidence_said(tuning.as_dict())
     tuning.chosen_parallelism = 51  # x0.8 headroom after errors at 64: never measured itself

@@ -58,3 +58,21 @@ def test_a_hung_or_crashed_check_fails_its_rollout_alone_and_is_redone_next_run(
     assert [row["n"] for row in published] == list(range(20)) and {row["reward"] for row in published} == {
         1.0
     }
+
+
+async def test_warming_stops_waiting_once_a_process_cannot_start() -> None:
+    """A verifier whose processes cannot import it: warming the pool returns when the first start fails,
+    not after the whole start timeout (90 s here), so a diagnosis begins at once and the checks fail
+    with their reason."""
+    import time
+
+    from rollflow.tasks.verify.pool import VerifyPool
+
+    pool = VerifyPool("no_such_module_for_rollflow:score", 2, 5.0, start_timeout_s=90.0)
+    try:
+        t0 = time.monotonic()
+        waited = await pool.warm()
+        assert waited < 45.0 and time.monotonic() - t0 < 45.0, waited  # a failed start takes seconds
+        assert pool.start_failures >= 1
+    finally:
+        pool.close()

@@ -59,6 +59,9 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
             f"plot: {output.rstrip('/')}/throughput.png",
             highlight=False,
         )
+        for _, part in tuning_parts(t):  # what squared the choice with the verdict, or why it could not
+            for note in part.get("notes") or ():
+                console.print(f"note: {note}", highlight=False)
 
 
 def _steps(tuning: dict[str, Any], title: str) -> Table:

@@ -67,7 +67,8 @@ def _capacity_line(ax: Any, tuning: dict[str, Any]) -> None:
     """The engine's own capacity where it stated one (running at most, or its KV cache's sequences)."""
     engine = tuning.get("engine") or {}
     capacity = engine.get("kv_max_concurrency") or engine.get("running_max")
-    if capacity:
+    levels = [int(s["parallelism"]) for s in tuning.get("steps") or ()]
+    if capacity and levels and capacity <= 4 * max(levels):  # a stated capacity far off the curve: not drawn
         what = "KV capacity" if engine.get("kv_max_concurrency") else "most running"
         ax.axvline(capacity, color="tab:purple", linestyle="-.", label=f"engine {what} {capacity:g}")
 
@@ -126,7 +127,13 @@ def evidence_said(tuning: dict[str, Any]) -> str:
     rate = f"{ev['rollouts_per_s']:,.1f} ± {ev['err']:,.1f} rollouts/s"
     if ev["readings"] == 1:
         return f"{rate} from one reading (no second reading to compare)"
-    return f"{rate} over {ev['readings']} readings ({ev['low']:,.1f} to {ev['high']:,.1f})"
+    spread = f"over {ev['readings']} readings from {ev['low']:,.1f} to {ev['high']:,.1f}"
+    if ev.get("agree", True):
+        return f"{rate} {spread}"
+    return (
+        f"{ev['rollouts_per_s']:,.1f} rollouts/s {spread}, each ± {ev['err']:,.1f} at most: they disagree "
+        "beyond their errors, so the backend's rate moved while tuning and the choice is no surer than that"
+    )
 
 
 def tuning_parts(tuning: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:

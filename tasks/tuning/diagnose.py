@@ -267,15 +267,24 @@ def _verifier_queues(r: _Reading, backend_grew: float, verify_grew: float, verif
     return verify_grew > backend_grew if max(verify_grew, backend_grew) > 0 else verify_longer
 
 
-def reconcile(d: dict[str, Any], chosen: int, rate_at: dict[int, float]) -> tuple[int, str | None]:
+def reconcile(
+    d: dict[str, Any], chosen: int, rate_at: dict[int, float], clean_above: bool = False
+) -> tuple[int, str | None]:
     """The tuned choice squared with the verdict: a ceiling the verdict set (429s, errors with load) caps
     it; a choice far above a level it advised stands only with the rates that justify it, said in a note.
 
     `d`: the diagnosis as report.json holds it (so one read back from diagnosis.json serves as well);
-    `rate_at`: the tuning's measured rollouts/s by parallelism."""
+    `rate_at`: the tuning's measured rollouts/s by parallelism; `clean_above`: no tuning step at or above
+    the advised level saw an error or a refusal (a reused verdict is then out of date)."""
     advised, verdict = d.get("advised_parallelism"), d["verdict"]
     if advised is None or chosen <= advised:
         return chosen, None
+    if d.get("advised_is_ceiling") and d.get("reused") and clean_above:
+        return chosen, (
+            f"not capped at {advised}: the reused diagnosis found {verdict} there, but tuning now measured "
+            f"{chosen} without errors (the backend changed since; ROLLFLOW_TUNING__REUSE_DIAGNOSIS_S=0 "
+            "diagnoses again)"
+        )
     if d.get("advised_is_ceiling"):
         return advised, (
             f"capped at {advised}: the diagnosis found {verdict} (more in flight only bought refusals or "
@@ -338,27 +347,44 @@ async def diagnose(
 DIAGNOSIS_FILE = "diagnosis.json"  # what `rollflow diagnose` writes into the output
 
 
-def backend_key(urls: list[str]) -> str:
-    """Which backend a diagnosis was of, without its URLs (a URL may carry a key in its query)."""
-    return hashlib.sha256("\n".join(sorted(urls)).encode()).hexdigest()[:16]
+def backend_key(what: dict[str, Any]) -> str:
+    """What a diagnosis was of (the endpoints, the backend kind and model, the verifier and where its
+    checks run), as a key: never the URLs themselves, which may carry a key in their query."""
+    return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def diagnosis_record(found: dict[str, Any], urls: list[str], chosen: int) -> dict[str, Any]:
-    """diagnosis.json: the stage's findings, with the backend and the time, so a later tune can reuse it."""
-    return {**found, "chosen_parallelism": chosen, "backend": backend_key(urls), "diagnosed_at": time.time()}
+def diagnosis_record(found: dict[str, Any], key: str, chosen: int) -> dict[str, Any]:
+    """diagnosis.json: the stage's findings, with what they were of and when, so a later tune can reuse
+    them. The value to run at is the verdict's ceiling when it set one."""
+    d = found.get("diagnosis", {})
+    if d.get("advised_is_ceiling") and isinstance(d.get("advised_parallelism"), int):
+        chosen = min(chosen, d["advised_parallelism"])
+    return {**found, "chosen_parallelism": chosen, "backend": key, "diagnosed_at": time.time()}
 
 
-def earlier_diagnosis(raw: bytes, urls: list[str], max_age_s: float) -> dict[str, Any] | None:
-    """The diagnosis in a diagnosis.json of the same single backend, no older than `max_age_s`, marked as
-    reused; None when it is of another backend, too old, of several endpoints, or unreadable."""
+def earlier_diagnosis(raw: bytes, key: str, max_age_s: float) -> dict[str, Any] | None:
+    """The diagnosis in a diagnosis.json of the same backend and checks, no older than `max_age_s`,
+    marked as reused; None when it is of anything else, too old, of several endpoints, or malformed."""
     try:
         record = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
     found = record.get("diagnosis") if isinstance(record, dict) else None
-    if not isinstance(found, dict) or "verdict" not in found or "endpoints" in found:
+    if not isinstance(found, dict) or "endpoints" in found or not _well_formed(found):
         return None
-    age = time.time() - float(record.get("diagnosed_at") or 0)
-    if record.get("backend") != backend_key(urls) or not 0 <= age <= max_age_s:
+    at = record.get("diagnosed_at")
+    if record.get("backend") != key or isinstance(at, bool) or not isinstance(at, int | float):
+        return None
+    age = time.time() - at
+    if not 0 <= age <= max_age_s:
         return None
     return {**found, "reused": f"the diagnosis in {DIAGNOSIS_FILE}, made {age:,.0f} s earlier"}
+
+
+def _well_formed(found: dict[str, Any]) -> bool:
+    advised = found.get("advised_parallelism")
+    return (
+        isinstance(found.get("verdict"), str)
+        and (advised is None or (isinstance(advised, int) and not isinstance(advised, bool) and advised > 0))
+        and isinstance(found.get("advised_is_ceiling", False), bool)
+    )

@@ -132,6 +132,26 @@ class EngineState:
     ceiling: int | None = None
     calm: int = 0
     room: int = 0  # consecutive intervals that showed room
+    calm_needed: int | None = None  # calm intervals before a probe reaches `bad_level` (None: the option's)
+    since_probe: int | None = None  # intervals since the ceiling was last lifted or raised
+    bad_level: int | None = None  # the limit the last preemption came at
+
+
+def _after_probe(state: EngineState, r: Reading, opts: EngineOptions) -> None:
+    """A preemption soon after a probe doubles the wait before a probe may reach that level again (up to
+    16x), so a gauge that misleads (a KV use stuck at 0) costs a burst ever more rarely; a probe that held
+    at or above that level for a calm spell forgets it."""
+    if r.preempted > 0:
+        if state.since_probe is not None:
+            state.calm_needed = min(16 * opts.calm_intervals, 2 * (state.calm_needed or opts.calm_intervals))
+        state.bad_level = min(state.limit, state.bad_level or state.limit)
+        state.since_probe = None
+    elif state.since_probe is not None:
+        state.since_probe += 1
+        if state.since_probe > opts.calm_intervals:
+            if state.bad_level is not None and state.limit >= state.bad_level:
+                state.calm_needed = state.bad_level = None
+            state.since_probe = None
 
 
 Rule = Callable[[EngineState, Reading, EngineOptions], tuple[int, str]]
@@ -148,6 +168,7 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
 def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
     if r.samples == 0:
         return state.limit, "no engine sample in the interval"
+    _after_probe(state, r, opts)
     if r.preempted > 0:
         state.calm = 0
         # below what ran while it preempted: that is what the cache holds now
@@ -201,19 +222,30 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
         if projected < new:
             new, why = max(state.limit, projected), f"grow to what the KV cache holds at {opts.kv_high:.0%}"
     if state.ceiling is not None and state.calm >= opts.calm_intervals:
-        if r.kv is not None and r.kv < opts.kv_grow / 2:  # the cache has room again: forget the ceiling
-            state.ceiling = None
-            why = f"calm for {opts.calm_intervals} intervals, KV cache {r.kv:.0%} used: the ceiling is lifted"
-        else:
-            state.ceiling = max(state.ceiling + 1, math.ceil(state.ceiling * opts.probe_above_ceiling))
-            why = f"calm for {opts.calm_intervals} intervals: probe up to {state.ceiling}"
-        state.calm = 0
+        why = _probe(state, r, opts) or why
     if state.ceiling is not None:
         new = min(new, state.ceiling)
     if new <= state.limit:
         held_by = "the KV cache's projection" if state.ceiling is None else f"the ceiling {state.ceiling}"
         return state.limit, f"held by {held_by} (set by preemption or a full KV cache)"
     return _set(state, opts, new, why)
+
+
+def _probe(state: EngineState, r: Reading, opts: EngineOptions) -> str | None:
+    """After a calm spell under a ceiling: lift it when the cache reports room, else raise it 10%; never to
+    the level that last preempted before the longer wait a repeat earned has passed."""
+    ceiling = state.ceiling or 0
+    wary = state.bad_level is not None and state.calm < (state.calm_needed or opts.calm_intervals)
+    probe = max(ceiling + 1, math.ceil(ceiling * opts.probe_above_ceiling))
+    if wary and probe >= state.bad_level:  # type: ignore[operator]
+        probe = state.bad_level - 1  # type: ignore[operator]
+    if not wary and r.kv and r.kv < opts.kv_grow / 2:  # a KV use of 0 with requests running tells nothing
+        state.ceiling, state.calm, state.since_probe = None, 0, 0
+        return f"calm for {opts.calm_intervals} intervals, KV cache {r.kv:.0%} used: the ceiling is lifted"
+    if probe <= ceiling:
+        return None  # below where it preempted: wait out the longer spell
+    state.ceiling, state.calm, state.since_probe = probe, 0, 0
+    return f"calm for {opts.calm_intervals} intervals: probe up to {probe}"
 
 
 def _set(state: EngineState, opts: EngineOptions, new: int, why: str) -> tuple[int, str]:

@@ -33,6 +33,7 @@ The report says which rule decided (`choice_rule`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -138,6 +139,9 @@ class Tuning:
             "low": round(min(rates), 3),
             "high": round(max(rates), 3),
             "err": round(max(s.rollouts_per_s_err for s in at), 3),  # the least sure reading's error
+            # two readings further apart than their errors allow: the rate moved while tuning
+            "agree": max(rates) - min(rates)
+            <= 2 * math.hypot(*sorted(s.rollouts_per_s_err for s in at)[-2:]),
         }
 
     def as_dict(self) -> dict[str, Any]:

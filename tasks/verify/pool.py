@@ -224,6 +224,7 @@ class VerifyPool:
         self._told: set[str] = set()
         self._stopping = threading.Event()
         self.closed = False
+        self.start_failures = 0  # processes that could not start (their checks fail meanwhile)
 
     async def check(self, row: dict[str, Any], text: str, meter: VerifyMeter | None = None) -> float:
         loop = asyncio.get_running_loop()
@@ -244,14 +245,19 @@ class VerifyPool:
                 thread.start()
 
     async def warm(self) -> float:
-        """Start every process and wait until each is ready (or the start timeout passes): the seconds it
-        took, so a measurement that follows times checks, not the processes' imports."""
+        """Start every process and wait until each is ready, one fails to start, or the start timeout
+        passes: the seconds it took, so a measurement that follows times checks, not the imports."""
         t0 = time.monotonic()
         with self._lock:
             if self.closed:
                 return 0.0
             self._dispatch()
-        while len(self._ready) < self.processes and time.monotonic() - t0 < self.start_timeout_s:
+            failed = self.start_failures
+        while (
+            len(self._ready) < self.processes
+            and self.start_failures == failed
+            and time.monotonic() - t0 < self.start_timeout_s
+        ):
             await asyncio.sleep(0.02)
         return time.monotonic() - t0
 
@@ -292,6 +298,7 @@ class VerifyPool:
             except StartFailed as exc:
                 if self.closed:
                     break
+                self.start_failures += 1
                 failures += 1
                 self._fail_until(pending, str(exc), min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (failures - 1)))
                 continue
