@@ -41,13 +41,13 @@ from rollflow.settings import (
     VerifySettings,
     redact,
 )
-from rollflow.settings.models import EngineSettings
+from rollflow.settings.models import EngineSettings, url_notes
 from rollflow.tasks.backends.engine_metrics import EngineSampler, engine_gauges, sample_endpoints
 from rollflow.tasks.backends.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.clock import StageClock
 from rollflow.tasks.collect.plan import RunPlan, with_chunk_rows
-from rollflow.tasks.collect.progress import ProgressEvent, hub
+from rollflow.tasks.collect.progress import ProgressEvent, hub, resume_text
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.routing import used_agents, with_agents
 from rollflow.tasks.collect.rows import ChunkSpec
@@ -147,6 +147,7 @@ async def _collect_verify_publish(
     t_start, clock = time.perf_counter(), handles.clock
     mode = spec.collection.parallelism
     plan = await plan_task(handles, mode if isinstance(mode, int) else None)
+    say_resumed(plan)
     asked, spec = spec, with_chunk_rows(spec, plan.identity.chunk_size)  # the report keeps what was asked
     spec = handles.spec = used_agents(spec, plan.scan.agents)
     clock.mark("startup")
@@ -414,6 +415,15 @@ async def report_step(
     return report
 
 
+def say_resumed(plan: RunPlan) -> None:
+    """A run resuming into its output says so, with how much is there, before anything else runs."""
+    resumed = plan.resumed()
+    if resumed is not None:
+        done, total = resumed
+        hub.emit(ProgressEvent("resume", total=total, done=done))
+        run_log(resume_text(done, total))
+
+
 def _log_outcome(report: dict[str, Any], published: bool) -> None:
     """The run's outcome and its warnings as lines in the flow run's logs (the UI's Logs tab)."""
     rate = report.get("rollouts_per_s")
@@ -488,6 +498,8 @@ async def rollflow_run(
     settings = RollflowSettings()
     try:
         spec = run_spec(given, settings).expanded(runtime_values())
+        for note in url_notes():  # a served run's: the CLI says its own before the run
+            run_log(note, logging.WARNING)
         return await cancelled_by_sigterm(_open_and_run(spec, COMMAND_STARTED.get()))
     except IdentityMismatch as exc:
         if runtime_deployment.id is None:

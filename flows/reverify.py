@@ -25,6 +25,7 @@ from rollflow.flows.stops import cancelled_by_sigterm, chunk_error
 from rollflow.settings import RollflowSettings, redact
 from rollflow.settings.reverify import VERIFY_FAILURE_KINDS, ReverifySpec
 from rollflow.tasks.backends.http import close_loop_session
+from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.collect.scheduler import run_chunks
 from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.reverify.chunk import ReverifyContext, ReverifyOutcome
@@ -137,17 +138,58 @@ def _metrics(
     }
 
 
+def stage(text: str) -> None:
+    """What the reverify is doing before its checks come, for the displays (the CLI's lines)."""
+    hub.emit(ProgressEvent("stage", text=text))
+
+
+def say_plan(plan: ReverifyPlan) -> None:
+    """A resumed reverify says how much the output holds; then the rollouts to rescore, for the count."""
+    committed = [m for i, m in plan.committed.items() if i in {c.index for c in plan.source.chunks}]
+    if committed:
+        total = sum(c.rows for c in plan.source.chunks)
+        hub.emit(ProgressEvent("resume", total=total, done=sum(m.rows for m in committed)))
+    hub.emit(ProgressEvent("plan", total=sum(c.rows for c in plan.pending)))
+
+
+async def _warm(verifier: Any) -> None:
+    """Start the verifier processes now, saying so, and say when they are ready: until then no check ends."""
+    processes = getattr(verifier, "processes", None)
+    many = "process" if processes == 1 else "processes"
+    stage(f"starting {processes} verifier {many} ({verifier.name}); the first checks wait for them")
+    with contextlib.suppress(Exception):  # only what is said: the checks meet any failure themselves
+        seconds = await verifier.warm()
+        stage(f"verifier {many} ready after {seconds:,.1f} s")
+
+
+async def _rescore_local(ctx: ReverifyContext, plan: ReverifyPlan, spec: ReverifySpec) -> Rescored:
+    """The chunks in this process, its verifier processes started (and said) alongside the first reads."""
+    warm = getattr(ctx.verifier, "warm", None) if plan.pending else None
+    warming = asyncio.create_task(_warm(ctx.verifier)) if warm is not None else None
+    try:
+        return await rescore_stage(ctx, plan, spec)
+    finally:
+        if warming is not None:
+            warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warming
+
+
 async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     spec, t_start = handles.spec, time.perf_counter()
     stages: dict[str, float] = {}
+    stage(f"scanning the source {redact.redact(spec.source)}")
     plan = await plan_reverify_task(handles)
     ctx = reverify_context(handles, plan)
     stages["plan"] = time.perf_counter() - t_start
+    say_plan(plan)
     if spec.runner != "local" and plan.pending:
+        stage(f"sending {len(plan.pending):,} chunks to the {spec.runner} workers")
         rescored = await rescore_remote(plan, spec, lease)
     else:
-        rescored = await rescore_stage(ctx, plan, spec)
+        rescored = await _rescore_local(ctx, plan, spec)
     stages["rescore"] = rescored.seconds
+    stage("comparing the rewards and publishing")
     t = time.perf_counter()
     summary = await compare_task(handles, plan)
     failures: Counter[str] = await failures_task(handles, plan)

@@ -77,6 +77,47 @@ def split_urls(value: str) -> list[str]:
     return urls
 
 
+# Base URLs taken with the API version OpenAI clients put in them (`http://host:8000/v1`): the responses
+# and chat backends add `/v1/...` themselves, so such a base is the same server without it.
+API_VERSION_SUFFIX = "/v1"
+# What each URL given with the suffix was taken as, until the command says so once (`url_notes`).
+_URL_NOTES: dict[str, str] = {}
+_URL_SAID: set[str] = set()
+
+
+def api_base(url: str) -> str:
+    """`url` without a trailing `/v1` (or `/v1/`): the base the responses and chat backends add /v1/... to."""
+    stripped = url.rstrip("/")
+    if stripped.endswith(API_VERSION_SUFFIX) and urlsplit(stripped).path.endswith(API_VERSION_SUFFIX):
+        return stripped.removesuffix(API_VERSION_SUFFIX)
+    return url
+
+
+def api_bases(value: str) -> str:
+    """A comma-separated URL list with each item's `/v1` suffix taken off (`api_base`), noted once."""
+    urls = split_urls(value)
+    bases = [api_base(url) for url in urls]
+    if bases == urls:
+        return value
+    for url, base in zip(urls, bases, strict=True):
+        if url != base:
+            _URL_NOTES.setdefault(url, base)
+    return ",".join(bases)
+
+
+def url_notes() -> list[str]:
+    """Each backend URL taken without its `/v1` since the last call, said once per process."""
+    notes = [
+        f"the backend URL {url} ends in /v1, which rollflow adds itself (it sends /v1/responses or "
+        f"/v1/chat/completions): using {base}"
+        for url, base in _URL_NOTES.items()
+        if url not in _URL_SAID
+    ]
+    _URL_SAID.update(_URL_NOTES)
+    _URL_NOTES.clear()
+    return notes
+
+
 class AgentServer(Settings):
     """Where one NeMo Gym agent's rows go: the server that runs its `/run`, and what NeMo Gym calls it."""
 
@@ -160,9 +201,14 @@ class BackendParams(Settings):
 
     @model_validator(mode="after")
     def _url_of_agents(self) -> BackendParams:
-        """With agents, `url` lists their servers, so everything that reads the URL list reads them."""
+        """With agents, `url` lists their servers, so everything that reads the URL list reads them.
+        Responses and chat backends add `/v1/...` to their base, so a base given with its `/v1` (as OpenAI
+        clients take it) is taken without it: here, whichever way the URL came (flag, ROLLFLOW_BACKEND__URL,
+        a flow run's parameters, a replica list). An agent server's /run has no /v1: its URL stays."""
         if self.agents:
             self.__dict__["url"] = ",".join(self.urls)
+        elif self.kind in (BackendKind.responses, BackendKind.chat):
+            self.__dict__["url"] = api_bases(self.url)
         return self
 
     def groups(self) -> dict[str, frozenset[str]]:

@@ -147,23 +147,24 @@ def test_a_replica_answering_garbled_bodies_leaves_rotation(run_cli, tmp_path):
     assert to_bad <= 15, to_bad
 
 
-def test_tuning_against_a_doubled_v1_stops_early_and_says_why(run_cli, tmp_path):
-    """A base URL ending in /v1 makes every request go to /v1/v1/...: tuning stops after a few probes,
-    names the 404, the URL and the fix, and writes report.json and the failures."""
+def test_tuning_against_a_404_stops_early_and_says_why(run_cli, tmp_path):
+    """A base URL missing the server's path prefix (its API is under /openai) makes every request a 404:
+    tuning stops after a few probes, names the 404 and the URL, and writes report.json and the failures.
+    (A base given with its /v1 is taken without it: tests/test_cli_text.py.)"""
     inp = write_rows(tmp_path / "in.jsonl", 60)
     out = tmp_path / "out"
 
-    def vllm_routes(request: web.Request) -> web.Response:
-        if request.path != "/v1/chat/completions":
+    def prefixed_routes(request: web.Request) -> web.Response:
+        if request.path != "/openai/v1/chat/completions":
             return json_reply({"detail": "Not Found"}, 404)
         return json_reply(openai_chat(Said()))
 
-    with ThreadedServer(vllm_routes) as srv:
-        args = _args(inp, out, f"{srv.url}/v1", "chat", "--parallelism", "auto", "--diagnose-rows", "10")
+    with ThreadedServer(prefixed_routes) as srv:
+        args = _args(inp, out, srv.url, "chat", "--parallelism", "auto", "--diagnose-rows", "10")
         res = run_cli(*args)
         sent = len(srv.seen)
     assert res.returncode == 2, res.stderr
-    for words in ("HTTP 404", f"{srv.url}/v1/v1/chat/completions", '"detail"', f"--backend-url {srv.url} "):
+    for words in ("HTTP 404", f"{srv.url}/v1/chat/completions", '"detail"'):
         assert words in res.stderr, (words, res.stderr)
     assert sent <= 20, sent
     assert str(out / "tuning_failures.jsonl") in res.stderr and "ERROR" not in res.stderr, res.stderr

@@ -228,7 +228,7 @@ def test_rewards_markdown_and_png() -> None:
     d = sample()
     md = rewards_markdown(d, image="rewards.png")
     assert md.startswith("## Rewards")
-    for text in ["| all correct | 1 | 25.0% |", "| mixed | 2 | 50.0% |", "| 4 | 0.7500 |", "(rewards.png)"]:
+    for text in ["| all correct | 1 | 25% |", "| mixed | 2 | 50% |", "| 4 | 0.7500 |", "(rewards.png)"]:
         assert text in md
     assert "0.469" in md
     png = rewards_png(d)

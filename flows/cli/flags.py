@@ -21,6 +21,7 @@ from rollflow.settings import (
     TuningSettings,
     VerifySettings,
 )
+from rollflow.settings.reverify import ReverifySpec
 
 GROUPS: dict[str, type[BaseModel]] = {
     "": RunSpec,
@@ -28,10 +29,21 @@ GROUPS: dict[str, type[BaseModel]] = {
     "collection": CollectionSettings,
     "verify": VerifySettings,
     "tuning": TuningSettings,
+    "reverify": ReverifySpec,
+}
+
+Table = dict[str, tuple[tuple[str, str, str], ...]]
+
+# A command's own defaults, where they differ from the setting's: `run` tunes its parallelism, `collect`
+# (ng_collect_rollouts' command) sends rows to agents. Fields no env var or .env set take them, and the
+# command's --help states them (one table for both).
+COMMAND_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "run": {"collection": {"parallelism": "auto"}},
+    "collect": {"backend": {"kind": "agent"}},
 }
 
 # section title -> (flag, settings group ("" = RunSpec itself), field)
-RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
+RUN_FLAGS: Table = {
     "input and output": (
         ("input", "", "input"),
         ("output", "", "output"),
@@ -83,13 +95,39 @@ RUN_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("correct-threshold", "verify", "correct_threshold"),
     ),
 }
-TUNING_FLAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
+TUNING_FLAGS: Table = {
     "diagnosis and tuning": (
         ("diagnose-low", "tuning", "diagnose_low"),
         ("diagnose-high", "tuning", "diagnose_high"),
         ("diagnose-rows", "tuning", "diagnose_rows"),
         ("headroom", "tuning", "headroom"),
         ("target-share", "tuning", "target_share"),
+    ),
+}
+
+# `rollflow reverify`'s flags: the verifier's settings, and the ReverifySpec's own fields.
+REVERIFY_FLAGS: Table = {
+    "verify": (
+        ("verifier", "verify", "verifier"),
+        ("verifier-url", "verify", "url"),
+        ("verify-processes", "verify", "processes"),
+        ("verify-timeout-s", "verify", "check_timeout_s"),
+        ("correct-threshold", "verify", "correct_threshold"),
+    ),
+    "rescore": (
+        ("failed-only", "reverify", "failed_only"),
+        ("format", "reverify", "format"),
+        ("chunk-size", "reverify", "chunk_size"),
+        ("parallelism", "reverify", "parallelism"),
+        ("chunks-in-flight", "reverify", "chunks_in_flight"),
+        ("runner", "reverify", "runner"),
+        ("dask-address", "reverify", "dask_address"),
+        ("dask-workers", "reverify", "dask_workers"),
+        ("ray-address", "reverify", "ray_address"),
+        ("ray-keep-workers-s", "reverify", "ray_keep_workers_s"),
+        ("restart", "reverify", "restart"),
+        ("allow-incomplete", "reverify", "allow_incomplete"),
+        ("keep-chunks", "reverify", "keep_chunks"),
     ),
 }
 
@@ -113,13 +151,26 @@ def _plain(annotation: Any) -> Any:
     return annotation
 
 
-def _argument(field: str, info: FieldInfo) -> dict[str, Any]:
-    """argparse keywords for one settings field: help from its description, type or choices from its type."""
-    default = None if info.is_required() else info.get_default(call_default_factory=True)
-    shown = "" if default in (None, {}, "") or isinstance(default, bool) else f" (default {default})"
-    kwargs: dict[str, Any] = {"help": f"{info.description or ''}{shown}", "default": None}
+_SETTING = object()  # the field's own default
+
+
+def shown_default(default: Any) -> str:
+    """How --help states a default: ` (default X)`, or nothing for none, an empty value or a switch."""
+    if default in (None, {}, "") or isinstance(default, bool):
+        return ""
+    return f" (default {default.value if isinstance(default, enum.Enum) else default})"
+
+
+def _argument(field: str, info: FieldInfo, default: Any = _SETTING) -> dict[str, Any]:
+    """argparse keywords for one settings field: help from its description, type or choices from its type;
+    the default stated is the command's own (`default`) when it has one, else the field's. The argparse
+    default stays None: a flag left out sets nothing, so env and .env still apply."""
+    if default is _SETTING:
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
+    text = f"{info.description or ''}{shown_default(default)}".replace("%", "%%")
+    kwargs: dict[str, Any] = {"help": text, "default": None}
     kind = _plain(info.annotation)
-    if field in SPECIAL_TYPES:
+    if field in SPECIAL_TYPES and kind not in (int, float):  # reverify's chunk_size is a plain int
         kwargs["type"] = SPECIAL_TYPES[field]
     elif kind is bool:
         kwargs["action"] = "store_true"
@@ -132,16 +183,18 @@ def _argument(field: str, info: FieldInfo) -> dict[str, Any]:
     return kwargs
 
 
-def add_flags(parser: argparse.ArgumentParser, table: dict[str, tuple[tuple[str, str, str], ...]]) -> None:
+def add_flags(parser: argparse.ArgumentParser, table: Table, command: str | None = None) -> None:
+    """The table's flags, in one argument group per section; `command`'s own defaults stated."""
+    own = COMMAND_DEFAULTS.get(command or "", {})
     for title, flags in table.items():
         section = parser.add_argument_group(title)
         for flag, group, field in flags:
-            section.add_argument(f"--{flag}", **_argument(field, GROUPS[group].model_fields[field]))
+            default = own.get(group, {}).get(field, _SETTING)
+            info = GROUPS[group].model_fields[field]
+            section.add_argument(f"--{flag}", **_argument(field, info, default))
 
 
-def given_flags(
-    args: argparse.Namespace, tables: tuple[dict[str, tuple[tuple[str, str, str], ...]], ...]
-) -> dict[str, dict[str, Any]]:
+def given_flags(args: argparse.Namespace, tables: tuple[Table, ...]) -> dict[str, dict[str, Any]]:
     """{group: {field: value}} for every flag the user gave (flags left out are None and set nothing)."""
     found: dict[str, dict[str, Any]] = {}
     for table in tables:
@@ -157,4 +210,11 @@ def flag_label(loc: list[str]) -> str:
     """A settings error's location as the user knows it: its flag (`--ray-address`), else its dotted path."""
     key = tuple(loc) if len(loc) > 1 and loc[0] in GROUPS else ("", *loc)
     flags = {(g, f): n for table in (RUN_FLAGS, TUNING_FLAGS) for rows in table.values() for n, g, f in rows}
+    return f"--{flags[key]}" if key in flags else ".".join(loc)
+
+
+def reverify_label(loc: list[str]) -> str:
+    """A reverify settings error's location as its flag, else its dotted path."""
+    key = tuple(loc) if len(loc) == 2 and loc[0] == "verify" else ("reverify", *loc)
+    flags = {(g, f): n for rows in REVERIFY_FLAGS.values() for n, g, f in rows}
     return f"--{flags[key]}" if key in flags else ".".join(loc)

@@ -31,12 +31,12 @@ if TYPE_CHECKING:
     from rollflow.settings import RollflowSettings
 
 
-def _add_run_flags(p: argparse.ArgumentParser, tuning: bool = False) -> None:
+def _add_run_flags(p: argparse.ArgumentParser, command: str, tuning: bool = False) -> None:
     from rollflow.flows.cli.flags import RUN_FLAGS, TUNING_FLAGS, add_flags
 
-    add_flags(p, RUN_FLAGS)
+    add_flags(p, RUN_FLAGS, command)
     if tuning:
-        add_flags(p, TUNING_FLAGS)
+        add_flags(p, TUNING_FLAGS, command)
     o = p.add_argument_group("display")
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
     o.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
@@ -78,7 +78,26 @@ def build_spec(
     if getattr(args, "overrides", None):
         collection = groups["collection"]
         collection["overrides"] = {**collection["overrides"], **_json_overrides(args.overrides)}
-    return _validated_spec(groups)
+    spec = _validated_spec(groups)
+    say_url_notes()
+    return spec
+
+
+def say_url_notes() -> None:
+    """What the settings did to a backend URL (a `/v1` taken off), said once, before the run."""
+    from rollflow.settings import redact
+    from rollflow.settings.models import url_notes
+
+    for note in url_notes():
+        print(f"rollflow: {redact.redact(note)}", file=sys.stderr)
+
+
+def command_spec(command: str, args: argparse.Namespace, extra: list[str]) -> Any:
+    """The spec `command` (run, collect, diagnose, tune) runs: its own defaults (COMMAND_DEFAULTS, which its
+    --help states), then the sources, then its flags."""
+    from rollflow.flows.cli.flags import COMMAND_DEFAULTS
+
+    return build_spec(args, extra, COMMAND_DEFAULTS.get(command))
 
 
 def _setting_groups(settings: Any) -> dict[str, dict[str, Any]]:
@@ -172,10 +191,7 @@ def _validated_spec(groups: dict[str, dict[str, Any]]) -> Any:
 def cmd_run(args: argparse.Namespace, extra: list[str], flow_name: str) -> int:
     # `collect` is ng_collect_rollouts' and gym eval run's command: its rows go to NeMo Gym agents
     # (through the head server unless a URL is given), whichever of their flags is used.
-    defaults = (
-        {"collection": {"parallelism": "auto"}} if flow_name == "run" else {"backend": {"kind": "agent"}}
-    )
-    spec = build_spec(args, extra, defaults)
+    spec = command_spec(flow_name, args, extra)
     check_engine(spec)
     quiet_prefect(args.verbose)
     from rollflow.flows.cli.prefect_api import command_api
@@ -222,33 +238,55 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's, except that a line never breaks inside a flag (`--verify-` / `processes`), and an
+    epilog (the +key=value list) keeps the lines it was given."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every rollflow parser and subparser: HelpFormatter unless one is given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; the settings-derived flags are added only to `command`'s parser,
     so `rollflow --help` and the other commands do not pay for importing the settings models."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rollflow", description="Maximum-throughput, resumable LLM rollout collection on Prefect."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"rollflow {installed_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     from rollflow.flows.cli.values import parallelism_value
 
     def wanted(name: str) -> bool:
         return command == name
 
     run = sub.add_parser(
-        "run", help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate"
+        "run",
+        help="the whole pipeline: diagnose -> tune -> collect -> verify -> concatenate",
     )
     if wanted("run"):
-        _add_run_flags(run, tuning=True)
-        from rollflow.flows.cli.nemo_gym import add_eval_flags
+        _add_run_flags(run, "run", tuning=True)
+        from rollflow.flows.cli.nemo_gym import add_eval_flags, overrides_epilog
 
         add_eval_flags(run)
+        run.epilog = overrides_epilog()
     for name, text in (
         ("diagnose", "diagnose-bottleneck: the same rows at a low and a high parallelism, and a verdict"),
         ("tune", "diagnose, then tune-parallelism: the throughput curve, the knee and the chosen value"),
     ):
         stage = sub.add_parser(name, help=text)
         if wanted(name):
-            _add_run_flags(stage, tuning=True)
+            _add_run_flags(stage, name, tuning=True)
     collect = sub.add_parser(
         "collect",
         help="NeMo Gym's collection at a fixed parallelism: rows go to agents (--backend-kind agent), found "
@@ -256,10 +294,11 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
         "arguments and gym eval run's flags",
     )
     if wanted("collect"):
-        _add_run_flags(collect)
-        from rollflow.flows.cli.nemo_gym import add_eval_flags
+        _add_run_flags(collect, "collect")
+        from rollflow.flows.cli.nemo_gym import add_eval_flags, overrides_epilog
 
         add_eval_flags(collect)
+        collect.epilog = overrides_epilog()
     sub.add_parser(
         "simulate", help="start the simulated backend (see `rollflow simulate --help`)", add_help=False
     )
@@ -268,16 +307,33 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from rollflow.flows.cli.reverify_cmd import add_reverify_parser
 
-    add_reverify_parser(sub)
+    add_reverify_parser(sub, full=wanted("reverify"))
     from rollflow.flows.cli.ray_workers_cmd import add_ray_workers_parser
 
     add_ray_workers_parser(sub)
     demo = sub.add_parser("demo", help="run the pipeline against an in-process simulator on sample data")
-    demo.add_argument("--output", default="demo-out", help="output directory (default ./demo-out)")
-    demo.add_argument("--parallelism", type=parallelism_value, default="auto", help="N, auto or adaptive")
-    demo.add_argument("--num-repeats", type=int, default=16, help="rollouts per row (default 16)")
+    demo.add_argument("--output", default="demo-out", help="output directory (default %(default)s)")
+    demo.add_argument(
+        "--parallelism",
+        type=parallelism_value,
+        default="auto",
+        help="N, auto or adaptive (default %(default)s)",
+    )
+    demo.add_argument("--num-repeats", type=int, default=16, help="rollouts per row (default %(default)s)")
     demo.add_argument("--verbose", action="store_true")
     return parser
+
+
+def installed_version() -> str:
+    """The installed distribution's version (the one pip shows), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollflow")
+    except PackageNotFoundError:
+        from rollflow import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +380,8 @@ def _command(argv: list[str], started_at: float, fresh: bool) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from rollflow.flows.cli.tuning_cmd import cmd_diagnose, cmd_tune
 
-        return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, build_spec(args, []))
+        spec = command_spec(args.command, args, [])
+        return (cmd_diagnose if args.command == "diagnose" else cmd_tune)(args, spec)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "reverify":

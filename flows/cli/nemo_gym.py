@@ -249,7 +249,7 @@ def _refused_dest(names: tuple[str, ...]) -> str:
 def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "NeMo Gym",
-        "ng_collect_rollouts' +key=value arguments (see the compatibility table) and gym eval run's flags",
+        "ng_collect_rollouts' +key=value arguments (listed at the end) and gym eval run's flags",
     )
     group.add_argument("-i", dest="ng_input", default=None, help="gym eval run: the input")
     group.add_argument("-o", dest="ng_output", default=None, help="gym eval run: the dataset file (x.jsonl)")
@@ -259,6 +259,39 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         )
     for names, why in REFUSED_EVAL_FLAGS:
         group.add_argument(*names, dest=_refused_dest(names), default=None, help=f"refused: {why}")
+
+
+def overrides_epilog(width: int | None = None) -> str:
+    """`--help`'s list of the `+key=value` arguments, from KEYS, the table the parser reads them by."""
+    import shutil
+    import textwrap
+
+    width = width or max(60, min(shutil.get_terminal_size().columns - 2, 118))
+
+    def wrap(text: str, **indents: str) -> list[str]:  # a flag (--max-retries) is never split
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False, **indents)
+
+    taken = [(f"+{key}", entry.what) for key, entry in KEYS.items() if entry.apply is not None]
+    taken += list(HEAD_SERVER_ROWS)
+    refused = [f"+{key}" for key, entry in KEYS.items() if entry.apply is None]
+    name_width = max(len(name) for name, _ in taken) + 2
+    lines = wrap(
+        "NeMo Gym's +key=value arguments (ng_collect_rollouts' Hydra overrides; ++key=value and key=value "
+        "too). Values read as Hydra reads them: numbers, true/false/null, {a: 1, b: x}, [a, b]; a dotted "
+        "key sets one field: +responses_create_params.temperature=0.7, +agent_map.old=new.",
+    )
+    lines.append("")
+    for name, what in taken:
+        lines += wrap(
+            what,
+            initial_indent=f"  {name:<{name_width}}",
+            subsequent_indent=" " * (name_width + 2),
+        )
+    lines += ["", *wrap(f"Refused, each with its reason when given: {', '.join(refused)}.")]
+    lines += wrap(
+        f"{ATTEMPTS_ENV}=N in the environment: each rollout is tried at most N times (--max-retries N-1)."
+    )
+    return "\n".join(lines)
 
 
 def hydra_value(text: str) -> Any:

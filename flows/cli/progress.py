@@ -18,19 +18,47 @@ from rich.progress import (
 )
 
 from rollflow.settings import RunSpec
-from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub
+from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount, hub, resume_text
+
+
+class Notes:
+    """What a run says between its start and its progress, with or without the bar: that it resumes (and
+    how much is there), and what it is doing before its first rollouts (a `stage` event's text)."""
+
+    def __init__(self, console: Console, stages: bool = True) -> None:
+        self.console = console
+        self.stages = stages
+        self._unsubscribe = lambda: None
+
+    def _on_event(self, event: ProgressEvent) -> None:
+        if event.kind == "resume":
+            said = resume_text(event.done, event.total)
+        elif event.kind == "stage" and self.stages:
+            said = event.text
+        else:
+            return
+        self.console.print(f"rollflow: {said}", highlight=False, soft_wrap=True)
+
+    def __enter__(self) -> Notes:
+        self._unsubscribe = hub.subscribe(self._on_event)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._unsubscribe()
 
 
 class ProgressBar:
     """Counts events on the event loop (cheap) and redraws from rich's own refresh thread."""
 
-    def __init__(self, console: Console, enabled: bool = True) -> None:
+    def __init__(self, console: Console, enabled: bool = True, verb: str = "collect") -> None:
         self.console = console
         self.enabled = enabled
         self.count = RolloutCount()
         self._lock = threading.Lock()
         self._progress = Progress(
-            TextColumn("[bold]collect"),
+            TextColumn(f"[bold]{verb}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[rate]} rollouts/s"),
@@ -87,11 +115,35 @@ class ProgressBar:
             self._progress.stop()
 
 
-class ProgressLines:
-    """Plain lines for logs (stderr not a terminal): the start, the plan, then every 10 s or 5% done."""
+def run_started(spec: RunSpec) -> str:
+    """A run's first progress line: where it writes, what it asks, what it reads."""
+    backend = spec.backend
+    where = (
+        f"agents found through NeMo Gym's head server {backend.head_server}"
+        if backend.head_server and not backend.agents
+        else backend.url
+    )
+    return f"run started: output {spec.output}, backend {backend.kind.value} {where}, input {spec.input}"
 
-    def __init__(self, spec: RunSpec, enabled: bool = True, every_s: float = 10.0, steps: int = 20) -> None:
+
+class ProgressLines:
+    """Plain lines for logs (stderr not a terminal): the start, the plan, then every 10 s or 5% done.
+
+    `spec` (a run) or `start` (another command's first line) says what started; `verb` what the count
+    is of (collect, rescore)."""
+
+    def __init__(
+        self,
+        spec: RunSpec | None,
+        enabled: bool = True,
+        every_s: float = 10.0,
+        steps: int = 20,
+        start: str = "",
+        verb: str = "collect",
+    ) -> None:
         self.spec, self.enabled, self.every_s, self.steps = spec, enabled, every_s, steps
+        self.start = start or (run_started(spec) if spec is not None else "")
+        self.verb = verb
         self.count = RolloutCount()
         self.shown = 0
         self.t0 = time.monotonic()
@@ -124,7 +176,7 @@ class ProgressLines:
             eta = f", ETA {max(0, total - finished) / rate:,.0f} s" if rate > 0 and total else ""
             workers = f", {count.workers} workers" if count.workers else ""
             self._say(
-                f"collect {finished:,}/{total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
+                f"{self.verb} {finished:,}/{total:,} rollouts ({share:.0%}), {rate:,.1f} rollouts/s, "
                 f"failed {count.failed:,}{workers}, elapsed {elapsed:,.0f} s{eta}"
             )
 
@@ -135,16 +187,8 @@ class ProgressLines:
 
     def __enter__(self) -> ProgressLines:
         if self.enabled:
-            spec = self.spec
-            backend = spec.backend
-            where = (
-                f"agents found through NeMo Gym's head server {backend.head_server}"
-                if backend.head_server and not backend.agents
-                else backend.url
-            )
-            self._say(
-                f"run started: output {spec.output}, backend {backend.kind.value} {where}, input {spec.input}"
-            )
+            if self.start:
+                self._say(self.start)
             self._unsubscribe = hub.subscribe(self._on_event)
             self._thread.start()
         return self

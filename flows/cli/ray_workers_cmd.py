@@ -24,7 +24,10 @@ def add_ray_workers_parser(sub: Any) -> None:
         "--keep-s", type=float, required=True, help="each worker ends after this many seconds without a chunk"
     )
     p.add_argument(
-        "--start-timeout-s", type=float, default=START_TIMEOUT_S, help="how long to wait for them to start"
+        "--start-timeout-s",
+        type=float,
+        default=START_TIMEOUT_S,
+        help="how long to wait for them to start (default %(default)s)",
     )
 
 

@@ -26,67 +26,21 @@ from rollflow.flows.cli.errors import (
 )
 
 
-def add_reverify_parser(sub: Any) -> None:
+def add_reverify_parser(sub: Any, full: bool = True) -> None:
+    """The reverify command; its settings flags (help, type, default from ReverifySpec and VerifySettings)
+    only when `full`, so the other commands do not import the settings models for it."""
     p = sub.add_parser("reverify", help="rescore a published output with another verifier (no backend)")
+    if not full:
+        return
+    from rollflow.flows.cli.flags import REVERIFY_FLAGS, add_flags
+
     p.add_argument("source", help="a published output folder or dataset file (local path or s3://...)")
     p.add_argument("--output", required=True, help="where the rescored dataset and its report go")
-    p.add_argument("--verifier", help="exact_match, math, math_fast, http or module:function")
-    p.add_argument("--verifier-url", help="resources server for --verifier http")
-    p.add_argument("--verify-processes", type=int, help="processes for math and module:function checks")
-    p.add_argument("--verify-timeout-s", type=float, help="longest one check may run")
-    p.add_argument("--correct-threshold", type=float, help="a rollout is correct at reward >= this")
-    p.add_argument("--failed-only", action="store_true", help="rescore only the source's failed checks")
-    p.add_argument("--format", choices=("jsonl", "parquet"), help="dataset format (default jsonl)")
-    p.add_argument("--chunk-size", type=int, help="rollouts per chunk task (default 10000)")
-    p.add_argument("--parallelism", type=int, help="checks in flight at once (default 64)")
-    p.add_argument("--chunks-in-flight", type=int, help="chunk tasks at once (default 2)")
-    p.add_argument(
-        "--runner",
-        choices=("local", "dask", "ray"),
-        help="local (default), dask or ray: chunks on the cluster's worker processes",
-    )
-    p.add_argument("--dask-address", help="the Dask scheduler to send chunks to (default: a local cluster)")
-    p.add_argument("--dask-workers", type=int, help="processes of the local Dask cluster (default 2)")
-    p.add_argument("--ray-address", help="the Ray cluster to send chunks to (default: a local instance)")
-    p.add_argument(
-        "--ray-keep-workers-s",
-        type=float,
-        help="keep Ray chunk workers this long after their last chunk, for the next run (default 0)",
-    )
-    p.add_argument("--restart", action="store_true", help="discard a different reverify in OUT")
-    p.add_argument("--allow-incomplete", action="store_true", help="publish even if some checks failed")
-    p.add_argument("--keep-chunks", action="store_true", help="keep the chunk data objects after publishing")
-    p.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
-    p.add_argument("--verbose", action="store_true", help="show Prefect's logs")
-
-
-VERIFY_FLAGS = {
-    "verifier": "verifier",
-    "verifier_url": "url",
-    "verify_processes": "processes",
-    "verify_timeout_s": "check_timeout_s",
-    "correct_threshold": "correct_threshold",
-}
-TOP_FLAGS = (
-    "format",
-    "chunk_size",
-    "parallelism",
-    "chunks_in_flight",
-    "runner",
-    "dask_address",
-    "dask_workers",
-    "ray_address",
-    "ray_keep_workers_s",
-)
-
-
-def _reverify_label(loc: list[str]) -> str:
-    """A reverify settings error's location as its flag, else its dotted path."""
-    if loc[:1] == ["verify"] and len(loc) == 2 and loc[1] in VERIFY_FLAGS.values():
-        return "--" + next(f for f, v in VERIFY_FLAGS.items() if v == loc[1]).replace("_", "-")
-    if len(loc) == 1 and loc[0] in TOP_FLAGS:
-        return "--" + loc[0].replace("_", "-")
-    return ".".join(loc)
+    add_flags(p, REVERIFY_FLAGS, "reverify")
+    o = p.add_argument_group("display")
+    o.add_argument("--no-progress", action="store_true", help="no progress lines")
+    o.add_argument("--json", action="store_true", help="print report.json to stdout at the end")
+    o.add_argument("--verbose", action="store_true", help="show Prefect's logs")
 
 
 def build_reverify_spec(args: argparse.Namespace) -> Any:
@@ -94,36 +48,27 @@ def build_reverify_spec(args: argparse.Namespace) -> Any:
     other engine settings), then the flags."""
     from pydantic import ValidationError
 
+    from rollflow.flows.cli.flags import REVERIFY_FLAGS, given_flags, reverify_label
     from rollflow.settings.models import EngineSettings
     from rollflow.settings.reverify import ReverifySpec
 
     settings = load_settings()
-    verify = settings.verify.model_dump()
-    verify.update(
-        {
-            field: getattr(args, flag)
-            for flag, field in VERIFY_FLAGS.items()
-            if getattr(args, flag) is not None
-        }
-    )
+    given = given_flags(args, (REVERIFY_FLAGS,))
+    verify = {**settings.verify.model_dump(), **given.get("verify", {})}
     fields: dict[str, Any] = {"source": args.source, "output": args.output, "verify": verify}
     engine = set(EngineSettings.model_fields) & settings.pipeline.model_fields_set  # as `run` reads them
     fields.update(settings.pipeline.model_dump(include=engine))
-    fields.update({k: getattr(args, k) for k in TOP_FLAGS if getattr(args, k) is not None})
-    fields.update(
-        failed_only=args.failed_only,
-        restart=args.restart,
-        allow_incomplete=args.allow_incomplete,
-        keep_chunks=args.keep_chunks,
-    )
+    fields.update(given.get("reverify", {}))
     try:
         return ReverifySpec.model_validate(fields)
     except ValidationError as exc:
-        problems = validation_problems(exc, _reverify_label)
+        problems = validation_problems(exc, reverify_label)
         raise UsageError(f"Invalid settings: {problems}.") from exc
 
 
 def summary_table(report: dict[str, Any]) -> Table:
+    from rollflow.tasks.collect.percentiles import shown
+
     table = Table(title="rollflow reverify", show_header=False, title_justify="left")
     table.add_column("metric", style="bold", no_wrap=True)
     table.add_column("value", overflow="fold")
@@ -140,7 +85,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("rewards changed", f"{report['changed']:,}"),
         ("failed", f"{report['failed']:,}"),
         ("reward mean", f"{mean(before)} -> {mean(after)}"),
-        ("rows/s", str(report["metrics"].get("rows_per_s") or "-")),
+        ("rows/s", shown(report["metrics"].get("rows_per_s"))),
         ("wall time", f"{report['metrics']['wall_s']:,.1f} s"),
         ("report", f"{report['output'].rstrip('/')}/report.md"),
     ]
@@ -149,21 +94,45 @@ def summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def started_line(spec: Any) -> str:
+    """reverify's first progress line: what it reads, where it writes, what scores."""
+    from rollflow.settings import redact
+
+    return redact.redact(
+        f"reverify started: source {spec.source}, output {spec.output}, verifier "
+        f"{spec.verify.verifier_for('responses')}"
+    )
+
+
 def cmd_reverify(args: argparse.Namespace) -> int:
     spec = build_reverify_spec(args)
     check_engine(spec)
     quiet_prefect(args.verbose)
+    console = Console(stderr=True)
+    progress = not args.no_progress
+    lines = progress and not console.is_terminal
+    if progress:  # at once: Prefect and the flow take seconds to load, the verifier processes to start
+        console.print(f"rollflow: {started_line(spec)}", highlight=False, soft_wrap=True)
+        console.print("rollflow: loading Prefect and the flow", highlight=False)
     from rollflow.flows.cli.prefect_api import command_api, using
+    from rollflow.flows.cli.progress import Notes, ProgressBar, ProgressLines
     from rollflow.flows.reverify import ReverifyIncomplete, rollflow_reverify
     from rollflow.settings import RollflowSettings, redact
 
     api = command_api(args.started_at)
-    console = Console(stderr=True)
     known = user_errors()
     status = EXIT_OK
     try:
         redact.register(RollflowSettings())
-        with known_errors_quiet((*known, ReverifyIncomplete), args.verbose), using(api):
+        with (
+            known_errors_quiet((*known, ReverifyIncomplete), args.verbose),
+            Notes(console, stages=progress),
+            ProgressBar(console, enabled=progress and console.is_terminal, verb="rescore"),
+            ProgressLines(None, enabled=lines, verb="rescore"),
+            using(api),
+        ):
+            if progress:
+                console.print(f"rollflow: starting the flow (Prefect API: {api.source})", highlight=False)
             report = asyncio.run(rollflow_reverify(spec))
     except ReverifyIncomplete as exc:
         report, status = exc.report, EXIT_INCOMPLETE

@@ -23,13 +23,14 @@ from rollflow.flows.cli.errors import (
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
-from rollflow.flows.cli.progress import ProgressBar, ProgressLines
+from rollflow.flows.cli.progress import Notes, ProgressBar, ProgressLines
 from rollflow.flows.cli.tuning_cmd import print_tuning
 from rollflow.flows.parameters import COMMAND_STARTED
 from rollflow.flows.pipeline import RunIncomplete, rollflow_collect, rollflow_run
 from rollflow.settings import RollflowSettings, RunSpec, redact
+from rollflow.tasks.collect.percentiles import shown
 from rollflow.tasks.publish.amend import amend_report
-from rollflow.tasks.publish.endpoints import AGENT_COLUMNS, agent_cells, endpoint_cells
+from rollflow.tasks.publish.endpoints import AGENT_COLUMNS, ENDPOINTS_LEGEND, agent_cells, endpoint_cells
 from rollflow.tasks.publish.rewards import summary_line
 from rollflow.tasks.publish.story import story_line
 from rollflow.tasks.storage.store import Store
@@ -55,7 +56,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("rollouts/s", _num(report["rollouts_per_s"], ",.1f")),
         ("output tokens/s", _num(report["output_tokens_per_s"], ",.0f")),
         ("collect rollouts/s", _num(report.get("collect_rollouts_per_s"), ",.1f")),
-        ("parallelism", str(report["parallelism"])),
+        ("parallelism", shown(report["parallelism"])),
         ("wall time", _num(report["wall_s"], ",.1f", " s")),
         *((f"  {name}", _num(s, ",.1f", " s")) for name, s in (report.get("stages") or {}).items()),
         ("report", f"{report['output'].rstrip('/')}/report.json"),
@@ -79,7 +80,14 @@ def endpoints_table(report: dict[str, Any]) -> Table | None:
     rows = report.get("endpoints") or []
     if not rows:
         return None
-    table = Table(title="endpoints", title_justify="left", show_edge=False, pad_edge=False)
+    table = Table(
+        title="endpoints",
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+        caption=ENDPOINTS_LEGEND,
+        caption_justify="left",
+    )
     table.add_column("endpoint", overflow="fold")
     for name in ("rollouts", "per s", "errors", "limit", "out s", "engine"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -141,6 +149,7 @@ def run_and_print(
         redact.register(RollflowSettings())
         with (
             known_errors_quiet((*known, RunIncomplete), verbose),
+            Notes(console),
             ProgressBar(console, enabled=progress and console.is_terminal),
             ProgressLines(spec, enabled=progress and not console.is_terminal),
             using(api),

@@ -87,11 +87,13 @@ def _check_fires(expression: str) -> None:
 
 def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve the flows as Prefect deployments (UI button, schedules)")
-    p.add_argument("--name", default=DEPLOYMENT, help="deployment name (default rollflow)")
+    p.add_argument("--name", default=DEPLOYMENT, help="deployment name (default %(default)s)")
     p.add_argument("--cron", help='schedule rollflow-run, e.g. "0 2 * * *" for 02:00 nightly')
-    p.add_argument("--timezone", default="UTC", help="timezone of the schedule (default UTC)")
+    p.add_argument("--timezone", default="UTC", help="timezone of the schedule (default %(default)s)")
     p.add_argument("--interval-s", type=float, help="schedule rollflow-run every N seconds instead")
-    p.add_argument("--limit", type=int, default=4, help="flow runs at once in this process")
+    p.add_argument(
+        "--limit", type=int, default=4, help="flow runs at once in this process (default %(default)s)"
+    )
     p.add_argument("--verbose", action="store_true")
 
 

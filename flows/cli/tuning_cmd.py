@@ -25,12 +25,10 @@ if TYPE_CHECKING:
 
 
 def _cell(value: Any) -> str:
-    """Thousands separators; a decimal only below 100, where it still carries information."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
+    """A table cell as every summary writes a value (`shown`): thousands separators, `-` for none."""
+    from rollflow.tasks.collect.percentiles import shown
+
+    return shown(value)
 
 
 def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:

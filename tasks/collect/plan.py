@@ -41,6 +41,16 @@ class RunPlan:
             c for c in self.scan.chunks if c.index not in self.committed or self.committed[c.index].failed
         ]
 
+    def resumed(self) -> tuple[int, int] | None:
+        """(rollouts already committed, rollouts of the whole run) when the output holds committed chunks of
+        this run (a resumed run); None for a fresh one."""
+        chunks = {c.index for c in self.scan.chunks}
+        done = [m for i, m in self.committed.items() if i in chunks]
+        if not done:
+            return None
+        planned = sum(c.good_rows for c in self.scan.chunks) * self.identity.num_repeats
+        return sum(m.rows for m in done), planned
+
 
 def rollout_config(spec: RunSpec) -> dict[str, Any]:
     """The settings that change what a rollout is; parallelism, URLs and timeouts do not."""

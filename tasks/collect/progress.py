@@ -14,7 +14,9 @@ Listener = Callable[["ProgressEvent"], None]
 @dataclass(slots=True)
 class ProgressEvent:
     # "plan", "attempt" (a chunk attempt starts with `done` adopted), "rollouts", "chunk" (committed),
-    # "abandoned" (failed for good), "workers" (Dask or Ray: `total` worker processes report to the run now)
+    # "abandoned" (failed for good), "workers" (Dask or Ray: `total` worker processes report to the run now),
+    # "resume" (the output already holds `done` of the run's `total` rollouts), "stage" (`text` says what
+    # the run is doing before its rollouts come: scanning, starting verifier processes, ...)
     kind: str
     total: int = 0
     done: int = 0
@@ -24,6 +26,7 @@ class ProgressEvent:
     # "attempt": (done, failed) of the chunk's earlier commit that stands (a resumed run redoing its
     # failures), where its count goes back if it is abandoned; None: not known yet, the last one holds
     floor: tuple[int, int] | None = None
+    text: str = ""
 
 
 @dataclass
@@ -108,3 +111,8 @@ class ProgressHub:
 
 
 hub = ProgressHub()
+
+
+def resume_text(done: int, total: int) -> str:
+    """What a resumed run says first: how much of it the output already holds."""
+    return f"resuming: {done:,} of {total:,} rollouts already committed"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from rollflow.tasks.collect.paths import card_url
+from rollflow.tasks.collect.percentiles import shown
 from rollflow.tasks.publish.concat import split_url
 from rollflow.tasks.publish.endpoints import agents_markdown
 from rollflow.tasks.storage import owned
@@ -132,7 +133,8 @@ def _story(facts: dict[str, Any]) -> list[str]:
         models = ", ".join(f"`{m}`" for m in sent.get("models_answered") or {}) or f"`{sent.get('model')}`"
         lines.append(
             f"Backend `{sent['backend_kind']}` at {', '.join(f'`{u}`' for u in sent['endpoints'])}, models "
-            f"{models}; {sent['num_repeats']} rollouts per prompt; seed {sent['seed']}; overrides "
+            f"{models}; {sent['num_repeats']} rollouts per prompt; seed "
+            f"{shown(sent['seed'], missing='not set')}; overrides "
             f"`{orjson.dumps(sent['overrides']).decode()}`."
         )
     if scored:

@@ -6,8 +6,14 @@ from typing import Any
 
 from rollflow.tasks.backends.endpoints import EndpointPool
 from rollflow.tasks.collect.chunk import ChunkOutcome
+from rollflow.tasks.collect.percentiles import shown_share
 
 ENDPOINT_COLUMNS = ("endpoint", "rollouts", "rollouts/s", "errors", "limit", "out s", "engine")
+# What the columns hold, said under the table wherever it is shown (the CLI, report.md).
+ENDPOINTS_LEGEND = (
+    "engine: the engine's peak requests running/waiting/KV-cache use while the run sampled it (- without "
+    "metrics); limit: requests in flight allowed at the end; out s: seconds out of rotation"
+)
 
 
 def engine_cell(engine: dict[str, Any] | None) -> str:
@@ -15,7 +21,7 @@ def engine_cell(engine: dict[str, Any] | None) -> str:
     if not engine:
         return "-"
     kv = engine.get("kv_cache_usage_max")
-    kv_text = "-" if kv is None else f"{100 * kv:.0f}%"
+    kv_text = shown_share(kv)
     return f"{engine.get('running_max', '-')}/{engine.get('waiting_max', '-')}/{kv_text}"
 
 
@@ -58,6 +64,7 @@ def endpoints_markdown(rows: list[dict[str, Any]]) -> str:
         "|---|" + "---:|" * (len(ENDPOINT_COLUMNS) - 2) + "---|",
     ]
     lines += ["| " + " | ".join(endpoint_cells(row)) + " |" for row in rows]
+    lines += ["", ENDPOINTS_LEGEND[:1].upper() + ENDPOINTS_LEGEND[1:] + "."]
     counters = engine_counters(rows)
     if counters:
         lines += ["", "Engine counters while the run sampled them:", "", *counters]

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from rollflow.tasks.collect.percentiles import shown_share
 from rollflow.tasks.publish.plot import _pyplot, png_bytes
 
 BINS = 10
@@ -286,8 +287,8 @@ def _shares(d: dict[str, Any]) -> str:
     if not d["tasks"]:
         return "no tasks"
     return (
-        f"{d['all_correct']['share']:.0%} all correct, {d['none_correct']['share']:.0%} none, "
-        f"{d['mixed']['share']:.0%} mixed (learnable)"
+        f"{shown_share(d['all_correct']['share'])} all correct, {shown_share(d['none_correct']['share'])} "
+        f"none, {shown_share(d['mixed']['share'])} mixed (learnable)"
     )
 
 
@@ -320,7 +321,7 @@ def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
     ]
     for key, label in [("all_correct", "all correct"), ("none_correct", "none correct"), ("mixed", "mixed")]:
         share = d[key]["share"]
-        lines.append(f"| {label} | {d[key]['tasks']:,} | {'-' if share is None else format(share, '.1%')} |")
+        lines.append(f"| {label} | {d[key]['tasks']:,} | {shown_share(share)} |")
     lines += [f"| **all** | {d['tasks']:,} | |", ""]
     if d["pass_at_k"]:
         behind = d.get("pass_at_k_tasks", {})

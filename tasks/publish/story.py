@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from rollflow.settings import RunSpec, redact
+from rollflow.tasks.collect.percentiles import shown, shown_share
 from rollflow.tasks.publish.failure_kinds import failures_by_kind
 from rollflow.tasks.publish.verifier_story import verifier_story
 from rollflow.tasks.storage.ledger import Ledger, RunIdentity
@@ -48,14 +49,15 @@ def story_line(story: dict[str, Any]) -> str:
     sent, scored, returned = story["sent"], story["scored_by"], story["returned"]
     models = ", ".join(sent["models_answered"]) or sent["model"] or "-"
     out = returned["tokens_out"]
-    parts = [f"models {models}", f"seed {sent['seed']}"]
+    parts = [f"models {models}", f"seed {shown(sent['seed'], missing='not set')}"]
     if scored:
         lib = f" ({scored['library']} {scored['library_version']})" if scored["library"] else ""
         parts.append(f"verifier {scored['name']}{lib}")
     if out["rollouts"]:
-        parts.append(f"tokens out mean {out['mean']:g}, p95 {out['p95']}, max {out['max']}")
+        figures = f"mean {shown(out['mean'])}, p95 {shown(out['p95'])}, max {shown(out['max'])}"
+        parts.append(f"tokens out {figures}")
     if returned["truncation_rate"] is not None:
-        parts.append(f"truncated {returned['truncation_rate']:.1%}")
+        parts.append(f"truncated {shown_share(returned['truncation_rate'])}")
     return "story: " + "; ".join(parts)
 
 
@@ -66,7 +68,7 @@ def story_markdown(story: dict[str, Any]) -> str:
         ("backend", f"{sent['backend_kind']} at {', '.join(sent['endpoints'])}"),
         ("models answering", ", ".join(f"{m} ({n:,})" for m, n in sent["models_answered"].items()) or "-"),
         ("overrides", f"`{orjson.dumps(sent['overrides']).decode()}`"),
-        ("seed", str(sent["seed"])),
+        ("seed", shown(sent["seed"], missing="not set")),
         ("verifier", "-" if not scored else f"{scored['name']} {scored['library_version'] or ''}".strip()),
         ("correct threshold", "-" if not scored else f"{scored['correct_threshold']:g}"),
         ("rollflow", origin["rollflow_version"]),
@@ -76,7 +78,7 @@ def story_markdown(story: dict[str, Any]) -> str:
         ),
         (
             "truncation rate",
-            "-" if returned["truncation_rate"] is None else f"{returned['truncation_rate']:.2%}",
+            shown_share(returned["truncation_rate"]),
         ),
         ("finish reasons", ", ".join(f"{k} {n:,}" for k, n in returned["finish_reasons"].items()) or "-"),
         ("failures by kind", ", ".join(f"{k} {n:,}" for k, n in returned["failures_by_kind"].items()) or "-"),
@@ -85,7 +87,8 @@ def story_markdown(story: dict[str, Any]) -> str:
     lines += ["", "| tokens per rollout | mean | p50 | p95 | max | total |", "|---|---:|---:|---:|---:|---:|"]
     for side in ("tokens_in", "tokens_out"):
         t = returned[side]
-        lines.append(f"| {side[7:]} | {t['mean']} | {t['p50']} | {t['p95']} | {t['max']} | {t['total']:,} |")
+        cells = " | ".join(shown(t[k]) for k in ("mean", "p50", "p95", "max", "total"))
+        lines.append(f"| {side[7:]} | {cells} |")
     for key, values in sent["sampling_params"].items():
         lines.append("")
         lines.append(f"{key}: " + ", ".join(f"`{v}` x{n:,}" for v, n in values.items()))

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollflow.tasks.backends.backends import BackendError
 from rollflow.tasks.collect.chunk import committed_rows
+from rollflow.tasks.collect.progress import ProgressEvent, hub
 from rollflow.tasks.reverify.rescore import (
     failed_line,
     new_reward,
@@ -63,18 +64,36 @@ def _read(ctx: ReverifyContext, chunk: SourceChunk) -> list[tuple[bytes, bool]]:
     return [(line, False) for line in read_dataset_chunk(ctx.source_url, chunk, ctx.source_options)]
 
 
+PROGRESS_EVERY = 200  # lines settled between two progress events of a chunk
+
+
 @dataclass
 class _Work:
-    """The chunk's lines in, output lines and failure lines out, in source order."""
+    """The chunk's lines in, output lines and failure lines out, in source order; every PROGRESS_EVERY
+    lines settled, a progress event (`emit`: on the event loop, whichever thread settles them)."""
 
     ctx: ReverifyContext
     lines: list[tuple[bytes, bool]]
     kept: dict[RolloutKey, bytes]
+    chunk: int | None = None
+    emit: Callable[[ProgressEvent], None] = hub.emit
     results: list[bytes | None] = field(default_factory=list)
     failures: dict[RolloutKey, bytes] = field(default_factory=dict)
     rescored: int = 0
     parse_s: float = 0.0
     dump_s: float = 0.0
+    unsaid: list[int] = field(default_factory=lambda: [0, 0])  # settled since the last event: done, failed
+
+    def _settled(self, i: int) -> None:
+        self.unsaid[self.results[i] is None] += 1
+        if sum(self.unsaid) >= PROGRESS_EVERY:
+            self.say()
+
+    def say(self) -> None:
+        done, failed = self.unsaid
+        if done or failed:
+            self.emit(ProgressEvent("rollouts", done=done, failed=failed, chunk=self.chunk))
+            self.unsaid = [0, 0]
 
     def _row(self, i: int) -> tuple[dict[str, Any], RolloutKey] | None:
         """The row to score at line i, or None when the line's outcome is settled without a check."""
@@ -112,6 +131,7 @@ class _Work:
             except BackendError as exc:
                 reward = exc
             self._scored(i, row, key, reward)
+        self._settled(i)
 
     def run_plain(self, check: Callable[[dict[str, Any], str], float]) -> None:
         """A check of microseconds: the whole chunk on one thread, no hop to the event loop per row."""
@@ -125,6 +145,7 @@ class _Work:
                 except BackendError as exc:
                     reward = exc
                 self._scored(i, row, key, reward)
+            self._settled(i)
 
     async def run(self) -> None:
         self.results = [None] * len(self.lines)
@@ -147,15 +168,19 @@ async def reverify_chunk(ctx: ReverifyContext, chunk: SourceChunk, attempt: int 
     if previous is not None:
         kept, _ = await asyncio.to_thread(committed_rows, ledger, previous)
     started_at = datetime.now(UTC).isoformat()
+    hub.emit(ProgressEvent("attempt", chunk=chunk.index))  # a retried chunk counts from 0 again
     t0 = time.perf_counter()
     lines = await asyncio.to_thread(_read, ctx, chunk)
     t1 = time.perf_counter()
-    work = _Work(ctx, lines, kept)
     plain = getattr(ctx.verifier, "plain", None)
-    if plain is not None:
+    loop = asyncio.get_running_loop()
+    work = _Work(ctx, lines, kept, chunk.index)
+    if plain is not None:  # settled on a thread: its events go to the loop, where displays expect them
+        work.emit = lambda event: loop.call_soon_threadsafe(hub.emit, event)
         await asyncio.to_thread(work.run_plain, plain)
     else:
         await work.run()
+    work.say()
     t2 = time.perf_counter()
     data = b"".join(line + b"\n" for line in work.results if line is not None)
     fail_data = b"".join(work.failures[key] + b"\n" for key in sorted(work.failures)) or None

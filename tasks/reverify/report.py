@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from rollflow.settings.reverify import ReverifySpec
+from rollflow.tasks.collect.percentiles import shown, shown_share
 from rollflow.tasks.collect.plan import rollflow_version
 from rollflow.tasks.publish.rewards import rewards_markdown
 from rollflow.tasks.publish.verifier_story import verifier_story
@@ -75,7 +76,7 @@ def build_report(
 
 
 def _pct(n: int, total: int) -> str:
-    return f"{n / total:.1%}" if total else "-"
+    return shown_share(n / total) if total else "-"
 
 
 def _before_after(report: dict[str, Any]) -> list[str]:
@@ -86,7 +87,7 @@ def _before_after(report: dict[str, Any]) -> list[str]:
             return "-"
         if key in ("all_correct", "none_correct", "mixed"):
             share = d[key]["share"]
-            return "-" if share is None else f"{share:.1%}"
+            return shown_share(share)
         value = d.get(key)
         return "-" if value is None else f"{value:.4f}"
 
@@ -120,8 +121,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"| rescored | {report['rescored']:,} |",
         f"| rewards changed | {report['changed']:,} ({_pct(report['changed'], total)}) |",
         f"| failed | {report['failed']:,} {report['failures_by_kind'] or ''} |",
-        f"| rows/s | {report['metrics'].get('rows_per_s') or '-'} |",
-        f"| wall s | {report['metrics'].get('wall_s')} |",
+        f"| rows/s | {shown(report['metrics'].get('rows_per_s'))} |",
+        f"| wall s | {shown(report['metrics'].get('wall_s'))} |",
         "",
         "## Before and after",
         "",
@@ -153,9 +154,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         reasons = ", ".join(f"{k} {n:,}" for k, n in returned["finish_reasons"].items())
         lines += [
             "",
-            f"Tokens out per rollout: mean {t['mean']}, p50 {t['p50']}, p95 {t['p95']}, max {t['max']}, "
-            f"total {t['total']:,}. Finish reasons: {reasons or '-'} (truncation rate "
-            f"{returned['truncation_rate']:.2%}).",
+            f"Tokens out per rollout: mean {shown(t['mean'])}, p50 {shown(t['p50'])}, p95 {shown(t['p95'])}, "
+            f"max {shown(t['max'])}, total {t['total']:,}. Finish reasons: {reasons or '-'} (truncation rate "
+            f"{shown_share(returned['truncation_rate'])}).",
         ]
     if report["after"]:
         lines += ["", rewards_markdown(report["after"])]
