@@ -42,8 +42,8 @@ docs: $(STAMP)
 
 # Tests that check no rate, duration or deadline run three at a time; the rest then run alone.
 test: lint docs
-	$(PY) -m pytest -q -ra -m concurrent -n 3 --dist loadfile --durations=10; side=$$?; \
-	$(PY) -m pytest -q -ra -m "not concurrent" --durations=15; alone=$$?; \
+	$(PY) -m pytest -q -ra -m concurrent -n 3 --dist loadfile --durations=10 --junitxml=$(VENV)/junit-side.xml; side=$$?; \
+	$(PY) -m pytest -q -ra -m "not concurrent" --durations=15 --junitxml=$(VENV)/junit-alone.xml; alone=$$?; \
 	test $$side -eq 0 && test $$alone -eq 0
 
 bench: $(STAMP)

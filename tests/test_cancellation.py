@@ -35,6 +35,7 @@ def take_over(out: Path) -> None:
     (out / "lease.json").write_bytes(orjson.dumps(body))
 
 
+@pytest.mark.alone  # a 1.5 s lease TTL and a run stopped mid-way
 async def test_lost_lease_stops_every_chunk_before_the_flow_returns(
     prefect_server, rows_input, tmp_path, monkeypatch
 ) -> None:
@@ -74,6 +75,7 @@ async def test_lost_lease_stops_every_chunk_before_the_flow_returns(
     assert written_after(out, ended) == [], "chunk jobs kept writing after the flow returned"
 
 
+@pytest.mark.alone  # the run ends within 3x its deadline
 def test_dask_run_stops_at_its_deadline(cli_env, rows_input, tmp_path) -> None:
     sim = spawn_simulator("--latency-ms", "50", "--slots", "4")  # 80/s: 2,400 rollouts take ~30 s
     out = tmp_path / "out"

@@ -154,6 +154,7 @@ async def test_ten_thousand_chunks_each_completion_handled_once(tmp_path: Path, 
     print(f"{CHUNKS:,} chunks in {took:.1f} s, {engine.queries:,} status queries")
 
 
+@pytest.mark.alone  # chunks must finish inside a 0.5 s deadline
 async def test_the_deadline_stops_remote_chunks_and_cancels_them(tmp_path: Path, engine: PoolEngine) -> None:
     engine.work_s = 0.05
     chunks = [chunk(i) for i in range(CHUNKS)]
@@ -286,6 +287,7 @@ class ReportingEngine(PoolEngine):
         raise RuntimeError("chunk 3 failed")
 
 
+@pytest.mark.alone  # orders a failure before a round by sleeps
 async def test_a_remote_chunk_that_fails_for_good_is_not_counted_back_by_later_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,6 +353,7 @@ ENGINE_START_S = 1.0
 REMOTE_DEADLINE_S = 3.0
 
 
+@pytest.mark.alone  # times the stop against the deadline
 async def test_a_remote_deadline_counts_from_the_run_and_stops_chunks_before_their_workers_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

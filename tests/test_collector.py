@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from share_board import ShareBoard
 
 from rollflow.settings import RunSpec
@@ -173,6 +174,7 @@ async def _apply(slot: RunSlot, worker: str, share: int) -> None:
     slot.apply(worker, {"grants": {worker: [1, share]}})
 
 
+@pytest.mark.alone  # a report within 5 s of a 0.8 s pause
 def test_a_paused_worker_drops_its_share_before_it_reports_again(tmp_path: Path, monkeypatch) -> None:
     """A process paused past SHARE_LEASE_S (the book may have given its share away meanwhile) resumes with
     no share: its first report says so, rather than refreshing the old share with an exchange that was
@@ -223,6 +225,7 @@ def chunk_on_a_vanishing_board(tmp_path: Path) -> tuple[WorkerCollector, Vanishi
     return collector, link, run, slot
 
 
+@pytest.mark.alone  # 5 exchanges within 10 s
 def test_a_board_gone_under_a_running_chunk_keeps_its_share_until_the_chunk_ends(tmp_path: Path) -> None:
     collector, link, run, slot = chunk_on_a_vanishing_board(tmp_path)
     deadline = time.monotonic() + 10

@@ -71,6 +71,7 @@ def test_dask_workers_publish_the_local_bytes_within_the_limit_when_one_is_kille
     assert len([w for w in report["workers"] if w["rollouts"]]) >= 2
 
 
+@pytest.mark.alone  # the joining worker must get chunks before the run ends
 def test_a_limit_below_the_worker_threads_holds_when_a_worker_joins_mid_run(
     cli_env, dask_cluster, moto_s3, slow_sim, rows_input, tmp_path
 ):
@@ -100,6 +101,7 @@ def test_a_limit_below_the_worker_threads_holds_when_a_worker_joins_mid_run(
     assert report["metrics"]["peak_in_flight"] <= 3
 
 
+@pytest.mark.alone  # counts requests in a time window
 def test_a_hung_replica_is_found_once_for_every_worker(cli_env, dask_cluster, moto_s3, rows_input, tmp_path):
     """One replica starts hanging mid-run: after the first worker takes it out, no worker's new chunk
     sends it work again; it gets only the trials that check whether it is back."""
@@ -146,6 +148,7 @@ def _verifier_processes(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.alone  # sees whole pools within a 2 s settle
 @pytest.mark.parametrize(
     ("sizing", "each"), [(("--verify-processes", "1"), 1), (("--verify-node-processes", "4"), 2)]
 )
@@ -241,6 +244,7 @@ def test_a_local_cluster_run_shows_no_dask_info_logs(run_cli, fast_sim, rows_inp
     assert "distributed.scheduler" in loud.stderr, loud.stderr[-3000:]
 
 
+@pytest.mark.alone  # each refusal within 40 s
 def test_a_dask_address_nothing_answers_or_not_dasks_is_a_usage_error(
     run_cli, fast_sim, rows_input, tmp_path
 ) -> None:

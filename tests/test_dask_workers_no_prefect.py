@@ -64,6 +64,7 @@ def test_workers_import_no_prefect_and_the_flow_keeps_each_chunks_task_run(
     assert states == {f"chunk-0000{i}": "COMPLETED" for i in range(3)}, states
 
 
+@pytest.mark.alone  # task run starts within 0.5 s of the chunk's
 def test_a_chunk_waiting_in_the_clusters_queue_is_not_shown_running(run_cli, cli_env, tmp_path: Path) -> None:
     """12 chunks on one worker with 2 threads: most wait in Dask's queue, seconds apart. Each chunk's task
     run starts when a worker reports the chunk running, not when the flow submitted it (up to 0.5 s

@@ -88,6 +88,7 @@ CASES = [
 ]
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 @pytest.mark.parametrize(("sim_args", "extra", "kind", "expected"), CASES, ids=[c[3] for c in CASES])
 async def test_verdicts_against_the_simulator(tmp_path, sim_args, extra, kind, expected) -> None:
     sim = spawn_simulator(*sim_args)
@@ -105,6 +106,7 @@ async def test_verdicts_against_the_simulator(tmp_path, sim_args, extra, kind, e
     assert saved == d.low.saved + d.high.saved == d.low.measure.ok + d.high.measure.ok
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_a_cpu_bound_verifier_is_named_with_its_figures_and_the_processes_flag(tmp_path) -> None:
     """Checks in one thread of the collecting process cap a zero-latency backend: the verdict says so,
     with the verification time, its share and where it runs, and names --verify-processes."""
@@ -131,6 +133,7 @@ async def test_a_cpu_bound_verifier_is_named_with_its_figures_and_the_processes_
     assert "sustains" in d.reason, d.reason
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_the_verifier_processes_start_is_not_counted_as_check_time(tmp_path) -> None:
     """A verifier whose import takes 3 s: the diagnosis waits for its processes before the first step and
     states that start apart, so the checks it times are checks (cheap here), not the import."""

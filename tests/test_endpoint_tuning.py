@@ -68,6 +68,7 @@ def _assert_concurrent(tuning: dict[str, Any]) -> None:
     assert tuning["wall_s"] < sum(e - s for s, e in spans), spans
 
 
+@pytest.mark.alone  # tunes to a knee by measured rates
 def test_auto_tunes_each_replica_at_its_own_knee_concurrently(run_cli, tmp_path: Path) -> None:
     """`run --parallelism auto` over two replicas: each tuned at once to its own knee, collected so."""
     sims = _replicas()
@@ -103,6 +104,7 @@ def test_auto_tunes_each_replica_at_its_own_knee_concurrently(run_cli, tmp_path:
         assert f"tune-parallelism {sim.url}" in res.stderr and f"### {sim.url}" in md
 
 
+@pytest.mark.alone  # controllers move within ADAPT_S
 async def test_adaptive_moves_each_replica_limit_by_its_own_capacity(tmp_path: Path) -> None:
     """From equal limits, each replica's controller finds its own level: the larger replica ends higher."""
     small, large = spawn_simulator("--slots", "4", "--latency-ms", "100"), None

@@ -77,6 +77,7 @@ def test_set_limit_keeps_the_total_the_sum():
     assert pool.total.limit == 36 and pool.limits() == {A: 20, B: 16}
 
 
+@pytest.mark.alone  # a 50 ms backoff must not pass mid-test
 def test_refused_connection_takes_an_endpoint_out_and_a_trial_brings_it_back(monkeypatch):
     monkeypatch.setattr(ep_module, "BACKOFF_BASE_S", 0.05)
     pool = _pool({A: 8, B: 8})

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from rollout_data import assert_complete, write_rows
 from tuning_support import configure_sim, setup_run, sim_metrics
 
@@ -130,6 +131,7 @@ async def _change_after(delay_s: float, url: str, **settings: Any) -> float:
     return time.time()
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_the_limit_follows_a_capacity_change_and_loses_nothing(tmp_path: Path) -> None:
     """Another tenant takes most of the engine (max_num_seqs 256 -> 12) and leaves: within 4 intervals the
     limit is at most 12 + the small queue it keeps; within 6 after the engine is back it is above 24."""
@@ -157,6 +159,7 @@ async def test_the_limit_follows_a_capacity_change_and_loses_nothing(tmp_path: P
     assert stats["preemptions"] <= 0.01 * stats["requests"], stats
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_a_cache_too_small_for_the_limit_brings_no_preemption_storm(tmp_path: Path) -> None:
     """The cache shrinks to a quarter mid-run: a few preemptions, the limit cut below what the cache holds,
     then none; a fixed limit at the old level on the same cache preempts over and over."""
@@ -202,6 +205,7 @@ async def _fixed_preemptions(url: str, limit: int, requests: int) -> int:
     return (await sim_metrics(url))["preemptions"] - before
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_replicas_of_unequal_kv_capacity_get_their_own_limits(tmp_path: Path) -> None:
     big = spawn_simulator("--profile", "paged", "--kv-blocks", "256")
     small = spawn_simulator("--profile", "paged", "--kv-blocks", "64")
@@ -243,6 +247,7 @@ async def test_a_server_without_gauges_falls_back_to_latency_and_429s(tmp_path: 
     assert sum(o.manifest.rows for o in outcomes) == 2000
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 def test_auto_on_a_long_run_follows_the_engine_without_tuning(run_cli, tmp_path: Path) -> None:
     """`run --parallelism auto` of 5,000 rollouts over an engine with gauges: no probing, the limit from
     the engine's capacity, the decisions in report.json, report.md and control.png."""
@@ -349,6 +354,7 @@ def test_report_md_lists_each_endpoints_own_moves() -> None:
                     "| 50.0 | A | 16 | why 50 |"]  # fmt: skip
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_gauges_lost_mid_run_hand_over_to_the_latency_rules(tmp_path: Path) -> None:
     """/metrics stops answering mid-run: after 3 intervals without a sample the latency and 429 rules
     steer, and say so; the run completes."""

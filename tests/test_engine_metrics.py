@@ -120,6 +120,7 @@ async def _load(session: aiohttp.ClientSession, url: str, n: int) -> list[asynci
     return [asyncio.create_task(one()) for _ in range(n)]
 
 
+@pytest.mark.alone  # counts samples in a 1.6 s window
 async def test_sampler_sees_a_queue_that_stays(slow_sim: Service) -> None:
     async with aiohttp.ClientSession() as s:
         async with EngineSampler(slow_sim.url, s) as idle:
@@ -159,6 +160,7 @@ async def _requests_to_metrics(url: str, open_s: float) -> tuple[EngineSampler, 
     return sampler, hits
 
 
+@pytest.mark.alone  # counts requests in 1.5 s, bounds the time
 @pytest.mark.parametrize("fmt", ["none", "garbage", "refused"])
 async def test_no_signal_is_no_error_and_asked_rarely(fmt: str) -> None:
     sim = None if fmt == "refused" else spawn_simulator("--metrics-format", fmt)
@@ -185,6 +187,7 @@ async def test_sglang_over_http() -> None:
     assert sample is not None and (sample.running, sample.waiting, sample.kv_cache_usage) == (0, 0, 0.0)
 
 
+@pytest.mark.alone  # counts samples in timed windows
 async def test_a_slow_scrape_of_an_engine_with_gauges_is_a_missed_sample_not_no_signal() -> None:
     """vLLM took 1.02 s to render /metrics at 160 in flight: the sampler's 1 s timeout then called it "no
     signal" and asked again only 30 s later, so later tuning steps carried no engine reading at all."""

@@ -94,6 +94,7 @@ def test_killed_owner_on_this_host_is_taken_over(run_cli, cli_env, slow_sim, row
     assert len((out / "rollouts.jsonl").read_bytes().splitlines()) == ROWS * 2
 
 
+@pytest.mark.alone  # a 1.5 s TTL: loss declared before expiry
 async def test_keep_declares_the_lease_lost_before_it_can_expire(tmp_path: Path) -> None:
     root = tmp_path / "out"
     lease = Lease(Store(str(root)), 1.5)
@@ -107,6 +108,7 @@ async def test_keep_declares_the_lease_lost_before_it_can_expire(tmp_path: Path)
     assert declared and declared[0] < expires_at, "loss must be declared before the stored lease expires"
 
 
+@pytest.mark.alone  # a 2 s TTL renewed throughout the run
 def test_slow_sync_verifier_does_not_starve_lease_renewals(run_cli, cli_env, tmp_path) -> None:
     """A verifier that blocks longer than the lease lifetime: the lease stays renewed throughout."""
     import blocking_verifier
@@ -143,6 +145,7 @@ def test_slow_sync_verifier_does_not_starve_lease_renewals(run_cli, cli_env, tmp
     assert worst < 0, f"the stored lease was expired for {worst:.2f}s while the run was still writing"
 
 
+@pytest.mark.alone  # a 0.6 s TTL: the first commit must land in time
 def test_a_commit_after_the_lease_could_expire_is_refused(tmp_path: Path) -> None:
     """The ledger's fence: once the lease is past its safe lifetime, no manifest is written."""
     from rollflow.tasks.storage.ledger import ChunkManifest, Ledger

@@ -8,6 +8,7 @@ import logging
 import time
 
 import distributed  # noqa: F401  (imported, as in a flow that ran Dask: this process is still no worker)
+import pytest
 
 from rollflow.tasks.scaleout import node
 
@@ -33,6 +34,7 @@ def test_a_count_that_always_fails_says_so(caplog):
     assert "could not count this node's worker processes" in caplog.text and "scheduler gone" in caplog.text
 
 
+@pytest.mark.alone  # asserts < 0.15 s
 def test_outside_a_worker_process_the_count_is_one_at_once(caplog):
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=node.__name__):

@@ -52,6 +52,7 @@ async def test_a_failed_part_write_stops_the_attempts_rollouts(tmp_path: Path) -
         unsubscribe()
 
 
+@pytest.mark.alone  # asserts the stall ends within 3 s
 async def test_a_stalled_attempt_whose_check_ignores_cancellation_still_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

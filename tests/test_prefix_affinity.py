@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 from rollout_data import assert_complete, write_rows
 
 from rollflow.infra.local import spawn_simulator
@@ -21,6 +22,7 @@ def _hit_rate(report: dict) -> float:
     return sum(rates) / len(rates)
 
 
+@pytest.mark.alone  # hit rate and load spread follow timing
 def test_affinity_raises_the_prefix_cache_hit_rate_over_two_replicas(run_cli, tmp_path: Path) -> None:
     """The same rows over two replicas, with and without affinity. At most 3 of a task's 4 repeats can
     hit (the first computes the prompt); with affinity the rate comes near that, without it each replica

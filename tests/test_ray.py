@@ -100,6 +100,7 @@ def two_calls_at_once(spans: list[list[float]]) -> None:
         assert max(a0, b0) < min(a1, b1), f"one worker ran its two calls one after the other: {by_pid}"
 
 
+@pytest.mark.alone  # two 2 s calls must overlap
 def test_a_runs_own_ray_workers_run_two_chunk_calls_at_once_and_end_with_it(ray_world: RayWorld) -> None:
     """Ray's tasks ran one chunk at a time per worker process: its slots idled from each chunk's tail to
     the next chunk's start. A run's own workers run two, as a Dask worker's two threads, and end with it."""
@@ -160,6 +161,7 @@ def test_ray_publishes_the_local_bytes_on_s3_when_a_worker_process_is_killed(
     assert sockets["non_loopback"] == [], sockets["non_loopback"]
 
 
+@pytest.mark.alone  # the joining node must get chunks before the run ends
 def test_ray_limit_below_the_workers_holds_when_a_node_joins_mid_run(
     ray_world: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:
@@ -201,6 +203,7 @@ HANG = (
 )
 
 
+@pytest.mark.alone  # counts requests in a time window
 def test_ray_a_hung_replica_is_found_once_for_every_worker(
     ray_world: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:
@@ -350,6 +353,7 @@ def test_ray_address_auto_with_no_cluster_to_join_is_a_usage_error(
 RESET = "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/stats/reset', method='POST'), timeout=10).read()"  # noqa: E501
 
 
+@pytest.mark.alone  # needs more than 4 requests at once
 def test_ray_a_replica_out_of_rotation_leaves_the_whole_limit_on_the_others(
     ray_world: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:
@@ -414,6 +418,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.alone  # a warning after 20 s with no CPU free
 def test_a_run_with_no_cpu_free_for_its_workers_says_so_and_starts_once_one_is(
     ray_world: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:
@@ -440,6 +445,7 @@ def test_a_run_with_no_cpu_free_for_its_workers_says_so_and_starts_once_one_is(
     assert json.loads((out / "report.json").read_text())["rows_written"] == 2 * 200
 
 
+@pytest.mark.alone  # each refusal within 30 s
 def test_rays_client_port_as_a_gcs_address_or_its_gcs_port_as_ray_client_is_a_usage_error(
     ray_world: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:

@@ -79,6 +79,7 @@ def warm(ray_world: RayWorld) -> Iterator[RayWorld]:
         _wait_for(lambda: not _chunk_workers(ray_world), "warm workers still running", timeout_s=60)
 
 
+@pytest.mark.alone  # a 30 s keep time spans the gap between runs
 def test_ray_warm_workers_serve_the_next_run_then_end_when_idle(
     warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
 ) -> None:
@@ -124,6 +125,7 @@ def test_ray_a_warm_worker_killed_mid_chunk_has_its_chunk_sent_to_a_new_one(
     assert _stats(warm, sim)["max_in_flight_seen"] <= 16
 
 
+@pytest.mark.alone  # two 2 s calls must overlap
 def test_a_warm_worker_runs_two_chunk_calls_at_once(warm: RayWorld) -> None:
     """As a Dask worker's two threads: the second call takes the slots the first one's tail frees, where
     one call at a time left them idle from a chunk's tail to the next chunk's start."""
@@ -132,6 +134,7 @@ def test_a_warm_worker_runs_two_chunk_calls_at_once(warm: RayWorld) -> None:
     two_calls_at_once(json.loads(out))
 
 
+@pytest.mark.alone  # both workers must start before the run ends
 def test_ray_an_idle_worker_of_other_code_is_ended_at_a_runs_start(
     warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
 ) -> None:
@@ -201,6 +204,7 @@ def test_ray_workers_started_with_the_cluster_serve_the_first_run(
     assert _chunk_workers(warm) == before, "the run started workers of its own"
 
 
+@pytest.mark.alone  # the run must end within 120 s
 def test_a_run_on_its_own_workers_ends_the_idle_warm_workers_holding_the_cpus(
     warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
 ) -> None:
@@ -228,6 +232,7 @@ def test_ray_workers_refuses_a_keep_time_of_zero_a_bad_timeout_and_a_cluster_of_
     assert res.returncode == 2 and "--start-timeout-s" in res.stderr, res.stderr
 
 
+@pytest.mark.alone  # workers end within 20 s of a 2 s keep time
 def test_the_newest_keep_time_holds_for_workers_already_up(
     warm: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:
@@ -241,12 +246,14 @@ def test_the_newest_keep_time_holds_for_workers_already_up(
     _wait_for(lambda: not _chunk_workers(warm), "the workers kept the first run's keep time", timeout_s=20)
 
 
+@pytest.mark.alone  # the joining node must get chunks before the run ends
 def test_a_node_that_joins_mid_run_gets_a_warm_worker(
     warm: RayWorld, rows_input: Path, tmp_path: Path
 ) -> None:
     node_joins_mid_run(warm, rows_input, tmp_path, "--ray-keep-workers-s", "30")
 
 
+@pytest.mark.alone  # the run must end within 120 s
 def test_a_run_on_its_own_workers_gets_the_cpus_warm_workers_free_mid_run(
     warm: RayWorld, rows_input: Path, reference: bytes, tmp_path: Path
 ) -> None:

@@ -78,6 +78,7 @@ def _dataset(out: Path) -> list[bytes]:
     return [line for p in sorted((out / "chunks").glob("*.jsonl")) for line in p.read_bytes().splitlines()]
 
 
+@pytest.mark.alone  # shares of load follow measured rates
 def test_load_follows_capacity(replicas, tmp_path):
     urls = [sim.url for sim in replicas]
     rows, repeats = 600, 4
@@ -100,6 +101,7 @@ def test_load_follows_capacity(replicas, tmp_path):
         assert abs(share - expected) <= 0.15 * expected, (url, share, expected, served)
 
 
+@pytest.mark.alone  # back in rotation within 5 s
 def test_replica_killed_and_restarted(replicas, tmp_path):
     """No retry left (max_retries 0): a rollout lost to the dead replica would show as a failure."""
     urls = [sim.url for sim in replicas]

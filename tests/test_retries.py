@@ -79,6 +79,7 @@ async def test_4xx_fails_at_once(server) -> None:
     assert "no model" in str(info.value)
 
 
+@pytest.mark.alone  # asserts < 3 s
 async def test_hang_times_out_and_is_bounded(server) -> None:
     url = await server(["hang"])
     t0 = time.perf_counter()

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rollflow.settings import RunSpec
 from rollflow.tasks.collect.progress import ProgressEvent
 from rollflow.tasks.scaleout import collector as collector_module
@@ -107,6 +109,7 @@ def _exchanges_in(link: CountingLink, tmp_path: Path, seconds: float) -> tuple[i
     return link.exchanges, len(link.reports)
 
 
+@pytest.mark.alone  # counts exchanges in 1.5 s
 def test_an_unchanged_worker_reads_every_poll_while_shares_move(tmp_path: Path) -> None:
     """The exchanges go on every POLL_S while the book says shares move; the reports only when due."""
     link = CountingLink(moving=True)
@@ -122,6 +125,7 @@ def _between(link: CountingLink, start: float, end: float) -> int:
     return sum(1 for t in list(link.times) if start <= t < end)
 
 
+@pytest.mark.alone  # measures the gaps between reads
 def test_a_settled_worker_reads_every_settled_s_and_reports_what_changes_at_once(
     tmp_path: Path, monkeypatch
 ) -> None:
@@ -157,6 +161,7 @@ def test_a_settled_worker_reads_every_settled_s_and_reports_what_changes_at_once
         link.moving = True  # read at the next POLL_S: the slot closes
 
 
+@pytest.mark.alone  # counts exchanges in a time window
 def test_a_worker_whose_share_moved_reads_every_poll_for_a_while(tmp_path: Path, monkeypatch) -> None:
     """A share that moved is often followed by another move (a tail goes on, a new chunk takes it back):
     for FOLLOW_S after its share moved a worker reads every POLL_S though the book says settled."""
@@ -197,6 +202,7 @@ class RoundLink(CountingLink):
         return answer
 
 
+@pytest.mark.alone  # a grant read within 3 s
 def test_a_worker_reads_its_answer_soon_after_a_report_that_changed_what_it_needs(
     tmp_path: Path, monkeypatch
 ) -> None:

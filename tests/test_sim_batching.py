@@ -104,6 +104,7 @@ async def measure(url: str, config: SimConfig, levels: tuple[int, ...]) -> dict[
     return loads
 
 
+@pytest.mark.alone  # measures rates and latencies
 async def test_batching_rises_sublinearly_and_latency_grows(profile_sim) -> None:
     sim = profile_sim("--profile", "batching")
     loads = await measure(sim.url, profile_config("batching"), (8, 32, 64))
@@ -113,6 +114,7 @@ async def test_batching_rises_sublinearly_and_latency_grows(profile_sim) -> None
     assert gauge(loads[64].metrics, "vllm:num_requests_waiting") == 0
 
 
+@pytest.mark.alone  # measures rates
 async def test_kv_limited_flattens_and_queues(profile_sim) -> None:
     sim = profile_sim("--profile", "kv-limited")
     loads = await measure(sim.url, profile_config("kv-limited"), (64, 128))
@@ -123,6 +125,7 @@ async def test_kv_limited_flattens_and_queues(profile_sim) -> None:
     assert 35 <= gauge(text, "vllm:num_requests_running") <= 60
 
 
+@pytest.mark.alone  # measures rates
 async def test_preempting_falls_past_its_best_point(profile_sim) -> None:
     sim = profile_sim("--profile", "preempting", "--metrics-format", "sglang")
     loads = await measure(sim.url, profile_config("preempting"), (48, 128))
@@ -135,6 +138,7 @@ async def stats(s: aiohttp.ClientSession, url: str) -> dict:
         return await resp.json()
 
 
+@pytest.mark.alone  # asserts a request < 0.5 s
 async def test_a_disconnected_client_frees_its_place(profile_sim) -> None:
     sim = profile_sim("--profile", "kv-limited", "--step-ms", "50", "--max-num-seqs", "2")
     async with aiohttp.ClientSession() as s:

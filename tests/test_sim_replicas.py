@@ -44,6 +44,7 @@ async def load_and_read(url: str, requests: int, names: tuple[str, str, str]) ->
     return [gauge(text, name) for name in names]
 
 
+@pytest.mark.alone  # gauges read within the 3 s service time
 async def test_metrics_in_vllm_format_by_default() -> None:
     sim = spawn_simulator("--slots", "4", "--latency-ms", "3000")
     try:
@@ -54,6 +55,7 @@ async def test_metrics_in_vllm_format_by_default() -> None:
     assert (running, waiting, kv) == (4, 6, 1.0)
 
 
+@pytest.mark.alone  # gauges read within the 3 s service time
 async def test_metrics_in_sglang_format() -> None:
     sim = spawn_simulator("--slots", "8", "--latency-ms", "3000", "--metrics-format", "sglang")
     try:
@@ -88,6 +90,7 @@ async def timed_batch(url: str, n: int) -> float:
         return time.perf_counter() - t0
 
 
+@pytest.mark.alone  # times batches
 async def test_replicas_in_one_process_on_consecutive_ports() -> None:
     port = free_port_block(2)  # the replica takes the next port: both must be free
     cmd = [sys.executable, "-m", "rollflow.infra.simulator", "--port", str(port)]
@@ -111,6 +114,7 @@ def test_a_bad_replica_flag_is_a_clear_error() -> None:
     assert done.returncode == 2 and "SLOTSxLATENCY_MS such as 16x100" in done.stderr
 
 
+@pytest.mark.alone  # times batches
 async def test_spawned_replicas_die_and_come_back_on_their_port() -> None:
     replicas = spawn_replicas([(2, 200), (8, 200)])
     try:

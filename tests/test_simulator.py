@@ -132,6 +132,7 @@ async def test_a_second_process_gives_identical_bytes(simulator: str, sim_factor
             )
 
 
+@pytest.mark.alone  # asserts 0.7-1.6 s
 async def test_capacity_queues_and_counts(sim_factory) -> None:
     url = sim_factory("--slots", "4", "--latency-ms", "200")
     seen_in_flight: list[int] = []
@@ -155,6 +156,7 @@ async def test_capacity_queues_and_counts(sim_factory) -> None:
     assert reset["requests"] == 0 and reset["max_in_flight_seen"] == 0 and reset["endpoints"] == {}
 
 
+@pytest.mark.alone  # arrival order set by 10 ms sleeps
 async def test_fifo_order(sim_factory) -> None:
     url = sim_factory("--slots", "1", "--latency-ms", "60")
     done: list[int] = []
@@ -172,6 +174,7 @@ async def test_fifo_order(sim_factory) -> None:
     assert done == list(range(6))
 
 
+@pytest.mark.alone  # asserts < 0.55 s
 async def test_max_queue_and_live_slots(sim_factory) -> None:
     url = sim_factory("--slots", "2", "--latency-ms", "300", "--max-queue", "2")
     async with aiohttp.ClientSession() as s:
@@ -189,6 +192,7 @@ async def test_max_queue_and_live_slots(sim_factory) -> None:
         assert time.perf_counter() - t0 < 0.55
 
 
+@pytest.mark.alone  # a 0.5 s client timeout, the hang within 1.5 s
 @pytest.mark.parametrize("kind", ["429", "500", "503", "reset", "hang", "malformed"])
 async def test_each_fault_kind(sim_factory, kind: str) -> None:
     url = sim_factory("--fault-rate", "1", "--fault-kinds", kind, "--retry-after-s", "2", "--latency-ms", "1")
@@ -217,6 +221,7 @@ async def test_each_fault_kind(sim_factory, kind: str) -> None:
     assert metrics["faults"] == {kind: 1}
 
 
+@pytest.mark.alone  # asserts < 0.5 s
 async def test_hung_requests_hold_no_slot(sim_factory) -> None:
     url = sim_factory("--slots", "1", "--latency-ms", "1", "--fault-rate", "1", "--fault-kinds", "hang")
     async with aiohttp.ClientSession() as s:

@@ -50,6 +50,7 @@ def test_too_short_falls_back_to_span() -> None:
     assert m.method == "span" and m.rollouts_per_s == pytest.approx(40, rel=0.01)
 
 
+@pytest.mark.alone  # measures rates
 async def test_real_simulator_short_step(tmp_path) -> None:
     sim = spawn_simulator("--slots", "16", "--latency-ms", "40")
     try:
@@ -71,6 +72,7 @@ async def test_real_simulator_short_step(tmp_path) -> None:
     assert below.saved == 120 and above.saved == 160
 
 
+@pytest.mark.alone  # measures rates
 async def test_steps_above_the_knee_never_read_above_capacity(tmp_path) -> None:
     """A 32-slot, 50 ms backend serves at most 640/s: no step at or past its knee may measure more."""
     sim = spawn_simulator("--slots", "32", "--latency-ms", "50")

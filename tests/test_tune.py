@@ -121,6 +121,7 @@ PROFILES = [
 ]
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 @pytest.mark.parametrize(("slots", "latency_ms", "extra", "expected"), PROFILES, ids=lambda v: str(v))
 async def test_knee_on_simulators_and_nothing_wasted(tmp_path, slots, latency_ms, extra, expected) -> None:
     sim = spawn_simulator("--slots", str(slots), "--latency-ms", str(latency_ms), *extra)
@@ -141,6 +142,7 @@ async def test_knee_on_simulators_and_nothing_wasted(tmp_path, slots, latency_ms
         sim.stop()
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 @pytest.mark.parametrize("processes", [0, 1])
 async def test_a_verification_limit_is_not_taken_for_the_backends(tmp_path, processes: int) -> None:
     """A zero-latency backend with 2 ms checks in one thread, or in one verifier process: the curve
@@ -163,6 +165,7 @@ async def test_a_verification_limit_is_not_taken_for_the_backends(tmp_path, proc
     assert any("--verify-processes" in note for note in t.notes), t.notes
 
 
+@pytest.mark.alone  # times the engine, the controller or the checks
 async def test_a_search_cut_by_its_step_budget_still_checks_its_choice(tmp_path) -> None:
     """The step budget bounds the search; the choice still runs its stability stretch (it was skipped, and
     a tuning that had spent its steps on extensions reported itself unstable)."""
