@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import tempfile
@@ -193,8 +194,15 @@ async def _under_engine(ctx: Any, feed: Any, n: int, rule: Any) -> tuple[Rollout
 
     @contextlib.asynccontextmanager
     async def control() -> Any:
-        async with sample_endpoints(ctx.pool, {}) as samplers, engine_control(ctx.pool, samplers, rule=rule):
+        async with (
+            sample_endpoints(ctx.pool, {}) as samplers,
+            engine_control(ctx.pool, samplers, rule=rule) as group,
+        ):
             yield
+        for c in group.controllers.values():  # the limits it set, and its most frequent reasons
+            limits = [h["limit"] for h in c.history]
+            reasons = collections.Counter(h["why"].split(":")[0][:48] for h in c.history).most_common(3)
+            print(f"    limit {limits[0]} -> max {max(limits)}, last {limits[-1]}; reasons {reasons}")
 
     return await _controlled(ctx, feed, n, control)
 

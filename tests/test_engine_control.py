@@ -81,8 +81,21 @@ def test_draining_and_client_bound_intervals_hold() -> None:
     state = EngineState(limit=20)
     assert "draining" in decide(state, r(30, 30, 0.1, 40), OPTS)[1]
     assert "the run, not the engine" in decide(state, r(5, 0, 0.05, 5), OPTS)[1]
-    assert "its API server or the network holds" in decide(state, r(14, 0, 0.05, 20), OPTS)[1]
+    state.held_at_growth = 0.05  # at the last growth nearly all of it reached the engine; now 30% waits
+    assert "its API server or the network holds more" in decide(state, r(14, 0, 0.05, 20), OPTS)[1]
     assert decide(state, Reading(0, None, None, None, 0, 20), OPTS)[0] == 20
+
+
+def test_a_steady_share_held_before_the_engine_does_not_stop_growth() -> None:
+    """A CPU-bound API server holds a steady third of what is in flight (time each request spends there):
+    the limit keeps growing while the engine has room; once growth makes the held share rise, it holds."""
+    state, limit = EngineState(limit=16), 16
+    for _ in range(8):  # a third held at every level: x2 per two intervals of room
+        limit = decide(state, r(limit * 2 / 3, 0, 0.1, limit), OPTS)[0]
+    assert limit >= 64, (limit, state)
+    held_before = state.held_at_growth
+    limit2, why = decide(state, r(limit * 0.3, 0, 0.1, limit), OPTS)  # now 70% wait before the engine
+    assert limit2 == limit and "holds more of them since the limit last grew" in why, (why, held_before)
 
 
 def test_the_preemption_counter_counts_growth_only() -> None:

@@ -56,6 +56,7 @@ class EngineOptions:
     probe_above_ceiling: float = 1.1
     client_bound: float = 0.9
     front_share: float = 0.9
+    front_rise: float = 0.15  # a held share this much above the one at the last growth: the front is full
     room_intervals: int = 2
 
 
@@ -134,6 +135,8 @@ class EngineState:
     room: int = 0  # consecutive intervals that showed room
     calm_needed: int | None = None  # calm intervals before a probe reaches `bad_level` (None: the option's)
     since_probe: int | None = None  # intervals since the ceiling was last lifted or raised
+    held: float = 0.0  # the share of this run's requests in flight not yet at the engine, now
+    held_at_growth: float | None = None  # that share when the limit last grew
     bad_level: int | None = None  # the limit the last preemption came at
 
 
@@ -192,10 +195,16 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
     if r.in_flight < opts.client_bound * state.limit:
         return state.limit, f"only {r.in_flight} of {state.limit} in flight: the run, not the engine, limits"
     at_engine = r.at_engine if r.at_engine is not None else (r.running or 0.0) + (r.waiting or 0.0)
-    if at_engine < opts.front_share * r.in_flight:
+    state.held = max(0.0, 1.0 - at_engine / r.in_flight) if r.in_flight else 0.0
+    # Requests held before the engine (its API server, the network): a share that stays as the limit
+    # grows is time each request spends there, and more in flight still reaches the engine; a share that
+    # rose since the last growth is a front at its capacity, where more would only wait.
+    rose = state.held_at_growth is not None and state.held > state.held_at_growth + opts.front_rise
+    if state.held > 1 - opts.front_share and rose:
         return state.limit, (
             f"{r.in_flight} in flight, {at_engine:g} at the engine: its API server or the network holds "
-            "the rest, so more would only wait there"
+            f"more of them since the limit last grew ({state.held:.0%}, was {state.held_at_growth:.0%}), "
+            "so more would only wait there"
         )
     if r.waiting:
         return state.limit, f"at the knee: {r.waiting:g} waiting, {r.running:g} running"
@@ -228,6 +237,7 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     if new <= state.limit:
         held_by = "the KV cache's projection" if state.ceiling is None else f"the ceiling {state.ceiling}"
         return state.limit, f"held by {held_by} (set by preemption or a full KV cache)"
+    state.held_at_growth = state.held
     return _set(state, opts, new, why)
 
 
