@@ -139,8 +139,8 @@ def render_commands() -> str:
                 help_text = help_text.replace("%%", "%")
                 out.append(f"| {code(_usage(action))} | {_default(action)} | {cell(help_text)} |\n")
             out.append("\n")
-        if parser.epilog:
-            out.append(f"{cell(parser.epilog)}\n\n")
+        if parser.epilog:  # the +key=value list: aligned columns, kept as the terminal shows them
+            out.append(f"```text\n{parser.epilog.strip()}\n```\n\n")
     return "".join(out)
 
 
@@ -226,7 +226,14 @@ def setting_flags() -> dict[str, str]:
 
 
 def render_settings() -> str:
+    from rollflow.flows.cli.flags import COMMAND_DEFAULTS
+
     flags = setting_flags()
+    own: dict[str, list[tuple[str, Any]]] = {}  # a command's own default, where it differs from the setting's
+    for cmd, groups in COMMAND_DEFAULTS.items():
+        for group, fields in groups.items():
+            for field, value in fields.items():
+                own.setdefault(f"ROLLFLOW_{group.upper()}__{field.upper()}", []).append((cmd, value))
     out = [
         "# Settings\n\n",
         GENERATED,
@@ -243,6 +250,7 @@ def render_settings() -> str:
             out.append("|---|---|---|---|---|\n")
         flag = f"`--{flags[env]}`" if env in flags else ""
         shown = code(default) if default and not default.startswith("(") else cell(default)
+        shown += "".join(f"; `rollflow {cmd}`: {code(str(value))}" for cmd, value in own.get(env, ()))
         out.append(f"| `{env}` | {flag} | {kind} | {shown} | {cell(text)} |\n")
     return "".join(out)
 

@@ -85,11 +85,18 @@ _URL_NOTES: dict[str, str] = {}
 _URL_SAID: set[str] = set()
 
 
+# What an OpenAI client's base or a full endpoint URL ends in, beyond the base rollflow adds /v1/... to.
+API_PATHS = ("/v1/chat/completions", "/v1/responses", API_VERSION_SUFFIX)
+
+
 def api_base(url: str) -> str:
-    """`url` without a trailing `/v1` (or `/v1/`): the base the responses and chat backends add /v1/... to."""
-    stripped = url.rstrip("/")
-    if stripped.endswith(API_VERSION_SUFFIX) and urlsplit(stripped).path.endswith(API_VERSION_SUFFIX):
-        return stripped.removesuffix(API_VERSION_SUFFIX)
+    """`url` without a trailing `/v1`, `/v1/chat/completions` or `/v1/responses` (any case, a query kept):
+    the base the responses and chat backends add /v1/... to."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    for suffix in API_PATHS:
+        if path.lower().endswith(suffix):
+            return parts._replace(path=path[: -len(suffix)]).geturl()
     return url
 
 
@@ -276,8 +283,10 @@ class CollectionSettings(Settings):
 
     parallelism: Annotated[int, Field(ge=1, le=65536)] | Literal["auto", "adaptive"] = Field(
         32,
-        description="Requests in flight across all chunks: a number, auto (diagnose + tune first) or "
-        "adaptive (tune, then keep adjusting during collection)",
+        description="Requests in flight across all chunks: a number; auto (a long run on an engine with "
+        "gauges follows them, any other run diagnoses and tunes first, then holds the choice); or adaptive "
+        "(follows the engine's gauges from its stated capacity, or without gauges tunes first and then "
+        "follows latency and 429s)",
     )
     chunk_size: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] = Field(
         "auto",

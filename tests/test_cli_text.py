@@ -103,7 +103,7 @@ def test_every_default_a_help_states_is_the_default_the_command_runs_with(clean_
             checked[command] = checked.get(command, 0) + 1
     assert checked.keys() >= {"run", "collect", "reverify", "serve", "demo"}, checked
     run_help = _subparser("run").format_help()
-    assert "(default 32)" not in run_help and "adjusting during collection) (default auto)" in run_help
+    assert "(default 32)" not in run_help and "follows latency and 429s) (default auto)" in run_help
     assert "(default agent)" in _subparser("collect").format_help()
 
 
@@ -152,6 +152,11 @@ def test_a_v1_suffix_is_taken_off_wherever_the_url_comes_from(monkeypatch: pytes
     assert url_notes() == [], "each URL is said once"
     assert BackendParams(kind="agent", url="http://a:9000/v1").url == "http://a:9000/v1"
     assert BackendParams(kind="chat", url="http://h:8000/v10").url == "http://h:8000/v10"
+    for given in ("http://h:8000/v1/chat/completions", "http://h:8000/V1", "http://h:8000/v1/responses/"):
+        assert BackendParams(kind="chat", url=given).url == "http://h:8000", (
+            given
+        )  # a full endpoint, any case
+    assert BackendParams(kind="chat", url="http://h:8000/v1?x=1").url == "http://h:8000?x=1"  # query kept
     monkeypatch.setenv("ROLLFLOW_BACKEND__URL", "http://env:8000/v1/")
     monkeypatch.setenv("ROLLFLOW_BACKEND__KIND", "chat")
     assert RollflowSettings().backend.urls == ["http://env:8000"]

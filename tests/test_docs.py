@@ -126,12 +126,18 @@ def test_every_flag_has_help_text() -> None:
 
 
 def test_every_setting_is_in_the_site(site_text: str) -> None:
-    missing = [env for env in gen_reference.env_vars() if env not in site_text]
+    missing = [env for env in gen_reference.env_vars() if not _named(env, site_text)]
     assert not missing, f"settings missing from the built site: {missing}"
+    # a whole name, never a prefix of a longer one (ROLLFLOW_BACKEND__API_KEY within ..._API_KEY_BLOCK)
+    assert not _named("ROLLFLOW_BACKEND__API_KEY", "ROLLFLOW_BACKEND__API_KEY_BLOCK")
+
+
+def _named(name: str, text: str) -> bool:
+    return re.search(rf"(?<![A-Z0-9_]){re.escape(name)}(?![A-Z0-9_])", text) is not None
 
 
 def test_every_exit_code_is_in_the_site(site_text: str) -> None:
-    assert all(name in site_text for name, _ in gen_reference.exit_codes())
+    assert all(_named(name, site_text) for name, _ in gen_reference.exit_codes())
 
 
 @functools.cache
@@ -171,12 +177,14 @@ def test_the_prose_check_catches_a_flag_that_does_not_exist() -> None:
 
 
 def console_commands() -> list[tuple[str, list[str]]]:
-    """(where, argv after `rollflow`) for every `$ rollflow ...` line of a ```console block."""
+    """(where, argv after `rollflow`) for every `$ rollflow ...` line of a ```console block, and every
+    `rollflow ...` line of a ```bash or ```sh block (commands shown without a prompt)."""
     found = []
     for path in prose_files():
         text = path.read_text(encoding="utf-8")
-        for block in re.findall(r"^```console\n(.*?)^```", text, flags=re.S | re.M):
+        for fence, block in re.findall(r"^```(console|bash|sh)\n(.*?)^```", text, flags=re.S | re.M):
             for line in block.replace("\\\n", " ").splitlines():
+                line = line if fence == "console" else "$ " + line.split(" #")[0].strip()
                 if not line.startswith("$ "):
                     continue
                 words = shlex.split(line[2:])

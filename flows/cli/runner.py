@@ -56,7 +56,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("rollouts/s", _num(report["rollouts_per_s"], ",.1f")),
         ("output tokens/s", _num(report["output_tokens_per_s"], ",.0f")),
         ("collect rollouts/s", _num(report.get("collect_rollouts_per_s"), ",.1f")),
-        ("parallelism", shown(report["parallelism"])),
+        ("parallelism", _parallelism(report)),
         ("wall time", _num(report["wall_s"], ",.1f", " s")),
         *((f"  {name}", _num(s, ",.1f", " s")) for name, s in (report.get("stages") or {}).items()),
         ("report", f"{report['output'].rstrip('/')}/report.json"),
@@ -190,3 +190,12 @@ def _print_report(console: Console, report: dict[str, Any], note: str | None, pr
         console.print(endpoints)
     if print_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def _parallelism(report: dict[str, Any]) -> str:
+    """The fixed or tuned value, or what set it while collecting: the engine's gauges or the latency rules."""
+    control = report.get("adaptive") or {}
+    if not control:
+        return shown(report["parallelism"])
+    how = "followed the engine's gauges" if control.get("mode") == "engine" else "followed latency and 429s"
+    return f"{how}, ended at {shown(control.get('final_parallelism'))}"
