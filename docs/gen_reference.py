@@ -400,10 +400,13 @@ def render_exit_codes() -> str:
 def benches() -> list[str]:
     """The bench scripts that save their figures (they call bench/results.py's `save`)."""
     scripts = sorted((ROOT / "bench").glob("*.py"))
-    return [p.stem for p in scripts if "from results import save" in p.read_text(encoding="utf-8")]
+    saves = re.compile(r"^from results import .*\bsave\b", re.M)
+    return [p.stem for p in scripts if saves.search(p.read_text(encoding="utf-8"))]
 
 
 def _value(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:,.3f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.0f}"
     if isinstance(value, int) and not isinstance(value, bool):
@@ -420,7 +423,7 @@ def render_benchmarks() -> str:
         "Each script in `bench/` starts its own simulator (and Prefect server) on 127.0.0.1, prints its ",
         "figures and saves them to `bench/results/<name>.json` with the machine and the date; this page is ",
         "rendered from those files, so every figure here says where and when it was measured. ",
-        "`make bench` runs them all (it takes hours; each script alone takes minutes).\n\n",
+        "`python bench/<name>.py` measures one (minutes each); `make bench` runs most of them.\n\n",
     ]
     found = {p.stem: p for p in sorted(RESULTS.glob("*.json"))} if RESULTS.is_dir() else {}
     saving = benches()

@@ -185,6 +185,7 @@ def test_one_way_to_write_a_summary_value() -> None:
         "-", "138", "4,096", "12", "0.123", "3", "1,234,567",
     ]  # fmt: skip
     assert shown(None, missing="not set") == "not set"
+    assert [shown(v) for v in (0.9996, 0.0004, 0.5)] == ["0.9996", "0.0004", "0.5"]  # never a false 1 or 0
     assert [shown_share(f) for f in (0, 0.005, 0.0004, 0.25, 0.1234, 0.9996, 1.0, None)] == [
         "0%", "0.5%", "<0.1%", "25%", "12.3%", ">99.9%", "100%", "-",
     ]  # fmt: skip

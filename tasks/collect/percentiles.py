@@ -23,8 +23,9 @@ NOT_SET = "-"
 
 def shown(value: object, digits: int = 3, missing: str = NOT_SET) -> str:
     """A summary's value as a person reads it: nothing (None) as `-`; whole numbers with thousands
-    separators; a fraction to `digits` significant digits (0.1235), a larger float to as many as its whole
-    part needs and at most one decimal (138.4, 4,096), never a float's raw digits (138.40500000001)."""
+    separators; a fraction to `digits` significant digits (0.124), more where fewer would read as a whole
+    number it is not (0.9996, never 1); a larger float to as many as its whole part needs and at most one
+    decimal (138.4, 4,096), never a float's raw digits (138.40500000001)."""
     if value is None:
         return missing
     if isinstance(value, bool):
@@ -40,7 +41,11 @@ def shown(value: object, digits: int = 3, missing: str = NOT_SET) -> str:
             return f"{value:,.0f}"
         if abs(value) >= 1:
             return f"{value:,.1f}".removesuffix(".0")
-        return f"{value:.{digits}g}"
+        text = f"{value:.{digits}g}"
+        while float(text) == int(float(text)) and digits < 9:  # 0.9996 at 3 digits reads as 1: say more
+            digits += 1
+            text = f"{value:.{digits}g}"
+        return text
     return str(value)
 
 
