@@ -163,8 +163,8 @@ Rule = Callable[[EngineState, Reading, EngineOptions], tuple[int, str]]
 def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
     """The next limit and why; updates `state`. Pure apart from `state`."""
     limit, why = _decide(state, r, opts)
-    if not why.startswith("room in the engine"):
-        state.room = 0  # growth needs room in consecutive intervals
+    if not why.startswith("room in the engine") and r.samples:
+        state.room = 0  # growth needs room in consecutive sampled intervals (a missed scrape tells nothing)
     return limit, why
 
 
