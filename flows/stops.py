@@ -47,37 +47,52 @@ def chunk_error(exc: Exception) -> Exception:
     return exc
 
 
-async def cancelled_by_sigterm(body: Coroutine[Any, Any, T]) -> T:
-    """Run a flow's body so that SIGTERM cancels it where it awaits, then raise Prefect's TerminationSignal.
+RECANCEL_S = 5.0  # a stop not done this long after its cancel is cancelled again
 
-    Prefect's handler raises the signal into whatever the main thread runs. Inside an asyncio callback
+
+async def cancelled_by_sigterm(body: Coroutine[Any, Any, T]) -> T:
+    """Run a flow's body so that Ctrl-C and SIGTERM cancel it where it awaits, then raise the signal's
+    exception (KeyboardInterrupt, Prefect's TerminationSignal).
+
+    Prefect's SIGTERM handler raises into whatever the main thread runs. Inside an asyncio callback
     (aiohttp reading a reply) or a task's step, that exception is logged or kept as the task's result,
-    and the run waits on: behind a hung check, for as long as the check's timeout.
+    and the run waits on: behind a hung check, for as long as the check's timeout. Ctrl-C's one
+    cancellation can be lost the same way (an awaited result that landed in the same step keeps it), and
+    a served run then collected on for minutes: so a stop not done within RECANCEL_S is cancelled again.
     """
     from prefect.exceptions import TerminationSignal
 
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(body)
     received: list[int] = []
-    if _runner_controls_this_run():
-        return await task
 
-    def on_sigterm(signum: int, frame: object) -> None:
+    def recancel() -> None:
+        if not task.done():
+            task.cancel()
+            loop.call_later(RECANCEL_S, recancel)
+
+    def on_signal(signum: int, frame: object) -> None:
         received.append(signum)
-        loop.call_soon_threadsafe(task.cancel)
+        loop.call_soon_threadsafe(recancel if len(received) == 1 else task.cancel)
 
+    # A runner that started this run over its control channel cancels it by SIGTERM through Prefect's
+    # own handler, which only that handler can acknowledge; Ctrl-C is always this body's.
+    signals = [signal.SIGINT] + ([] if _runner_controls_this_run() else [signal.SIGTERM])
     try:
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        previous = {sig: signal.signal(sig, on_signal) for sig in signals}
     except ValueError:  # not the main thread (a flow run on a worker's thread): no signal reaches it
         return await task
     try:
         return await task
     except asyncio.CancelledError:
+        if received and received[0] == signal.SIGINT:
+            raise KeyboardInterrupt from None
         if received:
             raise TerminationSignal(signal=signal.SIGTERM) from None
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _runner_controls_this_run() -> bool:

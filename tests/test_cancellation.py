@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -110,3 +111,38 @@ def test_dask_with_adaptive_parallelism_is_refused(run_cli, fast_sim, rows_input
     assert res.returncode == 2, res.stderr[-2000:]
     assert "--parallelism adaptive is not supported with --runner dask" in res.stderr
     assert not (out / "chunks").exists()
+
+
+async def test_a_chunk_that_fails_while_its_run_stops_is_not_retried(prefect_server) -> None:
+    """A served run kept collecting a minute after Ctrl-C: an error raised while a cancelled chunk unwound
+    (a flush that failed on the way out) read as the chunk's failure, and Prefect retried the chunk, whose
+    new attempt nothing cancelled any more."""
+    from prefect import flow, task
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from rollflow.tasks.collect.scheduler import run_chunks
+    from rollflow.tasks.wrappers.prefect_tasks import CHUNK_TASK
+
+    attempts: list[float] = []
+
+    @task(**{**CHUNK_TASK, "retry_delay_seconds": [0.2, 0.2, 0.2]})
+    async def chunk_task(chunk: SimpleNamespace) -> None:
+        attempts.append(time.monotonic())
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise OSError("the flush on the way out failed") from None
+
+    @flow
+    async def stopped_run() -> None:
+        scheduler = asyncio.create_task(run_chunks([SimpleNamespace(index=0)], chunk_task, 1))
+        while not attempts:
+            await asyncio.sleep(0.05)
+        scheduler.cancel()  # what Ctrl-C does to the run
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(10):
+                await scheduler
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
+        await stopped_run()
+    assert len(attempts) == 1, f"the stopped chunk was tried {len(attempts)} times"

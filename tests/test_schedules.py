@@ -202,9 +202,12 @@ def test_a_placeholders_value_is_one_path_segment() -> None:
 
 
 @pytest.mark.alone  # the serve's stop is bounded by 60 s, which three loaded test files reached twice
-def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tmp_path) -> None:
+@pytest.mark.parametrize("to", ["group", "serve"])
+def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tmp_path, to) -> None:
     """Ctrl-C on `rollflow serve` (SIGINT to its process group, as a terminal sends it) ended the served
-    run's process with it, and the run stayed RUNNING in the UI for ever."""
+    run's process with it, and the run stayed RUNNING in the UI for ever. A run process the signal never
+    reached (`kill -INT` to serve alone), or that went on after it, held serve until the run ended: now
+    it has 20 s to stop, then SIGTERM, then SIGKILL."""
     import os
     import signal
     import subprocess
@@ -220,18 +223,18 @@ def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tm
     }
     exe = str(Path(sys.executable).with_name("rollflow"))
     proc = subprocess.Popen(
-        [exe, "serve", "--name", "ctrlc"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [exe, "serve", "--name", f"ctrlc-{to}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True,
     )  # fmt: skip
     api = prefect_server.env["PREFECT_API_URL"]
     try:
-        dep = deployment(api, "ctrlc", proc)
+        dep = deployment(api, f"ctrlc-{to}", proc)
         run_id = start_run(api, dep["id"], {})["id"]
         deadline = time.monotonic() + 120
         while ok(api, f"/flow_runs/{run_id}")["state"]["type"] != "RUNNING" and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(3)  # well into its collection (every request takes 2 s)
-        os.killpg(proc.pid, signal.SIGINT)
+        (os.killpg if to == "group" else os.kill)(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:  # say where its stop was stuck

@@ -7,24 +7,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cli_runs import run_args, spawn, wait_until
 
 from rollflow.infra.local import spawn_simulator
 
 
-def test_sigterm_is_one_line_exit_143_and_the_next_run_resumes(run_cli, cli_env, rows_input, tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "status", "said"),
+    [(signal.SIGTERM, 143, "rollflow: terminated (SIGTERM)"), (signal.SIGINT, 130, "rollflow: interrupted")],
+)
+def test_sigterm_is_one_line_exit_143_and_the_next_run_resumes(
+    run_cli, cli_env, rows_input, tmp_path, sig, status, said
+):
+    """SIGTERM, and Ctrl-C (whose one cancellation of the run could be lost), each stop the run."""
     sim = spawn_simulator("--latency-ms", "40", "--slots", "16")  # 400/s: 2,400 rollouts take ~6 s
     try:
         out = tmp_path / "out"
         proc = spawn(run_args(rows_input, str(out), sim), cli_env)
         wait_until(lambda: len(list(out.glob("chunks/*.json"))) >= 2, proc)
         committed = {p.name: p.read_bytes() for p in out.glob("chunks/*.json*")}
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         stderr = err.decode()
-        assert proc.returncode == 143, stderr[-3000:]
+        assert proc.returncode == status, stderr[-3000:]
         lines = [line for line in stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("rollflow: terminated (SIGTERM)"), stderr[-3000:]
+        assert len(lines) == 1 and lines[0].startswith(said), stderr[-3000:]
         for name, data in committed.items():
             assert (out / "chunks" / name).read_bytes() == data
         res = run_cli(*run_args(rows_input, str(out), sim))

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
 import os
+import signal
 import sys
 import threading
+import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from rollflow.flows.cli.errors import UsageError, load_settings
@@ -99,7 +104,6 @@ def add_serve_parser(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; schedules stay as set (not paused) when serving stops."""
-    from prefect import serve
     from pydantic import ValidationError
 
     from rollflow.flows.cli.errors import validation_problems
@@ -122,10 +126,90 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = deployments(args.name, params, schedule)
     since = datetime.now(UTC)
     try:
-        serve(*served, pause_on_shutdown=False, limit=args.limit)
+        _serve_until_stopped(served, args.limit)
     finally:
         _end_abandoned_runs({d.flow_name for d in served}, {d.name for d in served}, since)
     return 0
+
+
+CHILD_STOP_S = 20.0  # after Ctrl-C, how long a served run's process has to stop before it is terminated
+CHILD_TERM_S = 10.0  # then how long SIGTERM has before SIGKILL
+
+
+def _serve_until_stopped(served: list[Any], limit: int) -> None:
+    """Prefect's serve, whose stop after Ctrl-C is bounded: Prefect waits for every run process it
+    started, so one that does not stop on the terminal's Ctrl-C would hold serve for as long as it runs.
+    Here those processes get CHILD_STOP_S to stop, then SIGTERM, then SIGKILL."""
+    from prefect import aserve
+    from prefect.exceptions import TerminationSignal
+
+    from rollflow.flows.stops import RECANCEL_S
+
+    async def main() -> None:
+        serving = asyncio.current_task()
+        assert serving is not None
+
+        def on_ctrl_c() -> None:
+            if not stopping:
+                threading.Thread(target=_end_run_processes, daemon=True).start()
+            stopping.append(True)
+            recancel()
+
+        def recancel() -> None:  # one cancellation can be lost (see flows.stops): until serving ends
+            if not serving.done():
+                serving.cancel()
+                loop.call_later(RECANCEL_S, recancel)
+
+        stopping: list[bool] = []
+        loop = asyncio.get_running_loop()
+
+        loop.add_signal_handler(signal.SIGINT, on_ctrl_c)
+        await aserve(*served, pause_on_shutdown=False, limit=limit)
+
+    try:
+        asyncio.run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt, TerminationSignal) as exc:
+        print(f"rollflow serve: stopped ({_stop_name(exc)}).", file=sys.stderr)
+
+
+def _stop_name(exc: BaseException) -> str:
+    return "SIGTERM" if type(exc).__name__ == "TerminationSignal" else "Ctrl-C"
+
+
+def _end_run_processes() -> None:
+    """The flow-run processes this serve started that outlive CHILD_STOP_S, terminated, then killed."""
+    deadline = time.monotonic() + CHILD_STOP_S
+    while (left := _run_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for sig, wait_s in ((signal.SIGTERM, CHILD_TERM_S), (signal.SIGKILL, 0.0)):
+        left = _run_processes()
+        if not left:
+            return
+        print(
+            f"rollflow serve: {len(left)} run process(es) still running after Ctrl-C; sending "
+            f"{sig.name} to {', '.join(map(str, left))}",
+            file=sys.stderr,
+        )
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _run_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def _run_processes() -> list[int]:
+    """This process's children that run a flow (`python -m prefect.engine`), read from /proc."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == me and b"prefect.engine" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 ABANDONED = (

@@ -18,6 +18,7 @@ from rollflow.tasks.collect.plan import RunPlan, plan_stoppable
 from rollflow.tasks.collect.rollouts import CollectContext
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles
+from rollflow.tasks.collect.scheduler import stopping
 from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.publish.drop_chunks import drop_chunk_data
@@ -78,7 +79,12 @@ async def preflight_task(url: str, timeout_s: float) -> None:
 def worth_retrying(task: object, task_run: object, state: State) -> bool:
     """A lost lease or a deleted output does not come back on a retry: the chunk ends at once (a retry
     scheduled meanwhile would outlive the run's cancellation by its delay). Nor is a chunk retried whose
-    worker died on every attempt the engine already made (WorkerLost), nor one whose source was rewritten."""
+    worker died on every attempt the engine already made (WorkerLost), nor one whose source was rewritten.
+    Nor a chunk whose run is stopping (Ctrl-C, SIGTERM, the deadline): an error raised while its attempt
+    unwound (a flush that failed on the way out) is not a failure to retry, and a retry would collect on
+    after the stop, holding the process (and a `rollflow serve` waiting for it) for a whole attempt."""
+    if stopping():
+        return False
     return not isinstance(state.data, LeaseLost | OutputGone | WorkerLost | SourceChanged)
 
 
