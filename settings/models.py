@@ -46,6 +46,18 @@ def no_userinfo(value: str | None, what: str, instead: str) -> str | None:
     return value
 
 
+def no_url_credentials(value: str | None) -> str | None:
+    """A store URL's user:password@ would be written in clear into run.json, the report and the flow
+    run's parameters: refused (without echoing it); credentials come from the storage settings."""
+    if value is not None and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError(
+            'the URL carries a user and password (before its "@"), which would be written into '
+            "the run's records; give them as ROLLFLOW_STORAGE__* settings (S3) or in the store's "
+            "own configuration"
+        )
+    return value
+
+
 def split_urls(value: str) -> list[str]:
     """A comma-separated list of http(s) base URLs, stripped; a bad item is named in the error."""
     urls = [item.strip() for item in value.split(",")]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from rollflow.settings.models import EngineSettings, VerifySettings
+from rollflow.settings.models import EngineSettings, VerifySettings, no_url_credentials
 
 # What a verification failure is: only these rollouts hold a response to score again.
 VERIFY_FAILURE_KINDS = ("verifier", "verifier_timeout", "verifier_crash")
@@ -45,6 +45,11 @@ class ReverifySpec(EngineSettings):
         description="Keep each chunk's data object after publishing (by default it goes once the dataset "
         "holds it; resume and reverify read it there)",
     )
+
+    @field_validator("source", "output")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        return no_url_credentials(value) or value
 
     def dataset_url(self) -> str:
         return f"{self.output.rstrip('/')}/rollouts.jsonl"

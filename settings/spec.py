@@ -24,6 +24,7 @@ from rollflow.settings.models import (
     RollflowSettings,
     TuningSettings,
     VerifySettings,
+    no_url_credentials,
 )
 
 # What an output may name, filled once when the run starts (a retry of the flow run fills them alike).
@@ -92,15 +93,7 @@ class RunSpec(EngineSettings):
     @field_validator("input", "output", "dataset")
     @classmethod
     def _no_credentials(cls, value: str | None) -> str | None:
-        """A URL's user:password@ would be written in clear into run.json, the report and the flow run's
-        parameters: refused (without echoing it); credentials come from the storage settings."""
-        if value is not None and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError(
-                'the URL carries a user and password (before its "@"), which would be written into '
-                "the run's records; give them as ROLLFLOW_STORAGE__* settings (S3) or in the store's "
-                "own configuration"
-            )
-        return value
+        return no_url_credentials(value)
 
     @field_validator("output", "dataset")
     @classmethod

@@ -114,6 +114,28 @@ def test_missing_input(run_cli, fast_sim, tmp_path):
     assert res.returncode == 2 and "does not exist" in one_paragraph(res.stderr)
 
 
+def test_a_path_with_brackets_is_said_as_it_is(run_cli, fast_sim, tmp_path):
+    """Messages were read as Rich markup: `[/x]` in a path crashed the error's own printing (a
+    traceback, exit 1), and `[exp1]` vanished from the path it named."""
+    for name in ("nope[/x].jsonl", "[exp1]/in.jsonl"):
+        res = run_cli(*args_for(tmp_path / name, tmp_path / "out", fast_sim.url))
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert f"{tmp_path / name} does not exist" in one_paragraph(res.stderr)
+
+
+def test_a_compressed_input_cut_short_is_one_paragraph(run_cli, fast_sim, tmp_path):
+    """A truncated .jsonl.gz ended in Prefect's traceback of an EOFError."""
+    import gzip
+
+    whole = gzip.compress(write_rows(tmp_path / "rows.jsonl", 200).read_bytes())
+    inp = tmp_path / "cut.jsonl.gz"
+    inp.write_bytes(whole[: len(whole) // 2])
+    res = run_cli(*args_for(inp, tmp_path / "out", fast_sim.url))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    message = one_paragraph(res.stderr)
+    assert f"{inp}, line " in message and "damaged or cut short" in message, message
+
+
 def test_skip_bad_rows_records_them(run_cli, fast_sim, tmp_path):
     inp = write_rows(tmp_path / "rows.jsonl", 100)
     with inp.open("ab") as fh:

@@ -279,7 +279,14 @@ def test_a_restart_removes_all_the_discarded_run_published_and_only_that(run_cli
     assert set(record) >= {"dataset", "tasks", "cards", "report"}, record
     assert {"report.json", "report.md", "rewards.png"} <= {e["path"] for e in record["report"]}, record
     # beside the output, relative to it (a copied folder names its own), with the size it was published at
-    assert record["dataset"] == [{"path": "../results/math.jsonl", "size": dataset.stat().st_size}], record
+    assert record["dataset"] == [
+        {
+            "path": "../results/math.jsonl",
+            "size": dataset.stat().st_size,
+            "at": str(dataset),
+            "by": str(out),
+        }
+    ], record
     owned = [(out / e["path"]).resolve() for kind in record.values() for e in kind]
     assert all(p.exists() for p in owned) and (out / "rewards.png").exists(), owned
     dead = f"http://127.0.0.1:{free_port()}"
@@ -366,3 +373,43 @@ def test_a_file_put_at_the_dataset_path_after_a_failed_run_is_not_overwritten(
     res = run_cli(*run_args(inp, str(out), fast_sim), "--dataset", str(dataset))
     assert res.returncode == 2 and "was not written by this output" in res.stderr, res.stderr
     assert dataset.read_bytes() == USER_FILE
+
+
+def test_a_dataset_beside_its_output_goes_only_with_the_folder_that_published_it(
+    run_cli, fast_sim, tmp_path: Path
+):
+    """A copy of an output whose dataset lies outside it named the same file: the copy's --restart deleted
+    the original's dataset (its only copy once the chunk data had gone). The moved output was refused as
+    not having written its own dataset, and reverify, run from another folder, read run.json's dataset
+    URL against that folder: it refused ("no dataset") or rescored another run's file."""
+    from cli_runs import run_args
+
+    inp = write_rows(tmp_path / "rows.jsonl", 20)
+    cwd, elsewhere = tmp_path / "cwd", tmp_path / "elsewhere"
+    cwd.mkdir()
+    (elsewhere / "ds").mkdir(parents=True)
+    args = [*run_args(inp, "../out", fast_sim), "--dataset", "ds.jsonl"]
+    res = run_cli(*args, cwd=str(cwd))
+    assert res.returncode == 0, res.stderr
+    published = {p.name: p.read_bytes() for p in cwd.iterdir()}
+    assert "ds.jsonl" in published, published
+
+    shutil.copytree(tmp_path / "out", tmp_path / "copy")
+    res = run_cli(*run_args(inp, "../copy", fast_sim), "--restart", "--num-repeats", "3", cwd=str(cwd))
+    assert res.returncode == 0, res.stderr
+    assert {p.name: p.read_bytes() for p in cwd.iterdir()} == published, "the copy deleted the original's"
+
+    (tmp_path / "moved").mkdir()
+    shutil.move(tmp_path / "out", tmp_path / "moved" / "out")
+    res = run_cli(*[a if a != "../out" else "../moved/out" for a in args], cwd=str(cwd))
+    assert res.returncode == 0, res.stderr
+    rows = {p.name: p.read_bytes() for p in cwd.iterdir() if p.suffix == ".jsonl"}
+    assert rows == {k: v for k, v in published.items() if k.endswith(".jsonl")}, "the moved output is itself"
+
+    (elsewhere / "ds.jsonl").write_bytes(published["ds.jsonl"].splitlines(keepends=True)[0])  # another file
+    res = run_cli(
+        "reverify", str(tmp_path / "moved" / "out"), "--output", str(tmp_path / "rv"), "--no-progress",
+        cwd=str(elsewhere),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert orjson.loads((tmp_path / "rv" / "report.json").read_bytes())["rows_written"] == 40

@@ -83,6 +83,8 @@ def test_a_short_secret_is_masked_where_it_stands_alone_not_inside_every_word(mo
     redact.register(None, "s", "y2")
     text = "Source s3://b/x.jsonl: key=s, token y2; python3.11"
     assert redact.redact(text) == "Source s3://b/x.jsonl: key=***, token ***; python3.11"
+    redact.register(None, "1")  # a key of 1 left every address whole: not 127.0.0.***:8000
+    assert redact.redact("http://127.0.0.1:8000/v1 key=1") == "http://127.0.0.1:8000/v1 key=***"
 
 
 def test_log_records_and_tracebacks_are_redacted_in_process() -> None:
@@ -159,6 +161,9 @@ def test_a_short_key_never_changes_a_number_or_breaks_the_report(run_cli, fast_s
             and report["spec"]["collection"]["parallelism"] == 16
         )
         assert (out / "README.md").exists()
+        for name in ("report.json", "report.md", "README.md"):  # 127.0.0.***:8000 named no endpoint
+            text = (out / name).read_text()
+            assert fast_sim.url in text and "***" not in text, (name, key)
 
 
 def test_scrubbing_a_value_masks_its_strings_only(monkeypatch) -> None:
@@ -181,3 +186,16 @@ def test_a_password_in_the_input_url_is_refused_before_any_record(run_cli, tmp_p
         res = run_cli("collect", "--input", args["--input"], "--output", args["--output"], "--no-progress")
         assert res.returncode == 2 and flag in res.stderr and "user and password" in res.stderr, res.stderr
         assert "s3cr3t" not in res.stderr and not out.exists()
+
+
+def test_reverify_refuses_a_password_in_its_source_or_output(run_cli, tmp_path: Path) -> None:
+    """reverify took `user:pw@` in its source and --output: the flow run's parameters and its state
+    message kept the password in Prefect's database (only the console masked it)."""
+    out = tmp_path / "rv"
+    for source, output in (
+        ("http://bob:hunter2@127.0.0.1:9/x", str(out)),
+        (str(tmp_path), "s3://k:hunter2@b/o"),
+    ):
+        res = run_cli("reverify", source, "--output", output, "--no-progress")
+        assert res.returncode == 2 and "user and password" in res.stderr, res.stderr[-2000:]
+        assert "hunter2" not in res.stderr and not out.exists()

@@ -12,9 +12,7 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
-from rich.console import Console
-
-from rollflow.flows.cli.errors import EXIT_OK
+from rollflow.flows.cli.errors import EXIT_OK, stderr_console
 from rollflow.flows.cli.prefect_api import PrefectApi
 from rollflow.flows.cli.runner import run_and_print
 from rollflow.settings import BackendParams, CollectionSettings, RunSpec, TuningSettings
@@ -48,7 +46,7 @@ async def run_demo(
 ) -> int:
     from rollflow.infra.simulator import SimConfig, start_simulator
 
-    console = Console(stderr=True)
+    console = stderr_console()
     config = SimConfig(slots=SLOTS, latency_ms=LATENCY_MS, jitter=JITTER)
     sim = await start_simulator(config, host="127.0.0.1", port=0)
     try:

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -35,6 +35,21 @@ def terminate_like_ctrl_c() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def stderr_console() -> Console:
+    """The CLI's console. Its text is never read as Rich markup: a path, URL or server message holding
+    `[/x]` crashed the error's own printing, and `[exp1]` vanished from the path it named."""
+    from rich.console import Console
+
+    return Console(stderr=True, markup=False)
+
+
+def styled(text: str, style: str) -> Any:
+    """A prefix in a style (the console takes no markup)."""
+    from rich.text import Text
+
+    return Text(text, style=style)
+
+
 class UsageError(Exception):
     """A flag or argument the user must change; the message says how."""
 
@@ -43,7 +58,7 @@ def print_error(console: Console, exc: BaseException) -> None:
     """A user error (or an incomplete run) as one paragraph, the process's secrets masked."""
     from rollflow.settings import redact
 
-    console.print(f"[bold red]rollflow:[/] {redact.redact(str(exc))}", highlight=False, soft_wrap=True)
+    console.print(styled("rollflow:", "bold red"), redact.redact(str(exc)), highlight=False, soft_wrap=True)
 
 
 def print_failure(
@@ -61,7 +76,8 @@ def print_failure(
         raise exc
     interrupt = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Terminated)
     console.print(
-        f"[bold yellow]rollflow:[/] {'interrupted' if interrupt else 'terminated (SIGTERM)'}. {kept} are "
+        styled("rollflow:", "bold yellow"),
+        f"{'interrupted' if interrupt else 'terminated (SIGTERM)'}. {kept} are "
         "kept; run the same command again to resume.",
         highlight=False,
         soft_wrap=True,

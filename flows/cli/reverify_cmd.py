@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 import orjson
-from rich.console import Console
 from rich.table import Table
 
 from rollflow.flows.cli.errors import (
@@ -21,6 +20,7 @@ from rollflow.flows.cli.errors import (
     print_error,
     print_failure,
     quiet_prefect,
+    stderr_console,
     user_errors,
     validation_problems,
 )
@@ -108,7 +108,7 @@ def cmd_reverify(args: argparse.Namespace) -> int:
     spec = build_reverify_spec(args)
     check_engine(spec)
     quiet_prefect(args.verbose)
-    console = Console(stderr=True)
+    console = stderr_console()
     progress = not args.no_progress
     lines = progress and not console.is_terminal
     if progress:  # at once: Prefect and the flow take seconds to load, the verifier processes to start

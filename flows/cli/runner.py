@@ -20,6 +20,8 @@ from rollflow.flows.cli.errors import (
     known_errors_quiet,
     print_error,
     print_failure,
+    stderr_console,
+    styled,
     user_errors,
 )
 from rollflow.flows.cli.prefect_api import PrefectApi, using
@@ -138,7 +140,7 @@ def run_and_print(
     api: PrefectApi | None = None,
 ) -> int:
     """Run the flow and print its summary; `started_at` is the command's start, for the report's wall time."""
-    console = Console(stderr=True)
+    console = stderr_console()
     known = user_errors()
     status = EXIT_OK
     api = api or PrefectApi(None, "ephemeral")
@@ -169,13 +171,13 @@ def run_and_print(
 def _print_report(console: Console, report: dict[str, Any], note: str | None, print_json: bool) -> None:
     """The note on the report's own file (if any), the tuning, the summary, rewards, endpoints, the JSON."""
     if note:
-        console.print(f"[yellow]rollflow:[/] {note}", highlight=False, soft_wrap=True)
+        console.print(styled("rollflow:", "yellow"), note, highlight=False, soft_wrap=True)
     for said in report.get("warnings") or []:  # NeMo Gym's warnings of routing, as its collector prints
-        console.print(f"[yellow]rollflow: warning:[/] {said}", highlight=False, soft_wrap=True)
+        console.print(styled("rollflow: warning:", "yellow"), said, highlight=False, soft_wrap=True)
     for key in ("tuning_skipped", "tuning_stopped"):  # said where the chosen parallelism is printed
         if report.get(key):
             said = f"{key.replace('_', ' ')}: {report[key]}"
-            console.print(f"[yellow]rollflow:[/] {said}", highlight=False, soft_wrap=True)
+            console.print(styled("rollflow:", "yellow"), said, highlight=False, soft_wrap=True)
     if report.get("diagnosis"):
         print_tuning(console, report, report["output"])
     console.print(summary_table(report))

@@ -17,6 +17,8 @@ from rollflow.flows.cli.errors import (
     known_errors_quiet,
     print_failure,
     quiet_prefect,
+    stderr_console,
+    styled,
     user_errors,
 )
 
@@ -36,7 +38,7 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
     from rollflow.tasks.publish.plot import evidence_said, probe_fate, tuning_parts
 
     d = found["diagnosis"]
-    console.print(f"[bold]{d['verdict']}[/]: {d['reason']}", highlight=False)
+    console.print(styled(f"{d['verdict']}:", "bold"), d["reason"], highlight=False)
     console.print(f"next step: {d['next_step']}", highlight=False)
     if "tuning" in found:
         t = found["tuning"]
@@ -50,7 +52,7 @@ def print_tuning(console: Console, found: dict[str, Any], output: str) -> None:
             else:
                 console.print(f"at the chosen level: {evidence_said(part)}", highlight=False)
         console.print(
-            f"knee {t['knee']}, chosen parallelism [bold]{t['chosen_parallelism']}[/] "
+            f"knee {t['knee']}, chosen parallelism {t['chosen_parallelism']} "
             f"{'in all ' if len(tuning_parts(t)) > 1 else ''}"
             + (f"({t['choice_rule']}; " if t.get("choice_rule") else "(")
             + f"{t['total_probe_rollouts']:,} probe rollouts, {probe_fate(t)}); "
@@ -93,7 +95,7 @@ def _run(args: argparse.Namespace, spec: RunSpec, tune_too: bool) -> int:
             file=sys.stderr,
         )
 
-    console = Console(stderr=True)
+    console = stderr_console()
     flow_fn = rollflow_tune if tune_too else rollflow_diagnose
     known = user_errors()
     try:

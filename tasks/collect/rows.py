@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import lzma
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +122,22 @@ def open_checked(
         raise InputError(f"{what} {url} cannot be opened: {describe_error(url, exc)}. {after}") from exc
 
 
+def read_lines(
+    fh: Any, url: str, what: str = "Input", after: str = "No request was sent."
+) -> Iterator[bytes]:
+    """The file's lines, with a compressed file cut short or damaged (EOFError, a bad gzip, zlib or xz
+    stream) an InputError naming the file and the line it broke at, not a traceback."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(fh, start=1):  # noqa: B007 - lineno is read if the stream breaks
+            yield line
+    except (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile) as exc:
+        raise InputError(
+            f"{what} {url}, line {lineno + 1}: the compressed file is damaged or cut short "
+            f"({type(exc).__name__}: {exc}). Write it again whole. {after}"
+        ) from exc
+
+
 @dataclass
 class _ChunkCutter:
     """Cuts the scanned lines into chunks of `size` tasks, noting each chunk's first task, offset and line."""
@@ -185,7 +204,7 @@ def scan_input(
     cutter = _ChunkCutter(chunk_size)
     tasks = good = bad = offset = 0
     with open_checked(url, storage_options) as fh:
-        for lineno, line in enumerate(fh, start=1):
+        for lineno, line in enumerate(read_lines(fh, url), start=1):
             line_offset, offset = offset, offset + len(line)
             if limit is not None and tasks >= limit:
                 break
@@ -237,7 +256,7 @@ def iter_chunk_rows(
     task = chunk.first_task
     end = chunk.first_task + chunk.num_tasks
     with open_checked(url, storage_options, chunk.byte_offset) as fh:
-        for line in fh:
+        for line in read_lines(fh, url):
             if task >= end:
                 return
             if not line.strip():

@@ -78,31 +78,38 @@ def dataset_file(url: str, options: dict[str, Any]) -> str:
     return _published_elsewhere(url, options)
 
 
-def _latest_dataset(url: str, options: dict[str, Any]) -> str | None:
-    """The dataset the folder's run published last (its run.json's), when it is not the folder's own
-    rollouts.jsonl and is there; else None."""
+def _published(url: str, options: dict[str, Any]) -> str | None:
+    """The dataset file the folder's record says its run published last (wherever --dataset put it:
+    run.json keeps the URL as typed, relative to the folder it was run from, not to the output)."""
     store = Store(url, options)
-    identity = Ledger(store).stored_identity() if store.exists("run.json") else None
-    named = identity.dataset_url if identity is not None else None
-    if not named or named == f"{url.rstrip('/')}/{DATASET_NAME}":
+    try:
+        found = owned.published(store, owned.DATASET, options)
+    except Exception:  # a record that cannot be read: the folder's own file, or the refusal below
+        return None
+    return found[-1] if found else None  # the record keeps publishing order: the last is the latest
+
+
+def _latest_dataset(url: str, options: dict[str, Any]) -> str | None:
+    """The dataset the folder's run published last, when it is not the folder's own rollouts.jsonl and
+    is there; else None."""
+    named = _published(url, options)
+    if not named or owned.same_object(named, f"{url.rstrip('/')}/{DATASET_NAME}", options):
         return None
     try:
-        return (
-            named
-            if _exists(named, options) and owned.is_owned(named, owned.DATASET, store, options)
-            else None
-        )
+        return named if _exists(named, options) else None
     except Exception:  # a store that cannot be reached: the folder's own file, or the refusal below
         return None
 
 
 def _published_elsewhere(url: str, options: dict[str, Any]) -> str:
-    """A run's folder without rollouts.jsonl: the dataset its run.json says it published (--dataset,
-    NeMo Gym's +output_jsonl_fpath), or what it truly published (Parquet shards), said as it is."""
+    """A run's folder without rollouts.jsonl: the dataset it published elsewhere (--dataset, NeMo Gym's
+    +output_jsonl_fpath), or what it truly published (Parquet shards), said as it is."""
     store = Store(url, options)
-    identity = Ledger(store).stored_identity() if store.exists("run.json") else None
-    elsewhere = identity.dataset_url if identity is not None else None
-    if elsewhere and elsewhere != f"{url.rstrip('/')}/{DATASET_NAME}":
+    elsewhere = _published(url, options)
+    if elsewhere is None and store.exists("run.json") and not owned.has_record(store):
+        identity = Ledger(store).stored_identity()  # an output from before the record: run.json's URL
+        elsewhere = identity.dataset_url if identity is not None else None
+    if elsewhere and not owned.same_object(elsewhere, f"{url.rstrip('/')}/{DATASET_NAME}", options):
         try:
             if _exists(elsewhere, options):
                 return elsewhere

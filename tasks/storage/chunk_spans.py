@@ -58,6 +58,7 @@ def record(store: Store, run_id: str, dataset_url: str, spans: dict[int, Span], 
     doc = {
         "run_id": run_id,
         "dataset": owned.recorded(store, dataset_url, store.options),
+        "at": owned.absolute_url(dataset_url, store.options),  # found there once the output has moved
         "dataset_bytes": total,
         "chunks": {str(i): [s.offset, s.size, s.sha256] for i, s in spans.items()},
     }
@@ -72,13 +73,18 @@ def _load(store: Store, run_id: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) and doc.get("run_id") == run_id else None
 
 
+def _dataset(store: Store, doc: dict[str, Any]) -> str:
+    """Where the dataset is now: beside the output as recorded, or where it was published (moved)."""
+    return owned.locate(store, doc["dataset"], doc.get("at"), store.options)
+
+
 def span(store: Store, run_id: str, chunk: int) -> tuple[str, Span, int] | None:
     """(dataset URL, span, the dataset's size) of a dropped chunk of this run, or None."""
     doc = _load(store, run_id)
     found = doc["chunks"].get(str(chunk)) if doc is not None else None
     if doc is None or found is None:
         return None
-    return owned.resolved(store, doc["dataset"]), Span(*found), doc["dataset_bytes"]
+    return _dataset(store, doc), Span(*found), doc["dataset_bytes"]
 
 
 def is_published(url: str, size: int, options: dict[str, Any]) -> bool:
@@ -93,7 +99,7 @@ def lost_dataset(store: Store, run_id: str) -> str | None:
     doc = _load(store, run_id)
     if doc is None or not doc["chunks"]:
         return None
-    url = owned.resolved(store, doc["dataset"])
+    url = _dataset(store, doc)
     return None if is_published(url, doc["dataset_bytes"], store.options) else url
 
 
@@ -102,7 +108,7 @@ def readable(store: Store, run_id: str) -> set[int]:
     doc = _load(store, run_id)
     if doc is None:
         return set()
-    url = owned.resolved(store, doc["dataset"])
+    url = _dataset(store, doc)
     if not is_published(url, doc["dataset_bytes"], store.options):
         return set()
     return {int(i) for i in doc["chunks"]}

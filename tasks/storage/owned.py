@@ -5,6 +5,10 @@ Each object is recorded before it is written, by its path relative to the output
 its size is recorded once the publish is done. A restart removes what is recorded, and only while it is
 still what was published (the size it had): a user's file that took its place is never deleted. Every new
 run starts the record, so an output with a record trusts nothing else.
+
+An object outside the output is also recorded where it was (`at`) and by which folder (`by`): a copy or a
+moved folder still finds it, but only the folder that published it removes it (a copy's restart would
+otherwise delete the original's dataset).
 """
 
 from __future__ import annotations
@@ -105,17 +109,56 @@ def owned(store: Store, kind: str) -> list[str]:
     return [resolved(store, e["path"]) for e in _read(store).get(kind, [])]
 
 
+def published(store: Store, kind: str, options: dict[str, Any] | None = None) -> list[str]:
+    """Where each object of `kind` is now: beside the output as recorded, else where it was published
+    (a folder moved without the dataset it published beside it)."""
+    return [_found(store, e, options) for e in _read(store).get(kind, [])]
+
+
+def locate(store: Store, path: str, at: str | None, options: dict[str, Any] | None = None) -> str:
+    """A path recorded relative to the output, and where it was then (`at`), as it is now: see
+    `published`."""
+    return _found(store, {"path": path, "at": at}, options)
+
+
+def _found(store: Store, entry: dict[str, Any], options: dict[str, Any] | None) -> str:
+    here = resolved(store, entry["path"])
+    at = entry.get("at")
+    if not at or at == here or _exists(here, options) or not _exists(at, options):
+        return here
+    return at
+
+
+def _exists(url: str, options: dict[str, Any] | None) -> bool:
+    try:
+        _, path, fs = location(url, options)
+        return bool(fs.exists(path))
+    except (OSError, ValueError):
+        return False
+
+
 def record(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
     """The objects of `kind` this output owns from now on (replacing the kind's earlier list)."""
     found = _read(store)
     sizes = {e["path"]: e.get("size") for e in found.get(kind, [])}
-    paths = sorted({recorded(store, u, options) for u in urls})
-    _write(store, {**found, kind: [{"path": p, "size": sizes.get(p)} for p in paths]})
+    by = absolute_url(store.root_url, store.options)
+    entries: dict[str, dict[str, Any]] = {}
+    for url in urls:
+        path = recorded(store, url, options)
+        entry: dict[str, Any] = {"path": path, "size": sizes.get(path)}
+        if _outside(path):
+            entry |= {"at": absolute_url(url, options), "by": by}
+        entries[path] = entry
+    _write(store, {**found, kind: list(entries.values())})
 
 
 def add(store: Store, kind: str, urls: list[str], options: dict[str, Any] | None = None) -> None:
-    """Recorded before they are written: a publish killed half-way leaves nothing a restart cannot find."""
-    record(store, kind, [*owned(store, kind), *urls], options)
+    """Recorded before they are written: a publish killed half-way leaves nothing a restart cannot find.
+    The record keeps the order they were published in: the last is the latest."""
+    earlier = [
+        u for u in published(store, kind, options) if not any(same_object(u, n, options or {}) for n in urls)
+    ]
+    record(store, kind, [*earlier, *urls], options)
 
 
 def settle(store: Store, options: dict[str, Any] | None = None) -> None:
@@ -124,7 +167,7 @@ def settle(store: Store, options: dict[str, Any] | None = None) -> None:
     found = _read(store)
     for entries in found.values():
         for entry in (e for e in entries if _outside(e["path"])):
-            _, path, fs = location(resolved(store, entry["path"]), options)
+            _, path, fs = location(_found(store, entry, options), options)
             try:
                 entry["size"] = int(fs.size(path))
             except (FileNotFoundError, OSError, TypeError, ValueError):
@@ -133,8 +176,25 @@ def settle(store: Store, options: dict[str, Any] | None = None) -> None:
 
 
 def is_owned(url: str, kind: str, store: Store, options: dict[str, Any] | None) -> bool:
+    """Whether `url` is an object of `kind` this output published: where its record puts it, or where it
+    was published while it keeps the size it was published at (the output has moved since)."""
     where = location(url, options)[:2]
-    return any(location(u, options)[:2] == where for u in owned(store, kind))
+    for entry in _read(store).get(kind, []):
+        if location(resolved(store, entry["path"]), options)[:2] == where:
+            return True
+        if entry.get("at") and location(entry["at"], options)[:2] == where:
+            size = entry.get("size")
+            if size is None or _size(url, options) == size:
+                return True
+    return False
+
+
+def _size(url: str, options: dict[str, Any] | None) -> int | None:
+    try:
+        _, path, fs = location(url, options)
+        return int(fs.size(path))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def same_object(a: str, b: str, options: dict[str, Any]) -> bool:
@@ -164,9 +224,18 @@ def discard(
     rollflow's fixed names and Parquet shards in the output; for an output from before the record, its
     `dataset` too (an absolute path). `keep`, the input, is never touched. Returns the URLs removed."""
     legacy = not has_record(store)
-    entries = [(e["path"], e.get("size")) for kind in KINDS for e in _read(store).get(kind, [])]
+    here = absolute_url(store.root_url, store.options)
+    entries = [e for kind in KINDS for e in _read(store).get(kind, [])]
     # inside the output (rollflow's own folder) always; outside only while it is the size it was published
-    found = [(resolved(store, p), size if _outside(p) else None) for p, size in entries]
+    # and only by the folder that published it (not a copy of it, nor the folder moved)
+    found = [
+        (
+            e["at"] if e.get("at") else resolved(store, e["path"]),
+            e.get("size") if _outside(e["path"]) else None,
+        )
+        for e in entries
+        if not _outside(e["path"]) or e.get("by", here) == here
+    ]
     if legacy and dataset and (dataset.startswith("/") or "://" in dataset):
         found.append((dataset, None))
     removed: list[str] = []
