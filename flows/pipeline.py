@@ -78,6 +78,7 @@ from rollflow.tasks.wrappers.prefect_tasks import (
     preflight_task,
     verify_task,
 )
+from rollflow.tasks.wrappers.refusals import unrefused
 
 
 class RunIncomplete(Exception):
@@ -101,7 +102,7 @@ async def collect_stage(
 
     async def run_one(chunk: ChunkSpec) -> ChunkOutcome:
         t0 = time.perf_counter()
-        outcome = await collect(ctx, chunk)
+        outcome = unrefused(await collect(ctx, chunk))
         outcome.task_s = time.perf_counter() - t0
         return outcome
 

@@ -7,6 +7,7 @@ import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from rollflow.tasks.storage.store import StorageFull
 from rollflow.tasks.wrappers.refusals import REFUSALS
 
 T = TypeVar("T")
@@ -44,6 +45,8 @@ def chunk_error(exc: Exception) -> Exception:
     stop = signal_stop_in(exc)
     if stop is not None:
         raise stop
+    if isinstance(exc, StorageFull):  # every chunk would fail alike: the run stops, its work kept
+        raise exc
     return exc
 
 

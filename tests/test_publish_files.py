@@ -413,3 +413,15 @@ def test_a_dataset_beside_its_output_goes_only_with_the_folder_that_published_it
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert orjson.loads((tmp_path / "rv" / "report.json").read_bytes())["rows_written"] == 40
+
+
+@pytest.mark.skipif(shutil.which("mount") is None or os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_disk_full_while_committing_a_chunk_is_one_paragraph(run_cli, fast_sim, tmp_path):
+    """ENOSPC was one paragraph only when the dataset was copied: a chunk's commit, the audit or the card
+    on a full disk ended in tracebacks and exit 1."""
+    inp = write_rows(tmp_path / "in.jsonl", 600)
+    with tmpfs(tmp_path / "small", "size=96k") as small:
+        res = run_cli(*args_for(inp, small / "out", fast_sim.url, "--num-repeats", "4"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    message = one_paragraph(res.stderr)
+    assert "no space left on device (ENOSPC)" in message and "run the same command again" in message, message

@@ -61,6 +61,23 @@ def print_error(console: Console, exc: BaseException) -> None:
     console.print(styled("rollflow:", "bold red"), redact.redact(str(exc)), highlight=False, soft_wrap=True)
 
 
+def _tree(exc: BaseException) -> list[BaseException]:
+    """`exc`, then what it groups and what it was raised from, each once (not what it was raised while
+    handling: a defect met while handling a user's error is the defect, with its traceback)."""
+    seen: dict[int, BaseException] = {}
+    todo = [exc]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen[id(current)] = current
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        if current.__cause__ is not None:
+            todo.append(current.__cause__)
+    return list(seen.values())
+
+
 def print_failure(
     console: Console, exc: BaseException, known: tuple[type[BaseException], ...], kept: str
 ) -> int:
@@ -68,8 +85,18 @@ def print_failure(
     (EXIT_ERROR), Ctrl-C or SIGTERM as one line saying `kept` are kept (130, 143); anything else re-raised."""
     from rollflow.flows.stops import signal_stop_in
 
-    if isinstance(exc, known):
-        print_error(console, exc)
+    said = next((e for e in _tree(exc) if isinstance(e, known)), None)  # also inside a task group
+    if said is not None:
+        print_error(console, said)
+        return EXIT_ERROR
+    from rollflow.tasks.storage.store import describe_error, storage_full
+
+    disk = storage_full(exc)
+    if disk is not None:  # ENOSPC committing a chunk, writing the audit or the card: not a traceback
+        where = disk.filename or "the output"
+        said = describe_error(str(where), disk, "choose another --output")
+        print_error(console, RuntimeError(f"Writing {where} failed: {said}. {kept} are kept; run the same "
+                                          "command again once there is room."))  # fmt: skip
         return EXIT_ERROR
     stop = signal_stop_in(exc)
     if stop is None:

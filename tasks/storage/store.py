@@ -26,6 +26,30 @@ class StorageError(Exception):
     """The output or input store cannot be used; the message says which and what to do."""
 
 
+class StorageFull(StorageError):
+    """The output's disk or quota is full, or read-only: every chunk would fail alike, so the run stops."""
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def storage_full(exc: BaseException) -> OSError | None:
+    """A full disk or quota, or a read-only file system, anywhere in `exc` (its causes, its groups)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in FULL_ERRNOS:
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return None
+
+
 def storage_options_for(url: str, options: dict[str, Any] | None, fresh: bool = True) -> dict[str, Any]:
     """Fail fast on an unreachable S3 endpoint: few retries and short timeouts unless the caller set them.
 

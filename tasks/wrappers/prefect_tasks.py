@@ -26,6 +26,7 @@ from rollflow.tasks.publish.nemo_gym_files import write_aggregate_metrics, write
 from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChanged
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
+from rollflow.tasks.storage.store import StorageFull, describe_error, storage_full
 from rollflow.tasks.wrappers.refusals import REFUSALS, Refusal, unrefused
 from rollflow.tasks.wrappers.worker_chunks import WorkerLost
 
@@ -99,10 +100,21 @@ CHUNK_TASK = {
 
 
 @task(**CHUNK_TASK)
-async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome:
+async def collect_chunk_task(ctx: CollectContext, chunk: ChunkSpec) -> ChunkOutcome | Refusal:
+    """A chunk on a full or read-only disk is refused (no retry, no traceback): the run stops there."""
     try:
         return await collect_chunk(ctx, chunk, attempt=task_run.run_count or 1)
     except Exception as exc:
+        full = storage_full(exc)
+        if full is not None:
+            root = ctx.ledger.store.root_url
+            said = describe_error(str(full.filename or root), full, "choose another --output")
+            refused = StorageFull(
+                f"Output {root}: chunk {chunk.index} could not be written: {said}. Committed chunks and "
+                "saved rollouts are kept; run the same command again once there is room."
+            )
+            refused.__cause__ = full
+            return Refusal(refused)
         raise redact.redacted_error(exc) from None
 
 
