@@ -220,6 +220,36 @@ def test_parquet_holds_the_same_rollouts_and_rewards_as_jsonl(run_cli, collectio
     assert meta["rollflow"]["tokens_out_mean"] == report["returned"]["tokens_out"]["mean"]
 
 
+def test_reverify_of_a_parquet_output_equals_that_of_its_jsonl_twin(run_cli, collections, tmp_path) -> None:
+    """The same seeded run published as Parquet and as JSONL: plain reverify of the Parquet output read
+    its shards' rows (through the committed chunks they were written from) and publishes the same bytes."""
+    source, twin = collections["parquet"], collections["exact"]
+    before = tree_digest(source)
+    outs = {name: tmp_path / name for name in ("from_parquet", "from_jsonl")}
+    for name, src in (("from_parquet", source), ("from_jsonl", twin)):
+        res = run_cli("reverify", str(src), "--output", str(outs[name]), "--verifier", "math_fast")
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = outs["from_parquet"], outs["from_jsonl"]
+    for name in ("rollouts.jsonl", "rollouts.tasks.jsonl", "failures.jsonl"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert_complete((a / "rollouts.jsonl").read_bytes().splitlines(), TASKS, REPEATS)
+    assert rewards(a / "rollouts.jsonl") == rewards(collections["math_fast"] / "rollouts.jsonl")
+    assert tree_digest(source) == before  # the source is never written
+    mine, theirs = (orjson.loads((o / "report.json").read_bytes()) for o in (a, b))
+    # the fingerprint of the shards' rows is the sha256 of the JSONL dataset the same run publishes
+    assert mine["source"]["sha256"] == theirs["source"]["sha256"]
+    assert mine["source"]["sha256"] == hashlib.sha256((twin / "rollouts.jsonl").read_bytes()).hexdigest()
+    assert mine["source"]["mode"] == "shards" and mine["source"]["rows"] == TASKS * REPEATS
+    for key in ("changed", "rows_written", "failed", "agreement", "after", "before"):
+        assert mine[key] == theirs[key], key
+    # run again: every chunk is committed, nothing is scored twice, the same bytes stay published
+    published = (a / "rollouts.jsonl").read_bytes()
+    res = run_cli("reverify", str(source), "--output", str(a), "--verifier", "math_fast")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (a / "rollouts.jsonl").read_bytes() == published
+    assert orjson.loads((a / "report.json").read_bytes())["metrics"]["chunks_run"] == 0
+
+
 def front_matter(card: Path) -> dict:
     import yaml
 

@@ -65,6 +65,12 @@ def _merge(a: str | None, b: str | None, key: str) -> str | None:
     return "json"
 
 
+def add_columns(columns: dict[str, str | None], row: dict[str, Any]) -> None:
+    """A row's top-level keys and their kinds merged into `columns`: how the dataset's schema is found."""
+    for key, value in row.items():
+        columns[key] = _merge(columns.get(key), _kind(value), key)
+
+
 def chunk_columns(ledger: Ledger, manifest: ChunkManifest) -> dict[str, str | None]:
     """Each top-level key of a committed chunk's rows and its kind, kept beside the audit by hash."""
     cache = COLUMNS_CACHE.format(manifest.chunk)
@@ -77,8 +83,7 @@ def chunk_columns(ledger: Ledger, manifest: ChunkManifest) -> dict[str, str | No
     with ledger.open_chunk(manifest.chunk) as fh:
         for line in fh:
             if line.strip():
-                for key, value in _row(ledger, manifest, line).items():
-                    columns[key] = _merge(columns.get(key), _kind(value), key)
+                add_columns(columns, _row(ledger, manifest, line))
     store.write_bytes(cache, orjson.dumps({"sha256": manifest.sha256, "columns": columns}))
     return columns
 
@@ -126,12 +131,23 @@ def shard_name(index: int, of: int) -> str:
     return f"train-{index:05d}-of-{of:05d}.parquet"
 
 
+def to_batch(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.RecordBatch:
+    """Rows as one record batch of `schema`, as a shard stores them: a missing key is null, a JSON column
+    holds its value's JSON text."""
+    json_cols = set(orjson.loads(schema.metadata[b"rollflow.json_columns"]))
+    cols: dict[str, list[Any]] = {f.name: [] for f in schema}
+    for row in rows:
+        for name, values in cols.items():
+            value = row.get(name)
+            if name in json_cols and value is not None:
+                value = rowjson.dumps(value).decode()
+            values.append(value)
+    return pa.RecordBatch.from_pydict(cols, schema=schema)
+
+
 def _batches(ledger: Ledger, shard: Shard, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     """The shard's rows as record batches of BATCH_ROWS, each chunk's bytes checked against its manifest."""
-    kinds = {f.name: f for f in schema}
-    json_cols = set(orjson.loads(schema.metadata[b"rollflow.json_columns"]))
-    cols: dict[str, list[Any]] = {name: [] for name in kinds}
-    n = 0
+    rows: list[dict[str, Any]] = []
     for manifest in shard.chunks:
         digest = hashlib.sha256()
         with ledger.open_chunk(manifest.chunk) as fh:
@@ -139,20 +155,14 @@ def _batches(ledger: Ledger, shard: Shard, schema: pa.Schema) -> Iterator[pa.Rec
                 digest.update(line)
                 if not line.strip():
                     continue
-                row = _row(ledger, manifest, line)
-                for name, values in cols.items():
-                    value = row.get(name)
-                    if name in json_cols and value is not None:
-                        value = rowjson.dumps(value).decode()
-                    values.append(value)
-                n += 1
-                if n == BATCH_ROWS:
-                    yield pa.RecordBatch.from_pydict(cols, schema=schema)
-                    cols, n = {name: [] for name in kinds}, 0
+                rows.append(_row(ledger, manifest, line))
+                if len(rows) == BATCH_ROWS:
+                    yield to_batch(rows, schema)
+                    rows = []
         if digest.hexdigest() != manifest.sha256:
             raise chunk_changed(ledger, manifest.chunk)
-    if n:
-        yield pa.RecordBatch.from_pydict(cols, schema=schema)
+    if rows:
+        yield to_batch(rows, schema)
 
 
 def write_parquet(

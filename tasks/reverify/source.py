@@ -1,4 +1,5 @@
-"""What a reverify reads: a published dataset file, or (--failed-only) a collection's committed chunks and
+"""What a reverify reads: a published dataset file, a run's Parquet shards (through the committed chunks
+they were written from: tasks/reverify/shards.py), or (--failed-only) a collection's committed chunks and
 their failures; planned once into chunks that end on task boundaries, so per-task statistics stay whole."""
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from rollflow.tasks.storage.store import Store, describe_error, open_input, stor
 
 DATASET_NAME = "rollouts.jsonl"
 
-Mode = Literal["dataset", "failed"]
+Mode = Literal["dataset", "shards", "failed"]
 
 
 @dataclass(frozen=True)
 class SourceChunk:
     """Rollouts `rows` of the source from line `first_line` (byte `byte_offset`), tasks first_task.. on.
 
-    For --failed-only, `index` is the source's own chunk index and the offsets are unused.
+    For a Parquet source and for --failed-only, `index` is the source's own chunk index and the offsets
+    are unused; `sha256` is then that chunk object's, as its run committed it.
     """
 
     index: int
@@ -44,7 +46,7 @@ class SourceChanged(InputError):
 
 @dataclass
 class SourcePlan:
-    url: str  # the dataset file, or the output folder for --failed-only
+    url: str  # the dataset file, or the output folder for a Parquet source and --failed-only
     mode: Mode
     fingerprint: str
     rows: int
@@ -59,8 +61,9 @@ def _is_dir(url: str, options: dict[str, Any]) -> bool:
     return bool(fs.isdir(path))
 
 
-def dataset_file(url: str, options: dict[str, Any]) -> str:
-    """The dataset a SOURCE names: the file itself, or a folder's rollouts.jsonl."""
+def dataset_file(url: str, options: dict[str, Any]) -> str | None:
+    """The dataset a SOURCE names: the file itself, or a folder's rollouts.jsonl; None for a run's folder
+    that published its dataset as Parquet shards (read by tasks/reverify/shards.py)."""
     try:
         folder = _is_dir(url, options)
         found = folder and Store(url, options).exists(DATASET_NAME)
@@ -101,9 +104,9 @@ def _latest_dataset(url: str, options: dict[str, Any]) -> str | None:
         return None
 
 
-def _published_elsewhere(url: str, options: dict[str, Any]) -> str:
+def _published_elsewhere(url: str, options: dict[str, Any]) -> str | None:
     """A run's folder without rollouts.jsonl: the dataset it published elsewhere (--dataset, NeMo Gym's
-    +output_jsonl_fpath), or what it truly published (Parquet shards), said as it is."""
+    +output_jsonl_fpath), or None when it published Parquet shards."""
     store = Store(url, options)
     elsewhere = _published(url, options)
     if elsewhere is None and store.exists("run.json") and not owned.has_record(store):
@@ -115,13 +118,9 @@ def _published_elsewhere(url: str, options: dict[str, Any]) -> str:
                 return elsewhere
         except Exception:
             pass
-    if any(name.endswith(".parquet") for name in store.list("data")):
-        raise InputError(
-            f"Source {url} published its dataset as Parquet shards ({url.rstrip('/')}/data/), which "
-            "reverify does not read: collect with --format jsonl (the default) to rescore, or pass "
-            "--failed-only to complete the run from its committed chunks. Nothing was rescored."
-        )
-    where = f" (its run.json names {elsewhere}, which does not exist)" if elsewhere else ""
+    if owned.owned(store, owned.SHARDS) or any(owned.SHARD.match(n) for n in store.list("data")):
+        return None
+    where = f" (the dataset it published, {elsewhere}, is not there)" if elsewhere else ""
     raise InputError(
         f"Source {url} is a folder without {DATASET_NAME}{where}: its run has not published a dataset. "
         "Pass the dataset file itself, or --failed-only to complete the run from its committed chunks."
