@@ -48,6 +48,7 @@ class CollectContext:
     observers: tuple[AttemptObserver, ...] = ()
     pool: EndpointPool = field(default=None)  # type: ignore[assignment]
     run: str | None = None  # names the run in progress events (a worker process serves several runs)
+    correct_threshold: float = 1.0  # a rollout is correct at reward >= this (statistics and settling)
 
     def __post_init__(self) -> None:
         if self.pool is None:

@@ -1,0 +1,91 @@
+"""Settling (--settle-after M): a task whose first M rollouts all share one outcome gets no more.
+
+Outcomes are read at the run's correct threshold, the one the reward statistics use. The decision reads
+only committed or saved rewards, so a resumed chunk decides every task the way its first attempt did,
+and which rollouts exist never depends on timing.
+
+A task with a failed rollout among its first M is *pending*: it is neither settled nor given the rest,
+so a failure can never change which rollouts a task gets. Its later rollouts stay missing (the audit
+says so) until a retry or a resumed run answers its first M and the task is decided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage.rowjson import RolloutKey
+
+SETTLED, OPEN, PENDING = "settled", "open", "pending"
+
+
+def settle_rule_text(after: int, repeats: int, threshold: float) -> str:
+    """The rule in one sentence, for the report, the card and the CLI."""
+    return (
+        f"each task first got {after} rollouts; a task whose {after} were all correct or all wrong "
+        f"(correct at reward >= {threshold:g}) was settled and got no more, the others got all {repeats}"
+    )
+
+
+def first_rollouts(collection: Any) -> int:
+    """How many rollouts every task gets before any decision: M with settling, else all of them."""
+    after = getattr(collection, "settle_after", None)
+    return after if after is not None else collection.num_repeats
+
+
+def line_reward(line: bytes) -> float | None:
+    """The reward of one output line (None when it has none a statistic would count)."""
+    reward = rowjson.loads(line).get("reward")
+    return float(reward) if rowjson.is_reward(reward) else None
+
+
+@dataclass
+class TaskOutcomes:
+    """Per task of a chunk: how many of its committed rollouts are correct, and how many have a reward."""
+
+    threshold: float
+    correct: dict[int, int] = field(default_factory=dict)
+    rewarded: dict[int, int] = field(default_factory=dict)
+
+    def add(self, task: int, reward: float | None) -> None:
+        if reward is None:
+            return
+        self.rewarded[task] = self.rewarded.get(task, 0) + 1
+        self.correct[task] = self.correct.get(task, 0) + int(reward >= self.threshold)
+
+    def mixed(self) -> int:
+        """Tasks with both correct and wrong rollouts: the learnable ones."""
+        return sum(1 for t, n in self.rewarded.items() if 0 < self.correct.get(t, 0) < n)
+
+
+def decide(
+    tasks: Iterable[int], results: Mapping[RolloutKey, bytes], after: int, threshold: float
+) -> dict[int, str]:
+    """Each task's decision from its first `after` rewards: settled, open (gets the rest) or pending."""
+    decisions: dict[int, str] = {}
+    for task in tasks:
+        outcomes: set[bool] = set()
+        for r in range(after):
+            line = results.get((task, r))
+            reward = None if line is None else line_reward(line)
+            if reward is None:
+                decisions[task] = PENDING
+                break
+            outcomes.add(reward >= threshold)
+        else:
+            decisions[task] = SETTLED if len(outcomes) == 1 else OPEN
+    return decisions
+
+
+def chunk_outcomes(
+    keys: Iterable[RolloutKey], results: Mapping[RolloutKey, bytes], threshold: float
+) -> TaskOutcomes:
+    """Correct and rewarded counts per task over the committed rows of a chunk."""
+    outcomes = TaskOutcomes(threshold)
+    for key in keys:
+        line = results.get(key)
+        if line is not None:
+            outcomes.add(key[0], line_reward(line))
+    return outcomes
