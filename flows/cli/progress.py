@@ -33,7 +33,7 @@ class Notes:
     def _on_event(self, event: ProgressEvent) -> None:
         if event.kind == "resume":
             said = resume_text(event.done, event.total)
-        elif event.kind == "stage" and self.stages:
+        elif event.kind == "forecast" or (event.kind == "stage" and self.stages):
             said = event.text
         else:
             return

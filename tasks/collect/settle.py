@@ -11,11 +11,12 @@ says so) until a retry or a resumed run answers its first M and the task is deci
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.tasks.storage import rowjson
+from rollflow.tasks.storage.ledger import ChunkManifest
 from rollflow.tasks.storage.rowjson import RolloutKey
 
 SETTLED, OPEN, PENDING = "settled", "open", "pending"
@@ -89,3 +90,70 @@ def chunk_outcomes(
         if line is not None:
             outcomes.add(key[0], line_reward(line))
     return outcomes
+
+
+def mixed_tasks(manifest: ChunkManifest) -> int:
+    """The learnable tasks a committed chunk holds (0 for a chunk committed without the count)."""
+    return int(manifest.stats.get("mixed_tasks", 0))
+
+
+@dataclass
+class LearnableTarget:
+    """--until-learnable N: enough once the committed chunks hold N tasks with mixed outcomes.
+
+    `before` counts the chunks committed complete before this run started (a resumed run counts them).
+    """
+
+    target: int
+    before: int = 0
+
+    def reached(self, outcomes: Sequence[Any]) -> bool:
+        return self.before + sum(mixed_tasks(o.manifest) for o in outcomes) >= self.target
+
+
+def learnable_target(
+    until: int | None, committed: Mapping[int, ChunkManifest], pending: Iterable[int]
+) -> LearnableTarget | None:
+    """The run's target, counting what is already committed complete (None without --until-learnable)."""
+    if until is None:
+        return None
+    waiting = set(pending)
+    before = sum(mixed_tasks(m) for i, m in committed.items() if i not in waiting)
+    return LearnableTarget(until, before)
+
+
+def settling_report(
+    after: int, repeats: int, threshold: float, settled_tasks: int, unasked: int, rows: int
+) -> dict[str, Any]:
+    """report.json's `settling`: the rule, the tasks it settled and the rollouts it never requested."""
+    full = rows + unasked
+    return {
+        "settle_after": after,
+        "num_repeats": repeats,
+        "correct_threshold": threshold,
+        "rule": settle_rule_text(after, repeats, threshold),
+        "settled_tasks": settled_tasks,
+        "rollouts_not_requested": unasked,
+        "rollouts_saved_share": round(unasked / full, 6) if full else None,
+        "tasks_file": "each settled task's line in the tasks file carries settled_after",
+    }
+
+
+def settling_markdown(d: dict[str, Any]) -> str:
+    """report.md's `## Settling` section."""
+    saved = d["rollouts_saved_share"]
+    return "\n".join(
+        [
+            "## Settling",
+            "",
+            f"Rule (--settle-after {d['settle_after']}): {d['rule']}.",
+            "",
+            f"{d['settled_tasks']:,} tasks settled after {d['settle_after']} rollouts; "
+            f"{d['rollouts_not_requested']:,} rollouts were never requested"
+            + (f" ({saved:.1%} of full sampling)" if saved is not None else "")
+            + "; they are recorded as settled in the chunk manifests, never as missing. "
+            "A task settled this way may still have been learnable: its outcome was read from "
+            f"{d['settle_after']} rollouts, not {d['num_repeats']}.",
+            "",
+        ]
+    )
