@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -197,3 +198,29 @@ def test_settle_after_must_be_below_num_repeats(run_cli, spread_sim: Service, ro
     args[args.index("--settle-after") + 1] = str(K)
     res = run_cli(*args)
     assert res.returncode != 0 and "settle_after" in res.stderr
+
+
+def test_settling_on_a_local_dask_cluster_gives_the_local_bytes(
+    run_cli, spread_sim: Service, rows: Path, settled_reference: bytes, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    res = run_cli(*settle_args(rows, out, spread_sim, "--runner", "dask", "--dask-workers", "2"), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == settled_reference
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["settling"]["settled_tasks"] > 0 and report["missing"] == 0
+
+
+def test_settling_on_ray_gives_the_local_bytes(ray_world, rows: Path, settled_reference: bytes) -> None:
+    import sys
+
+    sim = ray_world.simulate(["--latency-ms", "1", "--slots", "128", "--difficulty", "spread"])
+    out = Path(ray_world.root) / "settle-out"
+    exe = str(Path(sys.executable).with_name("rollflow"))
+    args = [exe, *settle_args(rows, out, SimpleNamespace(url=sim), "--runner", "ray",
+            "--ray-address", ray_world.ray_address)]  # fmt: skip
+    result = ray_world.run(args, env=ray_world.env(), timeout=400)
+    assert result.rc == 0, result.stderr[-3000:]
+    assert (out / "rollouts.jsonl").read_bytes() == settled_reference
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["settling"]["settled_tasks"] > 0 and report["missing"] == 0
