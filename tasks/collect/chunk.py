@@ -31,6 +31,7 @@ from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 log = logging.getLogger(__name__)
+SETTLE_GROUP_TASKS = 16  # settling: tasks decided together; a group's rest runs beside other groups' first
 RUNNER_STOP_S = 5.0  # how long a failed attempt waits for its cancelled requests to end before it goes on
 
 
@@ -212,7 +213,8 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     manifest.settled = settled
     manifest.rows_expected = len(keys)
     if ctx.collection.settle_after is not None or ctx.collection.until_learnable is not None:
-        manifest.stats["mixed_tasks"] = chunk_outcomes(keys, batch.results, ctx.correct_threshold).mixed()
+        outcomes = chunk_outcomes(keys, batch.results, ctx.correct_threshold, batch.rewards)
+        manifest.stats["mixed_tasks"] = outcomes.mixed()
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     parts_left = await _delete_parts(ctx, chunk.index)
     done, failed = len(batch.results), len(batch.failures)
@@ -240,26 +242,34 @@ async def _collect_missing(
     k, first = ctx.collection.num_repeats, first_rollouts(ctx.collection)
     batch = RolloutBatch(results=dict(kept))
 
-    def todo(rollouts: range, tasks: set[int] | None = None) -> Iterator[WorkItem]:
+    def todo(rollouts: range, group: list[tuple[int, dict[str, Any]]]) -> Iterator[WorkItem]:
         return (
             (task_index, prepare_row(row, ctx.collection, ctx.backend.sources), r)
-            for task_index, row in rows
-            if tasks is None or task_index in tasks
+            for task_index, row in group
             for r in rollouts
             if (task_index, r) not in batch.results
         )
 
-    async def both_phases() -> None:
-        """Every task's first rollouts; with settling, then the rest of the tasks left open."""
-        await run_rollouts(ctx, todo(range(first)), batch, chunk=chunk.index)
+    async def both_phases(group: list[tuple[int, dict[str, Any]]]) -> None:
+        """The group's first rollouts; with settling, then the rest of its tasks left open."""
+        await run_rollouts(ctx, todo(range(first), group), batch, chunk=chunk.index)
         if first < k:
-            tasks = [task_index for task_index, _ in rows]
-            decisions = decide(tasks, batch.results, first, ctx.correct_threshold)
-            open_tasks = {t for t, d in decisions.items() if d == OPEN}
-            await run_rollouts(ctx, todo(range(first, k), open_tasks), batch, chunk=chunk.index)
+            tasks = [task_index for task_index, _ in group]
+            decisions = decide(tasks, batch.results, first, ctx.correct_threshold, batch.rewards)
+            left = [(t, row) for t, row in group if decisions[t] == OPEN]
+            await run_rollouts(ctx, todo(range(first, k), left), batch, chunk=chunk.index)
+
+    async def all_groups() -> None:
+        """Settling: groups of tasks at once, so one group's rest runs while others get their first
+        rollouts and the limit never drains at a phase boundary; without it, one pass."""
+        if first == k:
+            return await both_phases(rows)
+        async with asyncio.TaskGroup() as tg:
+            for i in range(0, len(rows), SETTLE_GROUP_TASKS):
+                tg.create_task(both_phases(rows[i : i + SETTLE_GROUP_TASKS]))
 
     hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept), run=ctx.run, floor=floor))
-    runner = asyncio.create_task(both_phases())
+    runner = asyncio.create_task(all_groups())
     await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
     return batch
 
@@ -270,7 +280,7 @@ def _settled(ctx: CollectContext, tasks: list[int], batch: RolloutBatch, found: 
     after = ctx.collection.settle_after
     if after is None:
         return {}
-    decisions = decide(tasks, batch.results, after, ctx.correct_threshold)
+    decisions = decide(tasks, batch.results, after, ctx.correct_threshold, batch.rewards)
     settled = {t: after for t, d in decisions.items() if d == SETTLED}
     for key in [key for key in batch.results if key[0] in settled and key[1] >= after]:
         del batch.results[key]

@@ -61,16 +61,30 @@ class TaskOutcomes:
         return sum(1 for t, n in self.rewarded.items() if 0 < self.correct.get(t, 0) < n)
 
 
+def reward_at(
+    key: RolloutKey, results: Mapping[RolloutKey, bytes], known: Mapping[RolloutKey, float] | None
+) -> float | None:
+    """A committed or saved rollout's reward: the one this attempt got, else read from its line."""
+    if known is not None and key in known:
+        return float(known[key])
+    line = results.get(key)
+    return None if line is None else line_reward(line)
+
+
 def decide(
-    tasks: Iterable[int], results: Mapping[RolloutKey, bytes], after: int, threshold: float
+    tasks: Iterable[int],
+    results: Mapping[RolloutKey, bytes],
+    after: int,
+    threshold: float,
+    known: Mapping[RolloutKey, float] | None = None,
 ) -> dict[int, str]:
-    """Each task's decision from its first `after` rewards: settled, open (gets the rest) or pending."""
+    """Each task's decision from its first `after` rewards: settled, open (gets the rest) or pending.
+    `known`: rewards already at hand by key, so those lines are not parsed again."""
     decisions: dict[int, str] = {}
     for task in tasks:
         outcomes: set[bool] = set()
         for r in range(after):
-            line = results.get((task, r))
-            reward = None if line is None else line_reward(line)
+            reward = reward_at((task, r), results, known)
             if reward is None:
                 decisions[task] = PENDING
                 break
@@ -81,14 +95,16 @@ def decide(
 
 
 def chunk_outcomes(
-    keys: Iterable[RolloutKey], results: Mapping[RolloutKey, bytes], threshold: float
+    keys: Iterable[RolloutKey],
+    results: Mapping[RolloutKey, bytes],
+    threshold: float,
+    known: Mapping[RolloutKey, float] | None = None,
 ) -> TaskOutcomes:
     """Correct and rewarded counts per task over the committed rows of a chunk."""
     outcomes = TaskOutcomes(threshold)
     for key in keys:
-        line = results.get(key)
-        if line is not None:
-            outcomes.add(key[0], line_reward(line))
+        if key in results:
+            outcomes.add(key[0], reward_at(key, results, known))
     return outcomes
 
 
