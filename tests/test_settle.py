@@ -87,17 +87,20 @@ def settle_args(rows: Path, out: Path | str, sim: Service, *extra: str) -> list[
 def check_settled_dataset(data: bytes, tasks: int = TASKS) -> dict[int, list[float]]:
     """Every task has exactly M rollouts when they share one outcome, else all K, in order, once."""
     by_task: dict[int, list[float]] = {}
+    marks: dict[int, set[int | None]] = {}
     keys = []
     for line in data.splitlines():
         row = orjson.loads(line)
         keys.append((row["_ng_task_index"], row["_ng_rollout_index"]))
         by_task.setdefault(row["_ng_task_index"], []).append(row["reward"])
+        marks.setdefault(row["_ng_task_index"], set()).add(row["_rf"].get("settled_after"))
     assert sorted(by_task) == list(range(tasks))
     expected = []
     for task, rewards in by_task.items():
         first = {r >= 1.0 for r in rewards[:M]}
         n = M if len(first) == 1 else K
         assert len(rewards) == n, (task, rewards)
+        assert marks[task] == ({M} if n == M else {None}), (task, marks[task])  # the rows say it settled
         expected += [(task, r) for r in range(n)]
     assert keys == expected
     return by_task
@@ -224,3 +227,22 @@ def test_settling_on_ray_gives_the_local_bytes(ray_world, rows: Path, settled_re
     assert (out / "rollouts.jsonl").read_bytes() == settled_reference
     report = orjson.loads((out / "report.json").read_bytes())
     assert report["settling"]["settled_tasks"] > 0 and report["missing"] == 0
+
+
+def test_reverify_keeps_the_settled_set_and_says_which_tasks_settled(
+    run_cli, spread_sim: Service, rows: Path, settled_reference: bytes, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert run_cli(*settle_args(rows, out, spread_sim)).returncode == 0
+    res = run_cli(
+        "reverify", str(out), "--output", str(tmp_path / "rv"), "--verifier", "math_fast", "--no-progress"
+    )
+    assert res.returncode == 0, res.stderr
+    again = (tmp_path / "rv" / "rollouts.jsonl").read_bytes()
+    key = lambda line: (orjson.loads(line)["_ng_task_index"], orjson.loads(line)["_ng_rollout_index"])  # noqa: E731
+    assert list(map(key, again.splitlines())) == list(map(key, settled_reference.splitlines()))
+    settled = {t for t, r in check_settled_dataset(settled_reference).items() if len(r) == M}
+    lines = [orjson.loads(x) for x in (tmp_path / "rv" / "rollouts.tasks.jsonl").read_bytes().splitlines()]
+    assert {t["task_index"] for t in lines if t.get("settled_after") == M} == settled
+    report = orjson.loads((tmp_path / "rv" / "report.json").read_bytes())
+    assert report["after"]["settled"]["tasks"] == len(settled)  # the same rewards: every one still settled

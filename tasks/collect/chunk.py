@@ -26,7 +26,7 @@ from rollflow.tasks.collect.rollouts import (
     run_rollouts,
 )
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
-from rollflow.tasks.collect.settle import OPEN, SETTLED, chunk_outcomes, decide, first_rollouts
+from rollflow.tasks.collect.settle import OPEN, SETTLED, chunk_outcomes, decide, first_rollouts, marked
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
@@ -282,9 +282,12 @@ def _settled(ctx: CollectContext, tasks: list[int], batch: RolloutBatch, found: 
         return {}
     decisions = decide(tasks, batch.results, after, ctx.correct_threshold, batch.rewards)
     settled = {t: after for t, d in decisions.items() if d == SETTLED}
-    for key in [key for key in batch.results if key[0] in settled and key[1] >= after]:
-        del batch.results[key]
-        found.probes.pop(key, None)
+    for key in [key for key in batch.results if key[0] in settled]:
+        if key[1] >= after:
+            del batch.results[key]
+            found.probes.pop(key, None)
+        else:
+            batch.results[key] = marked(batch.results[key], after)
     return settled
 
 

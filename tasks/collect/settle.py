@@ -20,6 +20,7 @@ from rollflow.tasks.storage.ledger import ChunkManifest
 from rollflow.tasks.storage.rowjson import RolloutKey
 
 SETTLED, OPEN, PENDING = "settled", "open", "pending"
+SETTLED_AFTER = "settled_after"  # the `_rf` field of a settled task's rows, and the tasks file's
 
 
 def settle_rule_text(after: int, repeats: int, threshold: float) -> str:
@@ -173,3 +174,14 @@ def settling_markdown(d: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def marked(line: bytes, after: int) -> bytes:
+    """A settled task's row carrying `_rf.settled_after`, so the dataset itself says which tasks settled
+    (reverify and any reader see it without the tasks file); unchanged when it already does."""
+    row = rowjson.loads(line)
+    rf = row.get("_rf")
+    if not isinstance(rf, dict) or rf.get(SETTLED_AFTER) == after:
+        return line
+    rf[SETTLED_AFTER] = after
+    return rowjson.dumps(row)
