@@ -246,3 +246,18 @@ def test_reverify_keeps_the_settled_set_and_says_which_tasks_settled(
     assert {t["task_index"] for t in lines if t.get("settled_after") == M} == settled
     report = orjson.loads((tmp_path / "rv" / "report.json").read_bytes())
     assert report["after"]["settled"]["tasks"] == len(settled)  # the same rewards: every one still settled
+
+
+def test_the_forecast_from_tuning_is_said_before_collecting_and_set_against_the_run(
+    run_cli, spread_sim: Service, rows: Path, tmp_path: Path
+) -> None:
+    args = settle_args(rows, tmp_path / "out", spread_sim)
+    args[args.index("--parallelism") + 1] = "auto"  # 240 x 8 rollouts: diagnosis and tuning run first
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    f = orjson.loads((tmp_path / "out" / "report.json").read_bytes())["forecast"]
+    m = f["measured"]
+    assert m["rollouts_per_s"] > 0 and m["backend_s_per_rollout"] > 0 and m["probe_tasks"] > 0
+    assert f["rollouts"] is not None and f["wall_s"] is not None and f["backend_s"] is not None
+    assert f["actual"]["rollouts"] > 0 and 0.5 < f["actual_over_forecast"]["rollouts"] < 1.5
+    assert "rollflow: forecast:" in res.stderr  # a note, beside the resume note, before the progress

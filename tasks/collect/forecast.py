@@ -75,9 +75,8 @@ def forecast_text(f: dict[str, Any]) -> str:
     parts = [f"forecast: {rollouts} rollouts for {f['tasks']:,} tasks"]
     if f["settled_share"] is not None:
         parts.append(f"{f['settled_share']:.0%} settled by the probes' tasks (full: {f['rollouts_full']:,})")
-    parts.append(
-        "wall " + (f"{f['wall_s']:,.0f} s" if f["wall_s"] is not None else "unknown (no rate measured)")
-    )
+    wall = f"{f['wall_s']:,.0f} s" if f["wall_s"] is not None else "unknown (no rate measured)"
+    parts.append(f"collect wall {wall}")
     if f["backend_s"] is not None:
         parts.append(f"backend {f['backend_s']:,.0f} s")
     return "; ".join(parts)
