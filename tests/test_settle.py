@@ -261,3 +261,27 @@ def test_the_forecast_from_tuning_is_said_before_collecting_and_set_against_the_
     assert f["rollouts"] is not None and f["wall_s"] is not None and f["backend_s"] is not None
     assert f["actual"]["rollouts"] > 0 and 0.5 < f["actual_over_forecast"]["rollouts"] < 1.5
     assert "rollflow: forecast:" in res.stderr  # a note, beside the resume note, before the progress
+
+
+def test_a_failed_first_rollout_leaves_its_task_undecided_until_a_later_run_answers_it(
+    run_cli, spread_sim: Service, rows: Path, settled_reference: bytes, tmp_path: Path
+) -> None:
+    """Failures among a task's first M: it is neither settled nor given the rest, its later rollouts count
+    as missing (the run is not published), and the next run of the command decides it as the rule says."""
+    faulty = spawn_simulator(
+        "--latency-ms", "1", "--slots", "128", "--difficulty", "spread", "--fault-rate", "0.05",
+        "--fault-kinds", "500",
+    )  # fmt: skip
+    try:
+        out = tmp_path / "out"
+        no_retry = {"ROLLFLOW_COLLECTION__CHUNK_RETRIES": "0"}
+        res = run_cli(*settle_args(rows, out, faulty, "--max-retries", "0"), env=no_retry)
+        assert res.returncode != 0
+        report = orjson.loads((out / "report.json").read_bytes())
+        assert not report["published"] and report["failed"] > 0
+        assert report["missing"] > report["failed"]  # the undecided tasks' rest is missing, not settled
+    finally:
+        faulty.stop()
+    res = run_cli(*settle_args(rows, out, spread_sim))
+    assert res.returncode == 0, res.stderr
+    assert (out / "rollouts.jsonl").read_bytes() == settled_reference
