@@ -140,7 +140,7 @@ def test_settling_on_the_local_runner_is_exactly_once_seeded_and_stated(
     md = (out / "report.md").read_text()
     assert "## Settling" in md and "never as missing" in md and "## Forecast" in md
     said = res.stdout + res.stderr
-    assert "settled tasks" in said and "rollflow: forecast:" in said
+    assert "settled tasks" in said and "forecast: " in said
     manifests = [orjson.loads(p.read_bytes()) for p in sorted((out / "chunks").glob("*.json"))]
     assert sorted(int(t) for m in manifests for t in m["settled"]) == settled
 
@@ -260,7 +260,7 @@ def test_the_forecast_from_tuning_is_said_before_collecting_and_set_against_the_
     assert m["rollouts_per_s"] > 0 and m["backend_s_per_rollout"] > 0 and m["probe_tasks"] > 0
     assert f["rollouts"] is not None and f["wall_s"] is not None and f["backend_s"] is not None
     assert f["actual"]["rollouts"] > 0 and 0.5 < f["actual_over_forecast"]["rollouts"] < 1.5
-    assert "rollflow: forecast:" in res.stderr  # a note, beside the resume note, before the progress
+    assert "\nforecast: " in "\n" + res.stderr  # its own line, before the progress
 
 
 def test_a_failed_first_rollout_leaves_its_task_undecided_until_a_later_run_answers_it(

@@ -31,9 +31,12 @@ class Notes:
         self._unsubscribe = lambda: None
 
     def _on_event(self, event: ProgressEvent) -> None:
+        if event.kind == "forecast":  # a figure, not a note: its own line, without the notes' prefix
+            self.console.print(event.text, highlight=False, soft_wrap=True)
+            return
         if event.kind == "resume":
             said = resume_text(event.done, event.total)
-        elif event.kind == "forecast" or (event.kind == "stage" and self.stages):
+        elif event.kind == "stage" and self.stages:
             said = event.text
         else:
             return
