@@ -272,9 +272,11 @@ async def forecast_step(
         probe_settled=probed[1],
     )
     guess = forecast(measured)
-    text = forecast_text(guess)
-    hub.emit(ProgressEvent("forecast", text=text))
-    run_log(text)
+    # said when it tells more than tasks x repeats: rates were measured, or a rule changes the rollouts
+    if rate is not None or col.settle_after is not None or col.until_learnable is not None:
+        text = forecast_text(guess)
+        hub.emit(ProgressEvent("forecast", text=text))
+        run_log(text)
     return guess
 
 
