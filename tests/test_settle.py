@@ -285,3 +285,14 @@ def test_a_failed_first_rollout_leaves_its_task_undecided_until_a_later_run_answ
     res = run_cli(*settle_args(rows, out, spread_sim))
     assert res.returncode == 0, res.stderr
     assert (out / "rollouts.jsonl").read_bytes() == settled_reference
+
+
+def test_progress_takes_a_committed_chunks_settled_rollouts_out_of_the_plan() -> None:
+    from rollflow.tasks.collect.progress import ProgressEvent, RolloutCount
+
+    count = RolloutCount()
+    count.add(ProgressEvent("plan", total=160))
+    count.add(ProgressEvent("attempt", chunk=0, done=0))
+    count.add(ProgressEvent("rollouts", chunk=0, done=100))
+    assert count.add(ProgressEvent("chunk", chunk=0, done=100, total=60))
+    assert (count.done, count.total) == (100, 100)

@@ -212,13 +212,16 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     manifest = _manifest(ctx, chunk, batch, found, len(data), started_at, time.perf_counter() - t0, attempt)
     manifest.settled = settled
     manifest.rows_expected = len(keys)
+    if settled:  # rollouts never requested, so progress displays take them out of the plan
+        manifest.stats["settled_rollouts"] = chunk.good_rows * ctx.collection.num_repeats - len(keys)
     if ctx.collection.settle_after is not None or ctx.collection.until_learnable is not None:
         outcomes = chunk_outcomes(keys, batch.results, ctx.correct_threshold, batch.rewards)
         manifest.stats["mixed_tasks"] = outcomes.mixed()
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     parts_left = await _delete_parts(ctx, chunk.index)
     done, failed = len(batch.results), len(batch.failures)
-    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=done, failed=failed, run=ctx.run))
+    unasked = manifest.stats.get("settled_rollouts", 0)
+    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=done, failed=failed, run=ctx.run, total=unasked))
     return ChunkOutcome(
         manifest,
         skipped=False,
