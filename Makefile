@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) bench/scale_out.py
 	$(PY) bench/split_floor.py
 	$(PY) bench/reverify.py
+	$(PY) bench/settle.py
 
 clean:
 	rm -rf $(VENV) demo-out site

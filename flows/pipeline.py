@@ -46,6 +46,14 @@ from rollflow.tasks.backends.engine_metrics import EngineSampler, engine_gauges,
 from rollflow.tasks.backends.http import auth_headers, close_loop_session
 from rollflow.tasks.collect.chunk import ChunkOutcome
 from rollflow.tasks.collect.clock import StageClock
+from rollflow.tasks.collect.forecast import (
+    Measured,
+    against_actual,
+    forecast,
+    forecast_text,
+    probe_settling,
+    tuned_rates,
+)
 from rollflow.tasks.collect.plan import RunPlan, with_chunk_rows
 from rollflow.tasks.collect.progress import ProgressEvent, hub, resume_text
 from rollflow.tasks.collect.rollouts import CollectContext
@@ -53,6 +61,7 @@ from rollflow.tasks.collect.routing import used_agents, with_agents
 from rollflow.tasks.collect.rows import ChunkSpec
 from rollflow.tasks.collect.runtime import RunHandles, collect_context, default_chunks_in_flight, open_run
 from rollflow.tasks.collect.scheduler import run_chunks
+from rollflow.tasks.collect.settle import learnable_target, settling_report
 from rollflow.tasks.publish.audit import AuditSummary
 from rollflow.tasks.publish.card import write_card
 from rollflow.tasks.publish.concat import PublishFailed
@@ -106,8 +115,15 @@ async def collect_stage(
         outcome.task_s = time.perf_counter() - t0
         return outcome
 
-    done = await run_chunks(plan.pending, run_one, chunks_in_flight, deadline_s, chunk_error)
+    enough = until_learnable(ctx.collection, plan)
+    done = await run_chunks(plan.pending, run_one, chunks_in_flight, deadline_s, chunk_error, enough)
     return CollectResult.of(done)
+
+
+def until_learnable(collection: CollectionSettings, plan: RunPlan) -> Any:
+    """--until-learnable: the scheduler's stop once committed chunks hold that many mixed tasks."""
+    target = learnable_target(collection.until_learnable, plan.committed, (c.index for c in plan.pending))
+    return None if target is None else target.reached
 
 
 async def run_collection(spec: RunSpec, settings: RollflowSettings, handles: RunHandles) -> dict[str, Any]:
@@ -168,8 +184,11 @@ async def _collect_verify_publish(
         left = None if left is None else max(0.0, spec.deadline_s - (time.perf_counter() - t_start))
         limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
         follow = extra.pop("controller", None) == "engine"
+        guess = await forecast_step(spec, handles, plan, extra)
         collected = await collect_step(spec, settings, handles, plan, limits, left, follow)
         collected.extra = {**extra, **collected.extra}
+        collected.extra["forecast"] = against_actual(guess, *actual_figures(collected))
+    await not_needed(spec, handles, plan, collected)
     clock.mark("collect")
     summary = await verify_task(handles, plan)
     clock.mark("verify")
@@ -200,6 +219,74 @@ async def _collect_verify_publish(
     if not published:
         raise RunIncomplete(incomplete_message(summary, spec, collected.result.errors), report)
     return report
+
+
+async def not_needed(spec: RunSpec, handles: RunHandles, plan: RunPlan, collected: Collected) -> None:
+    """--until-learnable: once the target is reached, the chunks never started leave the run's plan, so
+    the audit expects none of their rollouts and the dataset ends with the chunks that ran."""
+    target = spec.collection.until_learnable
+    if target is None:
+        return
+    result = collected.result
+    committed = await asyncio.to_thread(handles.ledger.committed)
+    reached = learnable_target(target, committed, ())
+    if reached is None or not reached.reached([]):
+        return
+    keep = {c.index for c in plan.scan.chunks if c.index in committed or c.index in result.started}
+    left = [c for c in plan.scan.chunks if c.index not in keep]
+    plan.scan.chunks = [c for c in plan.scan.chunks if c.index in keep]
+    collected.extra["until_learnable"] = {
+        "target": target,
+        "learnable_tasks": reached.before,
+        "chunks_not_needed": len(left),
+        "tasks_not_collected": sum(c.good_rows for c in left),
+        "reason": f"stopped once {reached.before:,} committed tasks had mixed outcomes (target {target:,}); "
+        f"{len(left):,} chunks of the input were not collected and are not missing",
+    }
+
+
+async def forecast_step(
+    spec: RunSpec, handles: RunHandles, plan: RunPlan, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """The run's forecast from the rates tuning measured (and, settling, the probes' tasks), said before
+    the first chunk starts."""
+    col = spec.collection
+    rate, latency = tuned_rates(extra.get("tuning"))
+    probed = (0, 0)
+    if col.settle_after is not None:
+        probed = await asyncio.to_thread(
+            probe_settling,
+            handles.ledger,
+            plan.pending,
+            col.num_repeats,
+            col.settle_after,
+            spec.verify.correct_threshold,
+        )
+    measured = Measured(
+        tasks=sum(c.good_rows for c in plan.pending),
+        num_repeats=col.num_repeats,
+        settle_after=col.settle_after,
+        until_learnable=col.until_learnable,
+        rollouts_per_s=rate,
+        backend_s_per_rollout=latency,
+        probe_tasks=probed[0],
+        probe_settled=probed[1],
+    )
+    guess = forecast(measured)
+    # said when it tells more than tasks x repeats: rates were measured, or a rule changes the rollouts
+    if rate is not None or col.settle_after is not None or col.until_learnable is not None:
+        text = forecast_text(guess)
+        hub.emit(ProgressEvent("forecast", text=text))
+        run_log(text)
+    return guess
+
+
+def actual_figures(collected: Collected) -> tuple[int, float, float]:
+    """(rollouts this run added, collect seconds, backend seconds) to set against the forecast."""
+    outcomes = collected.result.outcomes
+    rollouts = sum(o.collected + o.adopted for o in outcomes)
+    backend = sum(float(o.manifest.stats.get("backend_s", 0.0)) for o in outcomes if not o.skipped)
+    return rollouts, collected.seconds, backend
 
 
 def nemo_gym_style(spec: RunSpec) -> bool:
@@ -301,6 +388,7 @@ async def _dispatch(
             left_s,
             handles.lease_owner,
             handles.lease_margin_s,
+            until_learnable(col, plan),
         )
     in_flight = col.chunks_in_flight or default_chunks_in_flight(
         ctx.limit.limit, col.chunk_size, col.num_repeats
@@ -398,6 +486,7 @@ async def report_step(
             ),
             **remote_figures(spec, result),
             "format": spec.format,
+            **settling_figures(spec, summary),
             "story": await asyncio.to_thread(run_story, spec, plan.identity, summary, handles.ledger),
         },
     )
@@ -414,6 +503,22 @@ async def report_step(
     await endpoints_table(report["endpoints"])
     _log_outcome(report, published)
     return report
+
+
+def settling_figures(spec: RunSpec, summary: AuditSummary) -> dict[str, Any]:
+    """report.json's `settling` section when the run settles tasks."""
+    after = spec.collection.settle_after
+    if after is None:
+        return {}
+    figures = settling_report(
+        after,
+        spec.collection.num_repeats,
+        spec.verify.correct_threshold,
+        summary.settled_tasks,
+        summary.settled_rollouts,
+        summary.rows_written,
+    )
+    return {"settling": figures}
 
 
 def say_resumed(plan: RunPlan) -> None:

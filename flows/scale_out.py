@@ -55,11 +55,19 @@ class CollectResult:
     workers: list[dict[str, Any]] = field(default_factory=list)  # per worker process (remote runners)
     peak_in_flight: int | None = None  # remote runners: the most the workers had in flight at once
     peak_allowed: int | None = None  # remote runners: the most the share book let them have at once
+    started: set[int] = field(default_factory=set)  # chunks handed to a runner
+    target_reached: bool = False  # --until-learnable: the chunks never started are not needed
 
     @classmethod
     def of(cls, done: Scheduled) -> CollectResult:
         errors = [redact.redact(f"{type(exc).__name__}: {exc}") for exc in done.errors]
-        return cls(outcomes=done.outcomes, errors=errors, stopped=done.stopped)
+        return cls(
+            outcomes=done.outcomes,
+            errors=errors,
+            stopped=done.stopped,
+            started=done.started,
+            target_reached=done.target_reached,
+        )
 
 
 class EngineThread:
@@ -204,6 +212,7 @@ async def collect_remote(
     deadline_s: float | None = None,
     owner: str | None = None,
     margin_s: float = 0.0,
+    enough: Callable[[list[ChunkOutcome]], bool] | None = None,
 ) -> CollectResult:
     """`limits` are the run's per-endpoint limits; the workers share them through the share book.
 
@@ -221,7 +230,7 @@ async def collect_remote(
         engine = await settled(
             calls.call(stack.enter_context, open_engine(spec, secrets.token_hex(6), len(chunks)))
         )
-        return await _collect(spec, chunks, limits, retries, scope, stop_at, engine, calls)
+        return await _collect(spec, chunks, limits, retries, scope, stop_at, engine, calls, enough)
     finally:
         await settled(calls.call(stack.close))
         calls.close()
@@ -236,6 +245,7 @@ async def _collect(
     stop_at: float | None,
     engine: Engine,
     calls: EngineThread,
+    enough: Callable[[list[ChunkOutcome]], bool] | None = None,
 ) -> CollectResult:
     notes: list[str] = []
     assert engine.channel is not None  # opened with its share book
@@ -251,7 +261,7 @@ async def _collect(
     rounds.thread.start()
     try:
         left = None if stop_at is None else max(0.0, stop_at - time.time())
-        done = await run_chunks(chunks, remote.run, in_flight, left)
+        done = await run_chunks(chunks, remote.run, in_flight, left, enough=enough)
     finally:
         await settled(calls.call(remote.cancel_live))
         await settled(rounds.finish())

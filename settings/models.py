@@ -358,6 +358,30 @@ class CollectionSettings(Settings):
     record_latency: bool = Field(
         False, description="Add _rf.latency_s to each row (makes datasets differ run to run)"
     )
+    settle_after: int | None = Field(
+        None,
+        ge=1,
+        le=10_000,
+        description="Give each task this many rollouts first; when all of them are correct, or all wrong "
+        "(at --correct-threshold), the task is settled and gets no more, otherwise it gets the rest up to "
+        "--num-repeats",
+    )
+    until_learnable: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Stop starting chunks once this many committed tasks have mixed outcomes (some "
+        "rollouts correct, some wrong); the rest of the input is not collected",
+    )
+
+    @model_validator(mode="after")
+    def _settle_below_repeats(self) -> CollectionSettings:
+        if self.settle_after is not None and self.settle_after >= self.num_repeats:
+            raise ValueError(
+                f"settle_after {self.settle_after} must be below num_repeats {self.num_repeats}: a task "
+                f"settles after its first settle_after rollouts, before the rest"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_default_agent(self) -> CollectionSettings:

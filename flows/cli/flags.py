@@ -51,6 +51,8 @@ RUN_FLAGS: Table = {
         ("format", "", "format"),
         ("limit", "collection", "limit"),
         ("num-repeats", "collection", "num_repeats"),
+        ("settle-after", "collection", "settle_after"),
+        ("until-learnable", "collection", "until_learnable"),
         ("skip-bad-rows", "collection", "skip_bad_rows"),
         ("restart", "", "restart"),
         ("allow-incomplete", "", "allow_incomplete"),

@@ -31,6 +31,9 @@ class Notes:
         self._unsubscribe = lambda: None
 
     def _on_event(self, event: ProgressEvent) -> None:
+        if event.kind == "forecast":  # a figure, not a note: its own line, without the notes' prefix
+            self.console.print(event.text, highlight=False, soft_wrap=True)
+            return
         if event.kind == "resume":
             said = resume_text(event.done, event.total)
         elif event.kind == "stage" and self.stages:

@@ -54,6 +54,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         ("failed", f"{report['failed']:,}"),
         ("duplicates", f"{report['duplicates']:,}"),
         ("missing", f"{report['missing']:,}"),
+        *_settling_rows(report),
         ("reward mean", _num(report["reward_mean"], ".4f")),
         ("rollouts/s", _num(report["rollouts_per_s"], ",.1f")),
         ("output tokens/s", _num(report["output_tokens_per_s"], ",.0f")),
@@ -66,6 +67,22 @@ def summary_table(report: dict[str, Any]) -> Table:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _settling_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """--settle-after and --until-learnable: what the rules left out, and the forecast's rollouts."""
+    rows: list[tuple[str, str]] = []
+    settling = report.get("settling")
+    if settling:
+        rows.append(("settled tasks", f"{settling['settled_tasks']:,} after {settling['settle_after']}"))
+        rows.append(("not requested", f"{settling['rollouts_not_requested']:,} (settled, not missing)"))
+    until = report.get("until_learnable")
+    if until:
+        rows.append(("until learnable", f"{until['learnable_tasks']:,} of {until['target']:,}; stopped"))
+    forecast = report.get("forecast")
+    if forecast and forecast.get("rollouts") is not None:
+        rows.append(("forecast rollouts", f"{forecast['rollouts']:,}"))
+    return rows
 
 
 def agents_table(agents: dict[str, dict[str, Any]]) -> Table:

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from rollflow.infra.simulator.config import METRICS_FORMATS, SimConfig, parse_fault_kinds
+from rollflow.infra.simulator.config import DIFFICULTIES, METRICS_FORMATS, SimConfig, parse_fault_kinds
 from rollflow.infra.simulator.profiles import PROFILES
 from rollflow.infra.simulator.server import RunningSimulator, start_simulator
 
@@ -93,6 +93,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--correct-rate", type=float, default=d.correct_rate, help="share of correct answers")
     p.add_argument(
+        "--difficulty",
+        choices=DIFFICULTIES,
+        default=d.difficulty,
+        help="flat: every prompt at --correct-rate; spread: --settled-share of prompts always or never "
+        "solved, the rest at a per-prompt rate in [0.2, 0.8]",
+    )
+    p.add_argument(
+        "--settled-share", type=float, default=d.settled_share, help="spread: share always or never solved"
+    )
+    p.add_argument(
         "--fault-rate", type=float, default=d.fault_rate, help="probability of a fault per request"
     )
     p.add_argument(
@@ -146,8 +156,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         slots=args.slots, latency_ms=args.latency_ms, per_token_ms=args.per_token_ms,
         contention=args.contention, jitter=args.jitter, max_queue=args.max_queue, seed=args.seed,
-        correct_rate=args.correct_rate, fault_rate=args.fault_rate,
-        fault_kinds=parse_fault_kinds(args.fault_kinds), retry_after_s=args.retry_after_s,
+        correct_rate=args.correct_rate, difficulty=args.difficulty, settled_share=args.settled_share,
+        fault_rate=args.fault_rate, fault_kinds=parse_fault_kinds(args.fault_kinds),
+        retry_after_s=args.retry_after_s,
         hang_s=args.hang_s, metrics_format=args.metrics_format,
         **profile_settings(args),  # type: ignore[arg-type]
     )  # fmt: skip

@@ -8,6 +8,7 @@ FAULT_KINDS = ("429", "500", "503", "reset", "hang", "malformed", "error_object"
 DEFAULT_FAULT_KINDS = ("429", "500", "503", "reset", "malformed")
 METRICS_FORMATS = ("vllm", "sglang", "none", "garbage")
 MODELS = ("slots", "batching")
+DIFFICULTIES = ("flat", "spread")
 
 
 @dataclass
@@ -29,6 +30,10 @@ class SimConfig:
     max_queue: int | None = None
     seed: int = 0
     correct_rate: float = 0.7
+    # "flat": every prompt is correct at correct_rate; "spread": a per-prompt difficulty (content.py
+    # task_rate): settled_share of prompts always or never solved, the rest at a rate in [0.2, 0.8]
+    difficulty: str = "flat"
+    settled_share: float = 0.6
     fault_rate: float = 0.0
     fault_kinds: tuple[str, ...] = field(default=DEFAULT_FAULT_KINDS)
     retry_after_s: float = 1.0
@@ -85,7 +90,9 @@ class SimConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
             raise ValueError(f"max_queue must be an integer >= 0 or null, got {self.max_queue!r}")
-        for name in ("fault_rate", "correct_rate"):
+        if self.difficulty not in DIFFICULTIES:
+            raise ValueError(f"difficulty must be one of {', '.join(DIFFICULTIES)}, got {self.difficulty!r}")
+        for name in ("fault_rate", "correct_rate", "settled_share"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {value!r}")

@@ -65,6 +65,26 @@ def question_answer(canon: bytes) -> str | None:
     return str({"+": x + y, "-": x - y, "*": x * y}[op])
 
 
+Difficulty = tuple[str, float]  # ("flat", _) or ("spread", settled share)
+FLAT: Difficulty = ("flat", 0.0)
+SPREAD_LOW, SPREAD_HIGH = 0.2, 0.8
+
+
+def task_rate(canon: bytes, seed: int, correct_rate: float, difficulty: Difficulty) -> float:
+    """The prompt's chance of a correct rollout. "spread": a hash of the prompt alone (not the rollout)
+    puts it among the settled share, half always solved and half never, or at a rate spread evenly over
+    [SPREAD_LOW, SPREAD_HIGH]; "flat": correct_rate for every prompt."""
+    kind, settled_share = difficulty
+    if kind == "flat":
+        return correct_rate
+    h = hashlib.blake2b(b"%d\x00task\x00%s" % (seed, canon), digest_size=8).digest()
+    pick = int.from_bytes(h[:4], "big") / 2**32
+    spread = int.from_bytes(h[4:], "big") / 2**32
+    if pick < settled_share:
+        return 1.0 if pick < settled_share / 2 else 0.0
+    return SPREAD_LOW + (SPREAD_HIGH - SPREAD_LOW) * spread
+
+
 def answer_for(digest: bytes, expected: str | None, correct_rate: float) -> str:
     """The expected answer with probability correct_rate, else a hash-derived number that is not it."""
     roll = int.from_bytes(digest[:4], "big") / 2**32
@@ -84,13 +104,14 @@ def completion(
     correct_rate: float,
     min_tok: int,
     max_tok: int,
+    difficulty: Difficulty = FLAT,
 ) -> Completion:
     """Generate one rollout's content (uncached; see ContentModel for the cached path)."""
     canon = canonical(messages)
     digest = prompt_digest(canon, rollout, seed)
     if expected is None:
         expected = question_answer(canon)
-    answer = answer_for(digest, expected, correct_rate)
+    answer = answer_for(digest, expected, task_rate(canon, seed, correct_rate, difficulty))
     span = max(0, max_tok - min_tok)
     tokens = min_tok + (int.from_bytes(digest[8:12], "big") % (span + 1))
     n_words = max(1, tokens - 6)
@@ -104,8 +125,11 @@ def completion(
 class ContentModel:
     """completion() behind a small LRU: retries and repeated runs of one rollout cost a dict lookup."""
 
-    def __init__(self, seed: int, correct_rate: float, min_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self, seed: int, correct_rate: float, min_tokens: int, max_tokens: int, difficulty: Difficulty = FLAT
+    ) -> None:
         self.args = (seed, correct_rate, min_tokens, max_tokens)
+        self.difficulty = difficulty
         self.cache: OrderedDict[tuple[bytes, Draw, str | None], Completion] = OrderedDict()
 
     def get(self, messages: Any, rollout: Draw, expected: str | None) -> Completion:
@@ -116,7 +140,7 @@ class ContentModel:
             self.cache.move_to_end(key)
             return hit
         seed, rate, lo, hi = self.args
-        made = completion(messages, rollout, seed, expected, rate, lo, hi)
+        made = completion(messages, rollout, seed, expected, rate, lo, hi, self.difficulty)
         self.cache[key] = made
         if len(self.cache) > CACHE_SIZE:
             self.cache.popitem(last=False)

@@ -97,7 +97,13 @@ class Simulator:
             else Capacity(config, self.counters)
         )
         self.faults = Faults(config, self.counters)
-        self.content = ContentModel(config.seed, config.correct_rate, config.min_tokens, config.max_tokens)
+        self.content = ContentModel(
+            config.seed,
+            config.correct_rate,
+            config.min_tokens,
+            config.max_tokens,
+            (config.difficulty, config.settled_share),
+        )
         self.prefix_cache = PrefixCache(config.prefix_cache_prompts, self.counters)
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:

@@ -9,6 +9,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -20,14 +21,17 @@ from rollflow.tasks.collect.rollouts import (
     CollectContext,
     RolloutBatch,
     RolloutKey,
+    WorkItem,
     prepare_row,
     run_rollouts,
 )
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
+from rollflow.tasks.collect.settle import OPEN, SETTLED, chunk_outcomes, decide, first_rollouts, marked
 from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 log = logging.getLogger(__name__)
+SETTLE_GROUP_TASKS = 16  # settling: tasks decided together; a group's rest runs beside other groups' first
 RUNNER_STOP_S = 5.0  # how long a failed attempt waits for its cancelled requests to end before it goes on
 
 
@@ -197,14 +201,27 @@ async def collect_chunk(ctx: CollectContext, chunk: ChunkSpec, attempt: int = 1)
     started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
     batch = await _collect_missing(ctx, chunk, rows, found.kept, found.floor)
-    keys = [(task_index, r) for task_index, _ in rows for r in range(ctx.collection.num_repeats)]
+    settled = _settled(ctx, [task_index for task_index, _ in rows], batch, found)
+    keys = [
+        (task_index, r)
+        for task_index, _ in rows
+        for r in range(settled.get(task_index, ctx.collection.num_repeats))
+    ]
     data = b"".join(batch.results[key] + b"\n" for key in keys if key in batch.results)
     fail_data = b"".join(batch.failures[key] + b"\n" for key in sorted(batch.failures)) or None
     manifest = _manifest(ctx, chunk, batch, found, len(data), started_at, time.perf_counter() - t0, attempt)
+    manifest.settled = settled
+    manifest.rows_expected = len(keys)
+    if settled:  # rollouts never requested, so progress displays take them out of the plan
+        manifest.stats["settled_rollouts"] = chunk.good_rows * ctx.collection.num_repeats - len(keys)
+    if ctx.collection.settle_after is not None or ctx.collection.until_learnable is not None:
+        outcomes = chunk_outcomes(keys, batch.results, ctx.correct_threshold, batch.rewards)
+        manifest.stats["mixed_tasks"] = outcomes.mixed()
     await asyncio.to_thread(ctx.ledger.commit, chunk.index, data, fail_data, manifest)
     parts_left = await _delete_parts(ctx, chunk.index)
     done, failed = len(batch.results), len(batch.failures)
-    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=done, failed=failed, run=ctx.run))
+    unasked = manifest.stats.get("settled_rollouts", 0)
+    hub.emit(ProgressEvent("chunk", chunk=chunk.index, done=done, failed=failed, run=ctx.run, total=unasked))
     return ChunkOutcome(
         manifest,
         skipped=False,
@@ -225,18 +242,56 @@ async def _collect_missing(
 ) -> RolloutBatch:
     """Run the rollouts `kept` lacks, saving parts as they finish; the batch holds kept and new lines.
     `floor`: (rows, failed) of the chunk's earlier commit, where its progress goes back if it is abandoned."""
-    k = ctx.collection.num_repeats
+    k, first = ctx.collection.num_repeats, first_rollouts(ctx.collection)
     batch = RolloutBatch(results=dict(kept))
-    todo = (
-        (task_index, prepare_row(row, ctx.collection, ctx.backend.sources), r)
-        for task_index, row in rows
-        for r in range(k)
-        if (task_index, r) not in kept
-    )
+
+    def todo(rollouts: range, group: list[tuple[int, dict[str, Any]]]) -> Iterator[WorkItem]:
+        return (
+            (task_index, prepare_row(row, ctx.collection, ctx.backend.sources), r)
+            for task_index, row in group
+            for r in rollouts
+            if (task_index, r) not in batch.results
+        )
+
+    async def both_phases(group: list[tuple[int, dict[str, Any]]]) -> None:
+        """The group's first rollouts; with settling, then the rest of its tasks left open."""
+        await run_rollouts(ctx, todo(range(first), group), batch, chunk=chunk.index)
+        if first < k:
+            tasks = [task_index for task_index, _ in group]
+            decisions = decide(tasks, batch.results, first, ctx.correct_threshold, batch.rewards)
+            left = [(t, row) for t, row in group if decisions[t] == OPEN]
+            await run_rollouts(ctx, todo(range(first, k), left), batch, chunk=chunk.index)
+
+    async def all_groups() -> None:
+        """Settling: groups of tasks at once, so one group's rest runs while others get their first
+        rollouts and the limit never drains at a phase boundary; without it, one pass."""
+        if first == k:
+            return await both_phases(rows)
+        async with asyncio.TaskGroup() as tg:
+            for i in range(0, len(rows), SETTLE_GROUP_TASKS):
+                tg.create_task(both_phases(rows[i : i + SETTLE_GROUP_TASKS]))
+
     hub.emit(ProgressEvent("attempt", chunk=chunk.index, done=len(kept), run=ctx.run, floor=floor))
-    runner = asyncio.create_task(run_rollouts(ctx, todo, batch, chunk=chunk.index))
+    runner = asyncio.create_task(all_groups())
     await _Flusher(ctx, chunk.index, batch, len(kept)).run(runner)
     return batch
+
+
+def _settled(ctx: CollectContext, tasks: list[int], batch: RolloutBatch, found: Adoptable) -> dict[int, int]:
+    """Task -> M for the tasks settled after their first M rollouts; rows past M of a settled task (none
+    are ever requested) are dropped, so the commit holds exactly what the rule gives."""
+    after = ctx.collection.settle_after
+    if after is None:
+        return {}
+    decisions = decide(tasks, batch.results, after, ctx.correct_threshold, batch.rewards)
+    settled = {t: after for t, d in decisions.items() if d == SETTLED}
+    for key in [key for key in batch.results if key[0] in settled]:
+        if key[1] >= after:
+            del batch.results[key]
+            found.probes.pop(key, None)
+        else:
+            batch.results[key] = marked(batch.results[key], after)
+    return settled
 
 
 def _manifest(

@@ -69,6 +69,12 @@ def rollout_config(spec: RunSpec) -> dict[str, Any]:
         "skip_bad_rows": spec.collection.skip_bad_rows,
         # only when set, so outputs written before --seed existed keep their identity
         **({"seed": spec.collection.seed} if spec.collection.seed is not None else {}),
+        # settling decides which rollouts exist, at the correct threshold: both define the run when set
+        **(
+            {"settle_after": spec.collection.settle_after, "correct_threshold": spec.verify.correct_threshold}
+            if spec.collection.settle_after is not None
+            else {}
+        ),
     }
 
 

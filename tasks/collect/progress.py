@@ -76,9 +76,11 @@ class RolloutCount:
             self.done += done - old[0]
             self.failed += failed - old[1]
             return True
-        if event.kind == "chunk":
+        if event.kind == "chunk":  # committed; `total`: its rollouts settling left out of the plan
             self.chunks.pop(event.chunk, None)
             self.floors.pop(event.chunk, None)
+            self.total -= event.total
+            return bool(event.total)
         return False
 
     @property

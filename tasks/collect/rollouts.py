@@ -48,6 +48,7 @@ class CollectContext:
     observers: tuple[AttemptObserver, ...] = ()
     pool: EndpointPool = field(default=None)  # type: ignore[assignment]
     run: str | None = None  # names the run in progress events (a worker process serves several runs)
+    correct_threshold: float = 1.0  # a rollout is correct at reward >= this (statistics and settling)
 
     def __post_init__(self) -> None:
         if self.pool is None:
@@ -109,6 +110,7 @@ class RolloutBatch:
     failures: dict[RolloutKey, bytes] = field(default_factory=dict)
     stats: RolloutStats = field(default_factory=RolloutStats)
     records: list[RequestRecord] = field(default_factory=list)
+    rewards: dict[RolloutKey, float] = field(default_factory=dict)  # of `results` answered here (settling)
 
 
 def prepare_row(
@@ -194,7 +196,9 @@ async def _run_one(
     tokens = 0
     key = (task_index, rollout)
     try:
-        batch.results[key], tokens = await _rollout_line(ctx, client, row, task_index, rollout, batch.stats)
+        batch.results[key], tokens, batch.rewards[key] = await _rollout_line(
+            ctx, client, row, task_index, rollout, batch.stats
+        )
         hub.emit(ProgressEvent("rollouts", done=1, chunk=chunk, run=ctx.run))
     except Exception as exc:
         failure = exc if isinstance(exc, BackendError) else _unexpected(exc)
@@ -211,8 +215,8 @@ async def _rollout_line(
     task_index: int,
     rollout: int,
     stats: RolloutStats,
-) -> tuple[bytes, int]:
-    """One rollout, verified, as its output JSONL line (bytes, no newline), and its output tokens."""
+) -> tuple[bytes, int, float]:
+    """One rollout, verified, as its output JSONL line (bytes, no newline), its output tokens and reward."""
     t0 = time.perf_counter()
     sent, seed = _seeded(ctx, row, task_index, rollout)
     result: RolloutResult = await client.rollout(sent, task_index, rollout)
@@ -240,7 +244,7 @@ async def _rollout_line(
     out["_rf"] = rf = rollflow_fields(result.attempts, seed)
     if ctx.collection.record_latency:
         rf["latency_s"] = round(result.latency_s, 6)
-    return rowjson.dumps(out), result.output_tokens
+    return rowjson.dumps(out), result.output_tokens, reward
 
 
 async def _verify(verifier: Verifier, row: dict[str, Any], result: RolloutResult) -> float:

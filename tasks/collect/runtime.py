@@ -111,6 +111,7 @@ def collect_context(
         verifier=verifier,
         limit=limit,
         pool=pool,
+        correct_threshold=spec.verify.correct_threshold,
     )
 
 

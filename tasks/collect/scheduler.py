@@ -31,6 +31,8 @@ class Scheduled:
     errors: list[Exception] = field(default_factory=list)
     stopped: bool = False
     peak_running: int = 0
+    started: set[int] = field(default_factory=set)  # chunk indices handed to `run`
+    target_reached: bool = False  # `enough` said so: the chunks left were never started
 
 
 class ChunkCancelled(Exception):
@@ -53,12 +55,14 @@ async def run_chunks(
     in_flight: int,
     deadline_s: float | None = None,
     error: Fatal = _keep,
+    enough: Callable[[list[ChunkOutcome]], bool] | None = None,
 ) -> Scheduled:
     """Run every chunk through `run`, at most `in_flight` at once, until done or `deadline_s` passes.
 
     A chunk that raises is counted as that chunk's error (`error` may re-raise instead, e.g. for a signal).
     At the deadline, or when this coroutine is cancelled, every running chunk is cancelled and awaited
-    before this returns or raises, so no chunk of the run outlives it.
+    before this returns or raises, so no chunk of the run outlives it. `enough` (the outcomes so far)
+    stops the starting of chunks once it holds (--until-learnable); the chunks running then finish.
     """
     done = Scheduled()
     gate = asyncio.Semaphore(max(1, in_flight))
@@ -95,6 +99,11 @@ async def run_chunks(
         async with asyncio.timeout(deadline_s), asyncio.TaskGroup() as group:
             for chunk in chunks:
                 await gate.acquire()
+                if enough is not None and enough(done.outcomes):
+                    done.target_reached = True
+                    gate.release()
+                    break
+                done.started.add(chunk.index)
                 group.create_task(one(chunk))
     except TimeoutError:
         done.stopped = True

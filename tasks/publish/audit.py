@@ -33,6 +33,8 @@ class ChunkAudit:
     missing_reward: int = 0
     failed: int = 0
     output_tokens: int = 0
+    settled_tasks: int = 0  # --settle-after: tasks that settled after their first rollouts
+    settled_rollouts: int = 0  # their rollouts never requested: not expected, never missing
     sha_matches: bool = True
     committed: bool = True
     data_lost: bool = False
@@ -95,12 +97,20 @@ def audit_chunk(
         same = cached.get("rewards", {}).get("threshold") == threshold and "agents" in cached
         if cached.pop("stamp", None) == stamp and cached.get("sha256") == manifest.sha256 and same:
             return ChunkAudit(**{k: v for k, v in cached.items() if k in AUDIT_FIELDS})
+    unasked = sum(num_repeats - n for n in manifest.settled.values())
     check = _LineCheck(
-        ChunkAudit(chunk=spec.index, expected=spec.good_rows * num_repeats, failed=manifest.failed),
+        ChunkAudit(
+            chunk=spec.index,
+            expected=spec.good_rows * num_repeats - unasked,
+            failed=manifest.failed,
+            settled_tasks=len(manifest.settled),
+            settled_rollouts=unasked,
+        ),
         range(spec.first_task, spec.first_task + spec.num_tasks),
         num_repeats,
         RewardStats(threshold=threshold, max_k=num_repeats),
         TaskGrouper(threshold),
+        settled=manifest.settled,
     )
     digest = hashlib.sha256()
     with ledger.open_chunk(spec.index) as fh:
@@ -164,15 +174,25 @@ class _LineCheck:
     num_repeats: int
     stats: RewardStats
     grouper: TaskGrouper
+    settled: dict[int, int] = field(default_factory=dict)  # task -> rollouts it got before it settled
     seen: set[tuple[int, int]] = field(default_factory=set)
     last: tuple[int, int] = (-1, -1)
     task_lines: list[bytes] = field(default_factory=list)  # one short line per task of this chunk
     story: RowStory = field(default_factory=RowStory)
 
     def task_done(self, task: Any) -> None:
-        if task is not None:
-            self.stats.add_task(task)
-            self.task_lines.append(task.as_line())
+        if task is None:
+            return
+        after = self.settled.get(task.index)
+        if after is not None and (0 < task.correct < task.rollouts or task.rollouts != after):
+            self.audit.invalid += 1
+            self.audit.problems.append(
+                f"task {task.index} is recorded as settled after {after} rollouts, but holds {task.rollouts} "
+                f"with {task.correct} correct: the settle rule does not give that"
+            )
+            after = None
+        self.stats.add_task(task, settled=after is not None)
+        self.task_lines.append(task.as_line() if after is None else task.as_line(settled_after=after))
 
     def line(self, lineno: int, line: bytes) -> None:
         audit = self.audit
@@ -183,7 +203,7 @@ class _LineCheck:
             audit.invalid += 1
             audit.problems.append(f"line {lineno}: not a valid output row ({exc.problem})")
             return
-        if key[0] not in self.tasks or not 0 <= key[1] < self.num_repeats:
+        if key[0] not in self.tasks or not 0 <= key[1] < self.settled.get(key[0], self.num_repeats):
             audit.invalid += 1
             audit.problems.append(f"line {lineno}: (task, rollout) {key} is outside this chunk")
             return
@@ -229,6 +249,8 @@ class AuditSummary:
     out_of_order: int = 0
     missing_reward: int = 0
     output_tokens: int = 0
+    settled_tasks: int = 0
+    settled_rollouts: int = 0  # never requested under --settle-after: not in rows_expected, never missing
     chunks_total: int = 0
     chunks_committed: int = 0
     sha_mismatches: int = 0
@@ -275,6 +297,8 @@ class AuditSummary:
         self.out_of_order += audit.out_of_order
         self.missing_reward += audit.missing_reward
         self.output_tokens += audit.output_tokens
+        self.settled_tasks += audit.settled_tasks
+        self.settled_rollouts += audit.settled_rollouts
         for name, figures in audit.agents.items():
             _agent_add(self.agents, name, **figures)
         if audit.story:

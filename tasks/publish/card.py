@@ -63,6 +63,8 @@ def _facts(report: dict[str, Any]) -> dict[str, Any]:
         "origin": story.get("origin") or {"input": report["input"]},
         "returned": story.get("returned"),
         "sent": story.get("sent"),
+        "settling": report.get("settling"),
+        "until_learnable": report.get("until_learnable"),
     }
 
 
@@ -145,7 +147,20 @@ def _story(facts: dict[str, Any]) -> list[str]:
         )
     else:
         lines.append("Rewards as the agent server returned them.")
-    return [" ".join(lines)]
+    out = [" ".join(lines)]
+    settling = facts.get("settling")
+    if settling:
+        out += [
+            "",
+            f"**Settling (--settle-after {settling['settle_after']})**: {settling['rule']}. "
+            f"{settling['settled_tasks']:,} tasks were settled, and their "
+            f"{settling['rollouts_not_requested']:,} later rollouts never requested; the tasks file marks "
+            "each with `settled_after`. Statistics are over the rollouts that exist; a settled task counts "
+            "at its one outcome in pass@k.",
+        ]
+    if facts.get("until_learnable"):
+        out += ["", f"**Until learnable**: {facts['until_learnable']['reason']}."]
+    return out
 
 
 def _tables(facts: dict[str, Any]) -> list[str]:

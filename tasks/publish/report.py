@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from rollflow.tasks.collect.forecast import forecast_markdown
+from rollflow.tasks.collect.settle import settling_markdown
 from rollflow.tasks.publish.audit import AuditSummary, agent_rows
 from rollflow.tasks.publish.control_plot import CONTROL_PNG, control_markdown, control_png
 from rollflow.tasks.publish.endpoints import agents_markdown, endpoints_markdown
@@ -180,6 +182,12 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
     if report.get("stages"):
         lines += ["", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
+    if report.get("settling"):
+        lines += ["", settling_markdown(report["settling"])]
+    if report.get("until_learnable"):
+        lines += ["", "## Until learnable", "", report["until_learnable"]["reason"] + ".", ""]
+    if report.get("forecast"):
+        lines += ["", forecast_markdown(report["forecast"])]
     if report.get("rewards"):
         lines += ["", rewards_markdown(report["rewards"], image=images.get(REWARDS_PNG, REWARDS_PNG))]
     if report.get("story"):

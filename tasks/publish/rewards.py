@@ -171,6 +171,7 @@ class RewardStats:
     task_means: Histogram = field(default_factory=Histogram)
     pass_sum: dict[int, float] = field(default_factory=dict)
     pass_tasks: dict[int, int] = field(default_factory=dict)
+    settled: int = 0  # tasks settled after their first rollouts (--settle-after), among `tasks`
 
     def state(self) -> dict[str, Any]:
         """Everything, JSON-ready and exact (the audit cache keeps a chunk's stats between runs)."""
@@ -201,10 +202,18 @@ class RewardStats:
         self.max_reward = reward if self.max_reward is None else max(self.max_reward, reward)
         self.rewards.add(reward)
 
-    def add_task(self, task: TaskRewards, rewards: Iterable[float] | None = None) -> None:
-        """One finished task; with `rewards`, its rollouts' rewards too."""
+    def add_task(
+        self, task: TaskRewards, rewards: Iterable[float] | None = None, settled: bool = False
+    ) -> None:
+        """One finished task; with `rewards`, its rollouts' rewards too.
+
+        A `settled` task (its first rollouts all correct or all wrong, so it got no more) counts in
+        pass@k at its one outcome for every k: 1 when all were correct, 0 when none was (SETTLED_PASS_RULE).
+        """
         if not 0 <= task.correct <= task.rollouts or task.rollouts < 1:
             raise ValueError(f"task {task.index}: {task.correct} correct of {task.rollouts} rollouts")
+        if settled and 0 < task.correct < task.rollouts:
+            raise ValueError(f"task {task.index} is settled with mixed outcomes")
         for reward in rewards or ():
             self.add_reward(reward)
         self.tasks += 1
@@ -215,10 +224,12 @@ class RewardStats:
             self.none_correct += 1
         else:
             self.mixed += 1
-        if task.rollouts < self.max_k:  # a task with failed rollouts is left out of every k alike
+        self.settled += int(settled)
+        if task.rollouts < self.max_k and not settled:  # a task with failed rollouts: left out of every k
             return
         for k in pass_ks(self.max_k):
-            self.pass_sum[k] = self.pass_sum.get(k, 0.0) + unbiased_pass_at_k(task.rollouts, task.correct, k)
+            value = float(task.correct > 0) if settled else unbiased_pass_at_k(task.rollouts, task.correct, k)
+            self.pass_sum[k] = self.pass_sum.get(k, 0.0) + value
             self.pass_tasks[k] = self.pass_tasks.get(k, 0) + 1
 
     def merge(self, other: RewardStats) -> None:
@@ -232,6 +243,7 @@ class RewardStats:
         self.all_correct += other.all_correct
         self.none_correct += other.none_correct
         self.mixed += other.mixed
+        self.settled += other.settled
         for k, value in other.pass_sum.items():
             self.pass_sum[k] = self.pass_sum.get(k, 0.0) + value
             self.pass_tasks[k] = self.pass_tasks.get(k, 0) + other.pass_tasks[k]
@@ -280,7 +292,15 @@ class RewardStats:
             "mixed": self._share(self.mixed),
             "pass_at_k": {str(k): round(v, 6) for k, v in self.pass_at_k().items()},
             "pass_at_k_tasks": {str(k): n for k, n in sorted(self.pass_tasks.items())},
+            "settled": self._share(self.settled),
+            **({"settled_rule": SETTLED_PASS_RULE} if self.settled else {}),
         }
+
+
+SETTLED_PASS_RULE = (
+    "statistics are over the rollouts that exist; a settled task counts as all correct or none correct by "
+    "its first rollouts, and in pass@k at that one outcome for every k (1 or 0)"
+)
 
 
 def _shares(d: dict[str, Any]) -> str:
@@ -323,6 +343,13 @@ def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
         share = d[key]["share"]
         lines.append(f"| {label} | {d[key]['tasks']:,} | {shown_share(share)} |")
     lines += [f"| **all** | {d['tasks']:,} | |", ""]
+    settled = d.get("settled") or {}
+    if settled.get("tasks"):
+        lines += [
+            f"{settled['tasks']:,} tasks ({shown_share(settled['share'])}) were settled after their first "
+            f"rollouts (--settle-after): {d['settled_rule']}.",
+            "",
+        ]
     if d["pass_at_k"]:
         behind = d.get("pass_at_k_tasks", {})
         lines += [

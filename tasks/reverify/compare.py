@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from rollflow.tasks.collect.settle import SETTLED_AFTER
 from rollflow.tasks.publish.audit import AUDIT_DIR, tasks_path
 from rollflow.tasks.publish.rewards import RewardStats, TaskRewards
 from rollflow.tasks.publish.row_stats import RowStory
@@ -19,7 +20,7 @@ from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 TOP_TASKS = 10
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 FAILED = "failed"  # the before side of a rollout the source had no reward for
 
 
@@ -29,13 +30,22 @@ class _Task:
 
     after: TaskRewards
     before: TaskRewards
+    settled_after: int | None = None  # the collection settled it (--settle-after): its rows say so
 
     @classmethod
     def at(cls, index: int) -> _Task:
         return cls(TaskRewards(index, 0, 0, 0.0), TaskRewards(index, 0, 0, 0.0))
 
     def line(self) -> bytes:
-        return self.after.as_line(previous_mean_reward=self.before.mean if self.before.rollouts else None)
+        previous = self.before.mean if self.before.rollouts else None
+        if self.settled_after is None:
+            return self.after.as_line(previous_mean_reward=previous)
+        return self.after.as_line(previous_mean_reward=previous, settled_after=self.settled_after)
+
+    def unanimous(self, task: TaskRewards) -> bool:
+        """Settled and still one outcome: the new rewards may split a task the old ones settled, and
+        then it counts as any short task (its rollouts stay as they were either way)."""
+        return self.settled_after is not None and task.correct in (0, task.rollouts)
 
     def delta(self) -> float | None:
         if not self.after.rollouts or not self.before.rollouts:
@@ -89,9 +99,9 @@ class _Pass:
         if task is None or not task.after.rollouts:
             return
         self.lines.append(task.line())
-        self.after.add_task(task.after)
+        self.after.add_task(task.after, settled=task.unanimous(task.after))
         if task.before.rollouts:
-            self.before.add_task(task.before)
+            self.before.add_task(task.before, settled=task.unanimous(task.before))
         delta = task.delta()
         if delta is not None:
             item = [abs(delta), task.after.index, task.before.mean, task.after.mean]
@@ -129,6 +139,8 @@ class _Pass:
             self.close_task()
         if self.task is None:
             self.task = _Task.at(key[0])
+        if rowjson.is_reward(rf.get(SETTLED_AFTER)):
+            self.task.settled_after = int(rf[SETTLED_AFTER])
         self.after.add_reward(float(reward))
         self.task.after.add(reward, self.threshold)
         if old is not None:

@@ -201,7 +201,7 @@ class Board:
         self.finished.add(index)
         hub.emit(ProgressEvent("attempt", chunk=index, done=outcome.manifest.rows))
         hub.emit(ProgressEvent("rollouts", chunk=index, failed=outcome.manifest.failed))
-        hub.emit(ProgressEvent("chunk", chunk=index))
+        hub.emit(ProgressEvent("chunk", chunk=index, total=outcome.manifest.stats.get("settled_rollouts", 0)))
 
     def abandon(self, index: int) -> None:
         """On the loop: a chunk that failed for good; the rounds' counts of it are dropped from now on (the

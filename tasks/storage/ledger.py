@@ -60,6 +60,9 @@ class ChunkManifest(BaseModel):
     attempt: int
     stats: dict[str, Any] = Field(default_factory=dict)
     run_id: str = ""
+    # --settle-after: task index -> the rollouts it got before it settled (its later ones were never
+    # requested, so they are not expected); empty without settling.
+    settled: dict[int, int] = Field(default_factory=dict)
 
 
 class IdentityMismatch(Exception):

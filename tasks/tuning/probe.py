@@ -36,6 +36,7 @@ from rollflow.tasks.collect.rollouts import (
     run_rollouts,
 )
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
+from rollflow.tasks.collect.settle import first_rollouts
 from rollflow.tasks.storage.ledger import Ledger
 from rollflow.tasks.tuning.engine import EngineStep, engine_step, fed_window, sample_mid_step
 from rollflow.tasks.tuning.fail_fast import all_failed, first_failure, rejection, until_all_fail
@@ -276,6 +277,7 @@ class ProbeFeed:
 
     def _generate(self) -> Iterator[WorkItem]:
         k = self.ctx.collection.num_repeats
+        first = first_rollouts(self.ctx.collection)  # with settling, a probe never asks past a task's first M
         for chunk in self.plan.pending:
             done: set[RolloutKey] = set(chunk_part_rollouts(self.ctx.ledger, chunk, k).kept)
             if chunk.index in self.plan.committed:
@@ -288,7 +290,7 @@ class ProbeFeed:
                 self.ctx.collection.overrides,
             ):
                 prepared = prepare_row(row, self.ctx.collection, self.ctx.backend.sources)
-                for r in range(k):
+                for r in range(first):
                     if (task_index, r) not in done:
                         yield task_index, prepared, r
 
