@@ -102,6 +102,7 @@ CONCURRENT = {
     "test_serve",
     "test_sessions_closed",
     "test_setting_edges",
+    "test_settle",
     "test_settings_sources",
     "test_share_book_errors",
     "test_share_channel_end",
