@@ -329,11 +329,9 @@ def test_reverify_on_a_dask_cluster_equals_the_local_one(
     assert report["metrics"]["chunks_run"] == len(list((out / "chunks").glob("*.json"))) > 1
 
 
-def test_reverify_of_a_rangeless_http_source_with_credentials_in_its_url(
-    run_cli, collections, tmp_path
-) -> None:
-    """A dataset on `python -m http.server` (no Range requests) read chunk by chunk from byte offsets; the
-    URL's user:password never reaches report.json, report.md, run.json or the card."""
+def test_reverify_of_a_rangeless_http_source(run_cli, collections, tmp_path) -> None:
+    """A dataset on `python -m http.server` (no Range requests) read chunk by chunk from byte offsets. A
+    user:password in such a URL is refused (test_redaction): it reached Prefect's flow run parameters."""
     import subprocess
     import sys
 
@@ -347,7 +345,7 @@ def test_reverify_of_a_rangeless_http_source_with_credentials_in_its_url(
     )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/", 30, server)
-        url, out = f"http://reader:pw-s3cr3t-77@127.0.0.1:{port}/rollouts.jsonl", tmp_path / "from_http"
+        url, out = f"http://127.0.0.1:{port}/rollouts.jsonl", tmp_path / "from_http"
         res = run_cli("reverify", url, "--output", str(out), "--verifier", "math_fast", "--chunk-size", "25")
     finally:
         server.kill()
@@ -355,8 +353,7 @@ def test_reverify_of_a_rangeless_http_source_with_credentials_in_its_url(
     assert res.returncode == 0, res.stderr
     assert rewards(out / "rollouts.jsonl") == rewards(collections["math_fast"] / "rollouts.jsonl")
     for name in ("report.json", "report.md", "run.json", "README.md"):
-        text = (out / name).read_text()
-        assert "pw-s3cr3t-77" not in text and "127.0.0.1" in text, name
+        assert url in (out / name).read_text(), name
 
 
 def test_an_output_inside_the_source_is_refused_before_anything_is_written(
