@@ -425,3 +425,14 @@ def test_disk_full_while_committing_a_chunk_is_one_paragraph(run_cli, fast_sim, 
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     message = one_paragraph(res.stderr)
     assert "no space left on device (ENOSPC)" in message and "run the same command again" in message, message
+
+
+def test_a_users_readme_in_a_folder_that_never_held_a_run_is_not_replaced(run_cli, fast_sim, tmp_path):
+    """A README.md or report.md in a new output folder was replaced by the card and the report, silently."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_bytes(USER_FILE)
+    res = run_cli(*args_for(write_rows(tmp_path / "in.jsonl", 10), out, fast_sim.url))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "README.md, which no rollflow run wrote" in one_paragraph(res.stderr)
+    assert (out / "README.md").read_bytes() == USER_FILE and not (out / "run.json").exists()

@@ -10,7 +10,16 @@ from typing import Any
 
 from rollflow.tasks.collect.rows import InputError
 from rollflow.tasks.storage.ledger import Ledger
-from rollflow.tasks.storage.owned import CARDS, DATASET, TASKS, has_record, is_owned, location, same_object
+from rollflow.tasks.storage.owned import (
+    CARDS,
+    DATASET,
+    TASKS,
+    UNRECORDED,
+    has_record,
+    is_owned,
+    location,
+    same_object,
+)
 from rollflow.tasks.storage.store import Store
 
 TASKS_SUFFIX = ".tasks.jsonl"  # per-task reward lines, published beside the dataset
@@ -95,6 +104,7 @@ def check_paths(
             f"{dataset_url.rstrip('/')}/rollouts.jsonl). No request was sent."
         )
     _check_dataset_owned(dataset_url, output_url, dataset_options, store, ds_fs.exists(dataset))
+    _check_fresh_output(store)
     for name, published in (("failures sidecar", sidecar_url), ("aggregate metrics", metrics_url)):
         if location(published(dataset_url), dataset_options)[:2] == (where, inp):
             raise InputError(
@@ -106,6 +116,20 @@ def check_paths(
     _check_beside(input_url, beside, TASKS, (where, inp), dataset_options, store, dataset_url)
     if card is not None and not owns_card_folder(card):  # the output's own README.md is rewritten freely
         _check_beside(input_url, card, CARDS, (where, inp), dataset_options, store, dataset_url)
+
+
+def _check_fresh_output(store: Store) -> None:
+    """A folder that never held a run keeps its own files: a user's README.md or report.md there was
+    replaced by the card and the report without a word."""
+    if store.exists("run.json") or has_record(store):
+        return
+    found = [name for name in UNRECORDED if store.exists(name)]  # a run's fixed names in its output
+    if found:
+        raise InputError(
+            f"The output {store.root_url} holds {', '.join(found)}, which no rollflow run wrote there; the "
+            f"run writes its card and report under those names and never replaces a file it did not write. "
+            f"Move {'it' if len(found) == 1 else 'them'}, or choose another --output. No request was sent."
+        )
 
 
 def _check_dataset_owned(
