@@ -616,6 +616,14 @@ class PrefectSettings(Settings):
         le=MAX_SECONDS,
         description="How long a run waits for the Prefect server it started (kept or ephemeral) to answer",
     )
+    idle_stop_s: float = Field(
+        3600.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="The kept server stops after this many seconds with no flow run under way and no "
+        "deployment served (an idle server still uses part of a core); the next run starts it again. "
+        "0: it stays until `prefect server stop`",
+    )
 
 
 class RollflowSettings(BaseSettings):

@@ -98,6 +98,26 @@ def test_local_server_is_started_once_and_kept(
     assert _flow_runs(api) == 2
 
 
+def test_the_kept_server_stops_when_idle_and_the_next_run_starts_it(
+    run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
+) -> None:
+    """The kept server burned 8-12% of a core while idle, for as long as it lived."""
+    api = f"http://127.0.0.1:{no_api['PREFECT_SERVER_API_PORT']}/api"
+    env = {**no_api, "ROLLFLOW_PREFECT__IDLE_STOP_S": "4"}
+    first, _ = _collect(run_cli, tmp_path / "first", fast_sim, env)
+    assert "it stops after 4 s idle" in first.stderr, first.stderr
+    deadline = time.monotonic() + 120
+    while answers(api) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not answers(api), "the idle server did not stop"
+    assert not (Path(no_api["PREFECT_HOME"]) / "server.pid").exists()
+    second, report = _collect(
+        run_cli, tmp_path / "second", fast_sim, {**env, "ROLLFLOW_PREFECT__IDLE_STOP_S": "0"}
+    )
+    assert STARTED in second.stderr and "idle" not in second.stderr.split(STARTED)[1].split(")")[0]
+    assert report["prefect_api"] == "local server, started" and _flow_runs(api) == 2
+
+
 def test_ephemeral_setting_keeps_no_server(
     run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollflow.flows.cli.errors import UsageError, load_settings
+from rollflow.flows.cli.idle_stop import start_watcher
 from rollflow.flows.cli.local_server import (
     LocalServer,
     LocalServerError,
@@ -68,18 +69,20 @@ class PrefectApi:
 def command_api(started_at: float) -> PrefectApi:
     """The API of a command's runs, chosen as ROLLFLOW_PREFECT__* say (a bad setting is a UsageError)."""
     prefect = load_settings().prefect
-    return choose_api(started_at, prefect.local_server, prefect.start_timeout_s)
+    return choose_api(started_at, prefect.local_server, prefect.start_timeout_s, prefect.idle_stop_s)
 
 
-def choose_api(started_at: float, local_server: str = "keep", start_timeout_s: float = 180.0) -> PrefectApi:
+def choose_api(
+    started_at: float, local_server: str = "keep", start_timeout_s: float = 180.0, idle_stop_s: float = 0.0
+) -> PrefectApi:
     """Configured URL, else a server at the profile's address, else one started per `local_server`."""
     began_s = max(0.0, time.time() - started_at)
-    api = _choose(local_server, start_timeout_s)
+    api = _choose(local_server, start_timeout_s, idle_stop_s)
     api.began_s, api.start_timeout_s = began_s, start_timeout_s
     return api
 
 
-def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
+def _choose(local_server: str, start_timeout_s: float, idle_stop_s: float) -> PrefectApi:
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
@@ -91,7 +94,7 @@ def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
         local = f"http://127.0.0.1:{port}/api"
         if answers(local):
             return PrefectApi(local, "local server")
-        return _start_local(LocalServer(home, port))
+        return _start_local(LocalServer(home, port), idle_stop_s)
     local = f"http://127.0.0.1:{settings.server.api.port}/api"
     if answers(local) and serves_home(local, home):  # started by hand with this home
         return PrefectApi(local, "local server")
@@ -101,7 +104,7 @@ def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
             taken, port = port, free_port()
             _say(f"127.0.0.1:{taken} is taken by a server of another PREFECT_HOME (or another program); "
                  f"this PREFECT_HOME ({home}) gets its own kept server on port {port}")  # fmt: skip
-        return _start_local(LocalServer(home, port))
+        return _start_local(LocalServer(home, port), idle_stop_s)
     api = PrefectApi(None, "ephemeral")
     if settings.server.ephemeral.enabled:
         api._starting = threading.Thread(target=_start_ephemeral, args=(api, start_timeout_s), daemon=True)
@@ -109,17 +112,19 @@ def _choose(local_server: str, start_timeout_s: float) -> PrefectApi:
     return api
 
 
-def _start_local(server: LocalServer) -> PrefectApi:
+def _start_local(server: LocalServer, idle_stop_s: float) -> PrefectApi:
     try:
         started = server.start()
     except LocalServerError as exc:  # its home cannot hold it: said before any work, as a usage error
         raise UsageError(str(exc)) from None
     if started:
+        start_watcher(server.home, server.api_url, idle_stop_s)
+        idle = f"it stops after {idle_stop_s:g} s idle, " if idle_stop_s > 0 else ""
         _say(
             f"no Prefect API configured: started a Prefect server that stays for later runs, UI "
-            f"{server.ui_url} (stop it with `prefect server stop`; ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral "
-            f"to not keep one); waiting for it to answer (its first start creates its database; "
-            f"ROLLFLOW_PREFECT__START_TIMEOUT_S bounds the wait)"
+            f"{server.ui_url} ({idle}ROLLFLOW_PREFECT__IDLE_STOP_S sets when; `prefect server stop` "
+            f"stops it; ROLLFLOW_PREFECT__LOCAL_SERVER=ephemeral to not keep one); waiting for it to answer "
+            f"(its first start creates its database; ROLLFLOW_PREFECT__START_TIMEOUT_S bounds the wait)"
         )
         return PrefectApi(server.api_url, "local server, started", _local=server)
     _say(f"waiting for the Prefect server starting at {server.ui_url}")
