@@ -30,6 +30,11 @@ class BackendKind(StrEnum):
     chat = "chat"
 
 
+KEEP_CHUNKS = (
+    "Keep each chunk's data object once a JSONL dataset is published (by default it goes once the dataset "
+    "holds it; resume and reverify read it there). A Parquet output always keeps them: its shards do not "
+    "give back the exact rows"
+)
 RAY_TAKES_NONE = "Ray's take none: host:port or ray://host:port"
 
 
@@ -584,8 +589,7 @@ class PipelineSettings(EngineSettings):
     allow_incomplete: bool = Field(False, description="Publish rollouts.jsonl even if the audit failed")
     keep_chunks: bool = Field(
         False,
-        description="Keep each chunk's data object after publishing (by default it goes once the dataset "
-        "holds it; resume and reverify read it there)",
+        description=KEEP_CHUNKS,
     )
     deadline_s: float | None = Field(
         None,

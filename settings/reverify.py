@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rollflow.settings.models import EngineSettings, VerifySettings, no_url_credentials
+from rollflow.settings.models import KEEP_CHUNKS, EngineSettings, VerifySettings, no_url_credentials
 
 # What a verification failure is: only these rollouts hold a response to score again.
 VERIFY_FAILURE_KINDS = ("verifier", "verifier_timeout", "verifier_crash")
@@ -42,8 +42,7 @@ class ReverifySpec(EngineSettings):
     allow_incomplete: bool = Field(False, description="Publish even if some rollouts failed verification")
     keep_chunks: bool = Field(
         False,
-        description="Keep each chunk's data object after publishing (by default it goes once the dataset "
-        "holds it; resume and reverify read it there)",
+        description=KEEP_CHUNKS,
     )
 
     @field_validator("source", "output")

@@ -16,6 +16,7 @@ import orjson
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from rollflow.settings.models import (
+    KEEP_CHUNKS,
     MAX_SECONDS,
     BackendParams,
     BackendSettings,
@@ -83,8 +84,7 @@ class RunSpec(EngineSettings):
     allow_incomplete: bool = Field(False, description="Publish even if the audit found gaps")
     keep_chunks: bool = Field(
         False,
-        description="Keep each chunk's data object after publishing (by default it goes once the dataset "
-        "holds it; resume and reverify read it there)",
+        description=KEEP_CHUNKS,
     )
     deadline_s: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="Stop cleanly after this many seconds; run again to resume"
