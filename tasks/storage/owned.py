@@ -167,11 +167,7 @@ def settle(store: Store, options: dict[str, Any] | None = None) -> None:
     found = _read(store)
     for entries in found.values():
         for entry in (e for e in entries if _outside(e["path"])):
-            _, path, fs = location(_found(store, entry, options), options)
-            try:
-                entry["size"] = int(fs.size(path))
-            except (FileNotFoundError, OSError, TypeError, ValueError):
-                entry["size"] = None
+            entry["size"] = _size(_found(store, entry, options), options)
     _write(store, found)
 
 
