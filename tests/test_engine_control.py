@@ -23,6 +23,7 @@ from rollflow.tasks.tuning.engine_control import (
     Reading,
     decide,
     engine_control,
+    footprint,
     reading,
     start_limit,
 )
@@ -75,6 +76,47 @@ def test_growth_doubles_far_from_limits_and_stops_at_the_kv_projection() -> None
     assert decide(state, r(40, 0, 0.8, 40), OPTS)[0] == 40  # in the band: holds
     assert decide(state, r(40, 0, 0.2, 40), OPTS)[0] == 40  # room once, after a hold: not yet
     assert decide(state, r(40, 0, 0.92, 40), OPTS)[0] == 36  # above kv_high: trims
+
+
+def test_growth_from_below_a_knee_stops_at_it_until_the_engine_runs_more() -> None:
+    """A queue formed at 12 running (another tenant took the engine): the limit, cut to 11, climbs back to
+    12 plus the small queue, not to 22 and back; once the engine runs more than 12, x2 again."""
+    state = EngineState(limit=40)
+    full = Reading(1, 12.0, 28.0, 0.1, 0, 40, running_peak=12.0)
+    assert decide(state, full, OPTS) == (14, "28 waiting for capacity at 12 running: full")
+    state.limit = 11
+    limit, why = twice(state, Reading(1, 11.0, 0.0, 0.1, 0, 11, running_peak=11.0))
+    assert limit == 14 and "knee" in why, why  # 12 + OPTS.min_queue, not 22
+    limit, why = twice(state, Reading(1, 14.0, 0.0, 0.1, 0, 14, running_peak=14.0))
+    assert limit == 28, why  # it ran 14, more than the knee: its capacity came back
+
+
+def test_growth_stops_at_the_requests_the_kv_cache_holds_at_their_finished_size() -> None:
+    """vLLM states 8 requests of full length (16,384 tokens). Before one has finished, the limit stays at
+    8, however empty the cache looks (each request's use grows as it writes); then it grows to the
+    requests of the size finished ones held: 11 of 1,280 tokens at 90%, 115 of one 128-token block."""
+
+    def room(footprint: float | None) -> Reading:
+        return Reading(1, 8.0, 0.0, 0.1, 0, 8, running_peak=8.0, footprint=footprint, cache_tokens=16384,
+                       stated=8.0)  # fmt: skip
+
+    state = EngineState(limit=8)
+    limit, why = twice(state, room(None))
+    assert limit == 8 and "none has ended yet" in why, why
+    assert twice(state, room(1280.0))[0] == 11
+    state = EngineState(limit=8)
+    assert twice(state, room(128.0))[0] == 16  # x2: far below the 115 it holds
+    # an engine that does not count finished requests (no cache_tokens) grows as before
+    assert twice(EngineState(limit=8), r(8, 0, 0.1, 8))[0] == 16
+
+
+def test_the_footprint_is_counted_since_the_run_began_in_whole_blocks() -> None:
+    def at(finished: int, tokens: int) -> EngineSample:
+        return EngineSample(8, 0, 0.1, 0.0, finished=finished, finished_tokens=tokens, kv_block_tokens=128)
+
+    assert footprint(at(100, 5000), at(100, 5000)) is None  # none finished in the run
+    assert footprint(at(100, 5000), at(108, 5000 + 8 * 1230)) == 1280.0  # 1,230 tokens: ten blocks
+    assert footprint(None, at(8, 100)) is None
 
 
 def test_draining_and_client_bound_intervals_hold() -> None:

@@ -41,6 +41,19 @@ vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.001",{MODEL}}} 0.0
 vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",{MODEL}}} 815.0
 vllm:time_to_first_token_seconds_count{{engine="0",{MODEL}}} 815.0
 vllm:time_to_first_token_seconds_sum{{engine="0",{MODEL}}} 96.5
+# HELP vllm:request_prompt_tokens Number of prefill tokens processed.
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_bucket{{engine="0",le="+Inf",{MODEL}}} 40.0
+vllm:request_prompt_tokens_count{{engine="0",{MODEL}}} 40.0
+vllm:request_prompt_tokens_sum{{engine="0",{MODEL}}} 1000.0
+vllm:request_prompt_tokens_count{{engine="1",{MODEL}}} 10.0
+vllm:request_prompt_tokens_sum{{engine="1",{MODEL}}} 250.0
+# HELP vllm:request_generation_tokens Number of generation tokens processed.
+# TYPE vllm:request_generation_tokens histogram
+vllm:request_generation_tokens_bucket{{engine="0",le="+Inf",{MODEL}}} 40.0
+vllm:request_generation_tokens_count{{engine="0",{MODEL}}} 40.0
+vllm:request_generation_tokens_sum{{engine="0",{MODEL}}} 30000.0
+vllm:request_generation_tokens_sum{{engine="1",{MODEL}}} 7500.0
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="27000"}} 1.0
@@ -75,6 +88,8 @@ def test_vllm_text_sums_engines_and_keeps_the_fullest_cache() -> None:
     sample = parse_engine_metrics(VLLM, at=5.0)
     assert sample is not None
     assert (sample.running, sample.waiting, sample.kv_cache_usage, sample.at) == (21, 37, 0.98, 5.0)
+    # finished requests and the prompt + reply tokens they held, over both engines; the cache's block
+    assert (sample.finished, sample.finished_tokens, sample.kv_block_tokens) == (50, 38750, 16)
 
 
 def test_sglang_text() -> None:

@@ -82,8 +82,10 @@ def test_every_row_keeps_what_vllm_sent(run_cli, vllm, tmp_path: Path, kind: str
 
 
 def test_vllms_own_gauges_are_read_while_it_runs(run_cli, vllm, tmp_path: Path) -> None:
-    """Twice vLLM's max_num_seqs in flight: its gauges show 16 running and the rest waiting for capacity."""
-    inp, out = _rows(tmp_path / "rows.jsonl", 96, 48), tmp_path / "out"
+    """Twice vLLM's max_num_seqs in flight: its gauges show 16 running and the rest waiting for capacity.
+    Replies of 400 tokens keep the queue for seconds (48-token replies drained it in under one, between
+    two samples)."""
+    inp, out = _rows(tmp_path / "rows.jsonl", 96, 400), tmp_path / "out"
     res = _collect(run_cli, inp, out, vllm.base_url, "chat", vllm.model, "--parallelism", "32")
     assert res.returncode == 0, res.stderr[-3000:]
     report = orjson.loads((out / "report.json").read_bytes())

@@ -36,6 +36,14 @@ _FIELD.update({name: "preemptions" for name in PREEMPTIONS})
 _FIELD.update(
     {"vllm:prefix_cache_queries_total": "prefix_queries", "vllm:prefix_cache_hits_total": "prefix_hits"}
 )
+# Finished requests and the tokens they held (prompt + reply): what one request takes of the KV cache.
+_FIELD.update(
+    {
+        "vllm:request_prompt_tokens_count": "finished",
+        "vllm:request_prompt_tokens_sum": "finished_tokens",
+        "vllm:request_generation_tokens_sum": "finished_tokens",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,9 @@ class EngineSample:
     kv_max_concurrency: float | None = None  # cache_config_info: requests of max_model_len it holds
     prefix_queries: int | None = None  # prompt tokens looked up in the prefix cache (a counter)
     prefix_hits: int | None = None  # of them, found there (a counter)
+    finished: int | None = None  # requests finished (a counter)
+    finished_tokens: int | None = None  # prompt + reply tokens of those requests (a counter)
+    kv_block_tokens: int | None = None  # cache_config_info: tokens per block (a request holds whole blocks)
 
 
 def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | None:
@@ -80,6 +91,8 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
     running, waiting, kv = found.get("running"), found.get("waiting"), found.get("kv")
     preempted, capacity = found.get("preemptions"), found.get("capacity")
     queries, hits = found.get("prefix_queries"), found.get("prefix_hits")
+    finished, tokens = found.get("finished"), found.get("finished_tokens")
+    block = _number(cache.get("block_size"))
     return EngineSample(
         running=round(sum(running)) if running else None,
         waiting=round(sum(waiting)) if waiting else None,
@@ -91,6 +104,9 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSample | N
         kv_max_concurrency=_number(cache.get("kv_cache_max_concurrency")),
         prefix_queries=round(sum(queries)) if queries else None,
         prefix_hits=round(sum(hits)) if hits else None,
+        finished=round(sum(finished)) if finished else None,
+        finished_tokens=round(sum(tokens)) if tokens else None,
+        kv_block_tokens=None if block is None else round(block),
     )
 
 

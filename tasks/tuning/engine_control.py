@@ -13,6 +13,11 @@ rollouts to read:
   else x`grow`, never past what the cache's use projects it holds at `kv_high`; only after
   `room_intervals` such intervals in a row, and not while a tenth of those in flight have not reached
   the engine (its API server holds them: more would only wait there);
+- the cache's use now says little of a request that has just begun, so where the engine counts the
+  tokens its finished requests held (vLLM), the limit never passes the requests of that size its cache
+  holds at `kv_high`, and before one has finished, never the requests of full length it states;
+- a queue seen at R running is a knee: growth from below it stops at R plus the small queue, until the
+  engine runs more than R (its capacity came back), so the limit does not swing past it and back;
 - otherwise hold, and say why.
 An endpoint whose engine publishes no gauges (OpenAI, a gateway) falls back to the latency and 429
 rules of `adaptive.py`. `decide` is pure; every decision is kept with the signals behind it.
@@ -72,6 +77,10 @@ class Reading:
     preempted: int
     in_flight: int
     at_engine: float | None = None  # the most running + waiting in one sample (its API server lags)
+    running_peak: float | None = None  # the most running in one sample
+    footprint: float | None = None  # KV tokens one finished request held, in whole blocks (None: unknown)
+    cache_tokens: int | None = None  # the KV cache's size, where the engine counts finished requests
+    stated: float | None = None  # requests of full length the engine says its cache holds
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -87,12 +96,19 @@ def _round(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def reading(samples: Sequence[EngineSample], before: EngineSample | None, in_flight: int) -> Reading:
+def reading(
+    samples: Sequence[EngineSample],
+    before: EngineSample | None,
+    in_flight: int,
+    first: EngineSample | None = None,
+) -> Reading:
     """The interval's reading from its samples; `before` is the last sample of the interval before (the
-    preemption counter is cumulative, so its growth is counted from there)."""
+    preemption counter is cumulative, so its growth is counted from there), `first` the run's first (the
+    requests finished since then give the footprint)."""
     running = [s.running for s in samples if s.running is not None]
     waiting = [_waiting(s) for s in samples if _waiting(s) is not None]
     seen = [(s.running or 0) + (_waiting(s) or 0) for s in samples if s.running is not None]
+    last = samples[-1] if samples else None
     kv = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
     counts = [s.preemptions for s in (before, *samples) if s is not None and s.preemptions is not None]
     # a restarted engine starts its counter again: only growth between neighbours counts
@@ -105,7 +121,24 @@ def reading(samples: Sequence[EngineSample], before: EngineSample | None, in_fli
         preempted=preempted,
         in_flight=in_flight,
         at_engine=max(seen) if seen else None,
+        running_peak=max(running) if running else None,
+        footprint=footprint(first, last),
+        cache_tokens=None if last is None or last.finished is None else last.kv_capacity_tokens,
+        stated=None if last is None else last.kv_max_concurrency,
     )
+
+
+def footprint(first: EngineSample | None, last: EngineSample | None) -> float | None:
+    """The KV tokens one request finished since `first` held (prompt + reply, in whole blocks); None when
+    the engine does not count them or none finished."""
+    if first is None or last is None or None in (first.finished, last.finished, first.finished_tokens):
+        return None
+    done = last.finished - first.finished  # type: ignore[operator]
+    tokens = (last.finished_tokens or 0) - first.finished_tokens  # type: ignore[operator]
+    if done <= 0 or tokens <= 0:
+        return None
+    block = last.kv_block_tokens or 1
+    return float(math.ceil(tokens / done / block) * block)
 
 
 def _waiting(sample: EngineSample) -> int | None:
@@ -138,6 +171,7 @@ class EngineState:
     held: float = 0.0  # the share of this run's requests in flight not yet at the engine, now
     held_at_growth: float | None = None  # that share when the limit last grew
     bad_level: int | None = None  # the limit the last preemption came at
+    knee: float | None = None  # the most running when a queue last formed (None: none, or it ran more since)
 
 
 def _after_probe(state: EngineState, r: Reading, opts: EngineOptions) -> None:
@@ -172,6 +206,8 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
     if r.samples == 0:
         return state.limit, "no engine sample in the interval"
     _after_probe(state, r, opts)
+    if state.knee is not None and r.running_peak is not None and r.running_peak > state.knee:
+        state.knee = None  # it runs more than where it queued: its capacity came back
     if r.preempted > 0:
         state.calm = 0
         # below what ran while it preempted: that is what the cache holds now
@@ -187,6 +223,8 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
     if r.in_flight > math.ceil(state.limit * (1 + AFFINITY_SLACK)):  # affinity may carry it past a little
         return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
     queue = max(opts.min_queue, opts.queue_share * (r.running or 0.0))
+    if r.waiting and r.running_peak is not None:
+        state.knee = r.running_peak
     if r.waiting is not None and r.waiting > queue:
         # give back the excess; and no more than the engine runs plus the queue (requests its API server
         # holds are not yet counted as waiting, so the excess alone can take several intervals)
@@ -224,21 +262,45 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     # ceiling by a tenant who has since left climbs back at x2, not by quarters)
     below_ceiling = state.ceiling is None or state.limit * opts.fast_grow <= state.ceiling
     far = below_ceiling and (r.kv is None or r.kv < opts.kv_grow / 2)
+    knee = (
+        None
+        if state.knee is None
+        else math.ceil(state.knee + max(opts.min_queue, opts.queue_share * state.knee))
+    )
+    if knee is not None and state.limit >= knee:
+        far = False
     new = math.ceil(state.limit * (opts.fast_grow if far else opts.grow))
     why = "room in the engine: grow"
+    if knee is not None and state.limit < knee < new:
+        new, why = knee, f"grow to the knee: a queue formed at {state.knee:g} running"
+    fits = _fits(r, opts)
+    if fits is not None and fits < new:
+        size = f"of {r.footprint:g} tokens" if r.footprint else "of full length (none has ended yet)"
+        new, why = fits, f"up to the {fits} requests {size} the KV cache holds"
     if r.kv and r.running:
         projected = math.floor(r.running * opts.kv_high / r.kv)
         if projected < new:
-            new, why = max(state.limit, projected), f"grow to what the KV cache holds at {opts.kv_high:.0%}"
-    if state.ceiling is not None and state.calm >= opts.calm_intervals:
-        why = _probe(state, r, opts) or why
-    if state.ceiling is not None:
-        new = min(new, state.ceiling)
+            new, why = projected, f"up to what the KV cache holds at {opts.kv_high:.0%} by its use now"
+    probed = (
+        _probe(state, r, opts) if state.ceiling is not None and state.calm >= opts.calm_intervals else None
+    )
+    if state.ceiling is not None and state.ceiling < new:
+        new, why = state.ceiling, f"up to the ceiling {state.ceiling} (set by preemption or a full KV cache)"
+    why = probed or why
     if new <= state.limit:
-        held_by = "the KV cache's projection" if state.ceiling is None else f"the ceiling {state.ceiling}"
-        return state.limit, f"held by {held_by} (set by preemption or a full KV cache)"
+        return state.limit, f"room in the engine, but held: {why}"
     state.held_at_growth = state.held
     return _set(state, opts, new, why)
+
+
+def _fits(r: Reading, opts: EngineOptions) -> int | None:
+    """Requests the cache holds at `kv_high`, of the size finished ones held; before one has finished,
+    the requests of full length the engine states (None where it does not count finished requests)."""
+    if r.cache_tokens is None:
+        return None
+    if r.footprint is not None:
+        return max(opts.min_limit, math.floor(r.cache_tokens * opts.kv_high / r.footprint))
+    return None if r.stated is None else max(opts.min_limit, math.floor(r.stated))
 
 
 def _probe(state: EngineState, r: Reading, opts: EngineOptions) -> str | None:
@@ -283,6 +345,7 @@ class EngineController:
         attempts = adaptive.Intervals(self.log)
         t_last = t_start = time.perf_counter()
         before: EngineSample | None = self.sampler.latest
+        first = before if before is not None and before.finished is not None else None
         blind = 0
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -302,7 +365,8 @@ class EngineController:
             if stop.is_set():
                 new, why = self.limit.limit, "the run ended"
             elif self.sampler.seen_signal and blind < opts.blind_intervals:
-                r = reading(samples, before, self.in_flight())
+                first = first or next((s for s in samples if s.finished is not None), None)
+                r = reading(samples, before, self.in_flight(), first)
                 before = samples[-1] if samples else before
                 if errors.get("http_429"):
                     new, why = adaptive.decide(latency, sample, self.fallback)
