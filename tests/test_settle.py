@@ -247,6 +247,37 @@ def test_reverify_keeps_the_settled_set_and_says_which_tasks_settled(
     assert {t["task_index"] for t in lines if t.get("settled_after") == M} == settled
     report = orjson.loads((tmp_path / "rv" / "report.json").read_bytes())
     assert report["after"]["settled"]["tasks"] == len(settled)  # the same rewards: every one still settled
+    assert report["settling"]["settled_tasks"] == len(settled) and report["settling"]["settle_after"] == M
+    assert f"--settle-after {M}" in (tmp_path / "rv" / "README.md").read_text()  # the card names the rule
+
+
+def test_reverify_by_a_verifier_that_splits_settled_tasks_says_so_and_counts_them(
+    run_cli, spread_sim: Service, rows: Path, tmp_path: Path
+) -> None:
+    """Another verifier splits tasks the collection settled: they stay settled (M rollouts, marked), count
+    as mixed, and pass@k says it is over fewer tasks and why, on both sides of the comparison."""
+    out, rv = tmp_path / "out", tmp_path / "rv"
+    assert run_cli(*settle_args(rows, out, spread_sim)).returncode == 0
+    here = {"PYTHONPATH": str(Path(__file__).parent)}
+    res = run_cli("reverify", str(out), "--output", str(rv), "--verifier", "parity_verifier:by_parity",
+                  "--verify-processes", "0", "--no-progress", env=here)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    report = orjson.loads((rv / "report.json").read_bytes())
+    rows_by_task: dict[int, list[float]] = {}
+    for line in (rv / "rollouts.jsonl").read_bytes().splitlines():
+        row = orjson.loads(line)
+        rows_by_task.setdefault(row["_ng_task_index"], []).append(row["reward"])
+    settled = {t for t, r in rows_by_task.items() if len(r) == M}
+    split = {t for t in settled if len(set(rows_by_task[t])) > 1}
+    after = report["after"]
+    assert split and after["settled"]["tasks"] == report["settling"]["settled_tasks"] == len(settled)
+    assert after["settled_split"]["tasks"] == report["settling"]["settled_split"] == len(split)
+    assert max(after["pass_at_k_tasks"].values()) == len(rows_by_task) - len(split)
+    md = (rv / "report.md").read_text()
+    assert f"over {len(rows_by_task) - len(split):,} of {len(rows_by_task):,} tasks" in md, md
+    assert f"{len(split):,} settled tasks now split" in md
+    card = (rv / "README.md").read_text()
+    assert f"{len(split):,} settled tasks have split rewards" in card and "| pass@k over |" in card
 
 
 def test_the_forecast_from_tuning_is_said_before_collecting_and_set_against_the_run(

@@ -14,6 +14,7 @@ from rollflow.tasks.collect.paths import card_url
 from rollflow.tasks.collect.percentiles import shown
 from rollflow.tasks.publish.concat import split_url
 from rollflow.tasks.publish.endpoints import agents_markdown
+from rollflow.tasks.publish.rewards import pass_at_k_tasks
 from rollflow.tasks.storage import owned
 from rollflow.tasks.storage.store import Store
 
@@ -50,6 +51,7 @@ def _facts(report: dict[str, Any]) -> dict[str, Any]:
             },
             "returned": report.get("returned"),
             "sent": None,
+            "settling": report.get("settling"),
         }
     story = report.get("story") or {}
     return {
@@ -158,6 +160,11 @@ def _story(facts: dict[str, Any]) -> list[str]:
             "each with `settled_after`. Statistics are over the rollouts that exist; a settled task counts "
             "at its one outcome in pass@k.",
         ]
+        if settling.get("settled_split"):
+            out[-1] += (
+                f" {settling['settled_split']:,} settled tasks have split rewards under this verifier: they "
+                "count as mixed and are left out of pass@k."
+            )
     if facts.get("until_learnable"):
         out += ["", f"**Until learnable**: {facts['until_learnable']['reason']}."]
     return out
@@ -166,10 +173,12 @@ def _story(facts: dict[str, Any]) -> list[str]:
 def _tables(facts: dict[str, Any]) -> list[str]:
     """The Figures table and its companions: tokens, finish reasons, failures, sampling parameters."""
     fig = _figures(facts)
+    rewards = facts["rewards"] or {}
     out = ["## Figures", "", "| figure | value |", "|---|---:|"]
     for key, value in fig.items():
-        if key == "pass_at_k":
-            out += [f"| pass@{k} | {v:.4f} |" for k, v in (value or {}).items()]
+        if key == "pass_at_k" and value:
+            out += [f"| pass@{k} | {v:.4f} |" for k, v in value.items()]
+            out.append(f"| pass@k over | {pass_at_k_tasks(rewards)} |")
         else:
             out.append(f"| {key.replace('_', ' ')} | {_num(value)} |")
     rewards = facts["rewards"] or {}

@@ -172,6 +172,7 @@ class RewardStats:
     pass_sum: dict[int, float] = field(default_factory=dict)
     pass_tasks: dict[int, int] = field(default_factory=dict)
     settled: int = 0  # tasks settled after their first rollouts (--settle-after), among `tasks`
+    settled_split: int = 0  # of them, tasks a rescoring split (a verifier other than the one that settled)
 
     def state(self) -> dict[str, Any]:
         """Everything, JSON-ready and exact (the audit cache keeps a chunk's stats between runs)."""
@@ -203,16 +204,23 @@ class RewardStats:
         self.rewards.add(reward)
 
     def add_task(
-        self, task: TaskRewards, rewards: Iterable[float] | None = None, settled: bool = False
+        self,
+        task: TaskRewards,
+        rewards: Iterable[float] | None = None,
+        settled: bool = False,
+        rescored: bool = False,
     ) -> None:
         """One finished task; with `rewards`, its rollouts' rewards too.
 
         A `settled` task (its first rollouts all correct or all wrong, so it got no more) counts in
         pass@k at its one outcome for every k: 1 when all were correct, 0 when none was (SETTLED_PASS_RULE).
+        A `rescored` settled task whose new rewards split counts as mixed and stays out of pass@k: its few
+        rollouts cannot estimate pass@k beyond their number, and more were never asked.
         """
         if not 0 <= task.correct <= task.rollouts or task.rollouts < 1:
             raise ValueError(f"task {task.index}: {task.correct} correct of {task.rollouts} rollouts")
-        if settled and 0 < task.correct < task.rollouts:
+        split = settled and 0 < task.correct < task.rollouts
+        if split and not rescored:
             raise ValueError(f"task {task.index} is settled with mixed outcomes")
         for reward in rewards or ():
             self.add_reward(reward)
@@ -225,7 +233,8 @@ class RewardStats:
         else:
             self.mixed += 1
         self.settled += int(settled)
-        if task.rollouts < self.max_k and not settled:  # a task with failed rollouts: left out of every k
+        self.settled_split += int(split)
+        if split or (task.rollouts < self.max_k and not settled):  # short of max_k rollouts: out of every k
             return
         for k in pass_ks(self.max_k):
             value = float(task.correct > 0) if settled else unbiased_pass_at_k(task.rollouts, task.correct, k)
@@ -244,6 +253,7 @@ class RewardStats:
         self.none_correct += other.none_correct
         self.mixed += other.mixed
         self.settled += other.settled
+        self.settled_split += other.settled_split
         for k, value in other.pass_sum.items():
             self.pass_sum[k] = self.pass_sum.get(k, 0.0) + value
             self.pass_tasks[k] = self.pass_tasks.get(k, 0) + other.pass_tasks[k]
@@ -293,6 +303,7 @@ class RewardStats:
             "pass_at_k": {str(k): round(v, 6) for k, v in self.pass_at_k().items()},
             "pass_at_k_tasks": {str(k): n for k, n in sorted(self.pass_tasks.items())},
             "settled": self._share(self.settled),
+            **({"settled_split": self._share(self.settled_split)} if self.settled_split else {}),
             **({"settled_rule": SETTLED_PASS_RULE} if self.settled else {}),
         }
 
@@ -350,11 +361,18 @@ def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
             f"rollouts (--settle-after): {d['settled_rule']}.",
             "",
         ]
+    split = (d.get("settled_split") or {}).get("tasks") or 0
+    if split:
+        lines += [
+            f"{split:,} of the settled tasks have split rewards now (this verifier disagrees with the one "
+            "that settled them): they count as mixed, and are left out of pass@k, which their few "
+            "rollouts cannot estimate.",
+            "",
+        ]
     if d["pass_at_k"]:
         behind = d.get("pass_at_k_tasks", {})
         lines += [
-            "pass@k (unbiased estimate) over the tasks whose every rollout has a reward, the same tasks "
-            "for every k:",
+            f"pass@k (unbiased estimate) over {pass_at_k_tasks(d)}, the same tasks for every k:",
             "",
             "| k | pass@k | tasks |",
             "|---:|---:|---:|",
@@ -363,6 +381,17 @@ def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
     if image:
         lines += ["", f"![per-task mean reward histogram]({image})"]
     return "\n".join([*lines, ""])
+
+
+def pass_at_k_tasks(d: dict[str, Any]) -> str:
+    """Which tasks pass@k is over, and why any were left out."""
+    counted = max((d.get("pass_at_k_tasks") or {}).values(), default=0)
+    split = (d.get("settled_split") or {}).get("tasks") or 0
+    short = d["tasks"] - counted - split
+    why = [f"{split:,} settled tasks now split"] if split else []
+    if short > 0:
+        why.append(f"{short:,} with a rollout that has no reward")
+    return f"{counted:,} of {d['tasks']:,} tasks" + (f" (left out: {'; '.join(why)})" if why else "")
 
 
 def rewards_png(d: dict[str, Any]) -> bytes:

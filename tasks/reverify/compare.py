@@ -20,7 +20,7 @@ from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 TOP_TASKS = 10
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 FAILED = "failed"  # the before side of a rollout the source had no reward for
 
 
@@ -41,11 +41,6 @@ class _Task:
         if self.settled_after is None:
             return self.after.as_line(previous_mean_reward=previous)
         return self.after.as_line(previous_mean_reward=previous, settled_after=self.settled_after)
-
-    def unanimous(self, task: TaskRewards) -> bool:
-        """Settled and still one outcome: the new rewards may split a task the old ones settled, and
-        then it counts as any short task (its rollouts stay as they were either way)."""
-        return self.settled_after is not None and task.correct in (0, task.rollouts)
 
     def delta(self) -> float | None:
         if not self.after.rollouts or not self.before.rollouts:
@@ -70,6 +65,7 @@ class ChunkComparison:
     after: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     story: dict[str, Any] = field(default_factory=dict)
+    settle_after: int | None = None  # the collection's --settle-after, read from a settled task's rows
 
 
 @dataclass
@@ -99,9 +95,10 @@ class _Pass:
         if task is None or not task.after.rollouts:
             return
         self.lines.append(task.line())
-        self.after.add_task(task.after, settled=task.unanimous(task.after))
+        settled = task.settled_after is not None
+        self.after.add_task(task.after, settled=settled, rescored=True)
         if task.before.rollouts:
-            self.before.add_task(task.before, settled=task.unanimous(task.before))
+            self.before.add_task(task.before, settled=settled, rescored=True)
         delta = task.delta()
         if delta is not None:
             item = [abs(delta), task.after.index, task.before.mean, task.after.mean]
@@ -140,7 +137,7 @@ class _Pass:
         if self.task is None:
             self.task = _Task.at(key[0])
         if rowjson.is_reward(rf.get(SETTLED_AFTER)):
-            self.task.settled_after = int(rf[SETTLED_AFTER])
+            self.task.settled_after = self.out.settle_after = int(rf[SETTLED_AFTER])
         self.after.add_reward(float(reward))
         self.task.after.add(reward, self.threshold)
         if old is not None:
@@ -211,6 +208,7 @@ class Comparison:
     after: RewardStats | None = None
     problems: list[str] = field(default_factory=list)
     story: RowStory = field(default_factory=RowStory)
+    settle_after: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -223,6 +221,7 @@ class Comparison:
         self.invalid += part.invalid
         self.rescored += part.rescored
         self.changed += part.changed
+        self.settle_after = self.settle_after or part.settle_after
         self.chunks_committed += int(part.committed and part.sha_matches)
         if not part.sha_matches:
             self.changed_chunks.append(part.chunk)

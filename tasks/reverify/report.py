@@ -11,6 +11,7 @@ import orjson
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.percentiles import shown, shown_share
 from rollflow.tasks.collect.plan import rollflow_version
+from rollflow.tasks.collect.settle import settling_markdown, settling_report
 from rollflow.tasks.publish.rewards import rewards_markdown
 from rollflow.tasks.publish.verifier_story import verifier_story
 from rollflow.tasks.reverify.compare import FAILED, Comparison
@@ -72,7 +73,20 @@ def build_report(
         "complete": summary.complete,
         "problems": summary.problems[:50],
         "metrics": metrics,
+        **_settling(summary, after, spec.verify.correct_threshold),
     }
+
+
+def _settling(summary: Comparison, after: dict[str, Any] | None, threshold: float) -> dict[str, Any]:
+    """The source's settling, read from its rows (the rule, the tasks, the rollouts never asked), with
+    the settled tasks this verifier splits."""
+    settled = (after or {}).get("settled", {}).get("tasks")
+    if not settled or summary.settle_after is None:
+        return {}
+    m, k = summary.settle_after, summary.max_k
+    section = settling_report(m, k, threshold, settled, settled * max(0, k - m), summary.rows)
+    section["settled_split"] = ((after or {}).get("settled_split") or {}).get("tasks", 0)
+    return {"settling": section}
 
 
 def _pct(n: int, total: int) -> str:
@@ -99,6 +113,13 @@ def _before_after(report: dict[str, Any]) -> list[str]:
     for k in after.get("pass_at_k") or {}:
         b = (before.get("pass_at_k") or {}).get(k)
         lines.append(f"| pass@{k} | {'-' if b is None else f'{b:.4f}'} | {after['pass_at_k'][k]:.4f} |")
+    if after.get("pass_at_k"):
+        over = [
+            max((d.get("pass_at_k_tasks") or {}).values(), default=0) if d else None for d in (before, after)
+        ]
+        lines.append(
+            "| pass@k over (tasks) | " + " | ".join("-" if n is None else f"{n:,}" for n in over) + " |"
+        )
     return lines
 
 
@@ -158,6 +179,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"max {shown(t['max'])}, total {t['total']:,}. Finish reasons: {reasons or '-'} (truncation rate "
             f"{shown_share(returned['truncation_rate'])}).",
         ]
+    if report.get("settling"):
+        lines += ["", settling_markdown(report["settling"])]
     if report["after"]:
         lines += ["", rewards_markdown(report["after"])]
     if report["problems"]:
