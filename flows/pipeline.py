@@ -230,18 +230,40 @@ async def not_needed(spec: RunSpec, handles: RunHandles, plan: RunPlan, collecte
     result = collected.result
     committed = await asyncio.to_thread(handles.ledger.committed)
     reached = learnable_target(target, committed, ())
-    if reached is None or not reached.reached([]):
+    if reached is None:
+        return
+    found = reached.before
+    if not reached.reached([]):
+        if result.errors or result.stopped or len(committed) < len(plan.scan.chunks):
+            return  # not every chunk ran: the audit says what is missing; a later run goes on
+        collected.extra["until_learnable"] = {
+            "target": target,
+            "learnable_tasks": found,
+            "reached": False,
+            "chunks_not_needed": 0,
+            "tasks_not_collected": 0,
+            "reason": f"target not reached: the input ran out at {found:,} of {target:,} tasks with mixed "
+            "outcomes",
+        }
         return
     keep = {c.index for c in plan.scan.chunks if c.index in committed or c.index in result.started}
     left = [c for c in plan.scan.chunks if c.index not in keep]
     plan.scan.chunks = [c for c in plan.scan.chunks if c.index in keep]
+    reason = (
+        f"stopped once {found:,} committed tasks had mixed outcomes (target {target:,}); {len(left):,} "
+        "chunks of the input were not collected and are not missing"
+        if left
+        else f"the target ({target:,}) was reached with {found:,} tasks with mixed outcomes, but every chunk "
+        "had started by then, so the whole input was collected (fewer chunks at once stop sooner: "
+        "--chunks-in-flight)"
+    )
     collected.extra["until_learnable"] = {
         "target": target,
-        "learnable_tasks": reached.before,
+        "learnable_tasks": found,
+        "reached": True,
         "chunks_not_needed": len(left),
         "tasks_not_collected": sum(c.good_rows for c in left),
-        "reason": f"stopped once {reached.before:,} committed tasks had mixed outcomes (target {target:,}); "
-        f"{len(left):,} chunks of the input were not collected and are not missing",
+        "reason": reason,
     }
 
 

@@ -253,9 +253,10 @@ async def _collect(
     job = RemoteRun(spec, scope, worker_secrets(), engine.link, limits)
     task = collect_chunk_remote_task.with_options(retries=retries)
     remote = RemoteChunks(engine, calls, board, task, collect_remote_chunk, job)
-    in_flight = spec.collection.chunks_in_flight or max(
-        MIN_REMOTE_IN_FLIGHT, 2 * await calls.call(engine.slots)
-    )
+    # Many chunks submitted ahead keep every worker fed; with --until-learnable each one submitted is one
+    # more collected past the target, so then only two per worker slot.
+    floor = 1 if spec.collection.until_learnable is not None else MIN_REMOTE_IN_FLIGHT
+    in_flight = spec.collection.chunks_in_flight or max(floor, 2 * await calls.call(engine.slots))
     _say_small_chunks(spec, len(chunks))
     rounds = BoardThread(board, notes)
     rounds.thread.start()

@@ -381,6 +381,16 @@ class CollectionSettings(Settings):
 
     @model_validator(mode="after")
     def _settle_below_repeats(self) -> CollectionSettings:
+        if self.settle_after == 1:
+            raise ValueError(
+                "settle_after 1 settles every task: one rollout always agrees with itself, so no task would "
+                "get a second; give 2 or more"
+            )
+        if self.until_learnable is not None and self.num_repeats < 2:
+            raise ValueError(
+                f"until_learnable {self.until_learnable} needs num_repeats 2 or more: a task is learnable "
+                "when some of its rollouts are correct and some wrong, which one rollout never is"
+            )
         if self.settle_after is not None and self.settle_after >= self.num_repeats:
             raise ValueError(
                 f"settle_after {self.settle_after} must be below num_repeats {self.num_repeats}: a task "

@@ -196,11 +196,57 @@ def test_until_learnable_stops_at_its_target_and_publishes_what_it_collected(
     assert (out / "rollouts.jsonl").read_bytes() == data
 
 
-def test_settle_after_must_be_below_num_repeats(run_cli, spread_sim: Service, rows: Path, tmp_path) -> None:
-    args = settle_args(rows, tmp_path / "out", spread_sim)
-    args[args.index("--settle-after") + 1] = str(K)
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--settle-after", str(K), "must be below num_repeats"),
+        ("--settle-after", "1", "settles every task: one rollout always agrees with itself"),
+        ("--num-repeats", "1", "needs num_repeats 2 or more"),
+    ],
+)
+def test_a_rule_that_cannot_work_is_refused(
+    run_cli, spread_sim: Service, rows: Path, tmp_path: Path, flag: str, value: str, said: str
+) -> None:
+    """settle_after at K or above, or 1 (every task would settle), and --until-learnable with one rollout
+    per task (none is ever learnable): refused before anything runs."""
+    out = tmp_path / "out"
+    args = settle_args(rows, out, spread_sim, "--until-learnable", "5")
+    if flag == "--num-repeats":
+        i = args.index("--settle-after")
+        del args[i : i + 2]
+    args[args.index(flag) + 1] = value
     res = run_cli(*args)
-    assert res.returncode != 0 and "settle_after" in res.stderr
+    assert res.returncode == 2 and said in res.stderr, res.stderr
+    assert not (out / "rollouts.jsonl").exists()
+
+
+def test_until_learnable_says_when_the_input_ran_out_before_its_target(
+    run_cli, spread_sim: Service, rows: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    res = run_cli(*settle_args(rows, out, spread_sim, "--until-learnable", "100000"))
+    assert res.returncode == 0, res.stderr
+    report = orjson.loads((out / "report.json").read_bytes())
+    until = report["until_learnable"]
+    assert until["reached"] is False and until["learnable_tasks"] == report["rewards"]["mixed"]["tasks"]
+    assert until["reason"].startswith(
+        f"target not reached: the input ran out at {until['learnable_tasks']:,}"
+    )
+    assert (
+        "not reached" in res.stdout + res.stderr and "target not reached" in (out / "README.md").read_text()
+    )
+
+
+def test_until_learnable_on_dask_stops_starting_chunks(
+    run_cli, spread_sim: Service, rows: Path, tmp_path: Path
+) -> None:
+    """On Dask (many chunks submitted ahead otherwise) the target still leaves chunks unstarted."""
+    out = tmp_path / "out"
+    extra = ("--until-learnable", "10", "--runner", "dask", "--dask-workers", "1")
+    res = run_cli(*settle_args(rows, out, spread_sim, *extra), timeout=400)
+    assert res.returncode == 0, res.stderr
+    until = orjson.loads((out / "report.json").read_bytes())["until_learnable"]
+    assert until["reached"] and until["chunks_not_needed"] > 0, until
 
 
 def test_settling_on_a_local_dask_cluster_gives_the_local_bytes(

@@ -78,7 +78,11 @@ def _settling_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("not requested", f"{settling['rollouts_not_requested']:,} (settled, not missing)"))
     until = report.get("until_learnable")
     if until:
-        rows.append(("until learnable", f"{until['learnable_tasks']:,} of {until['target']:,}; stopped"))
+        if not until.get("reached", True):
+            said = "not reached: the input ran out"
+        else:
+            said = "stopped" if until["chunks_not_needed"] else "reached; every chunk had started"
+        rows.append(("until learnable", f"{until['learnable_tasks']:,} of {until['target']:,}; {said}"))
     forecast = report.get("forecast")
     if forecast and forecast.get("rollouts") is not None:
         rows.append(("forecast rollouts", f"{forecast['rollouts']:,}"))
