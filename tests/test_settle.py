@@ -14,7 +14,7 @@ from cli_runs import spawn, wait_until
 from rollout_data import write_rows
 
 from rollflow.infra.local import Service, spawn_simulator
-from rollflow.tasks.collect.forecast import Measured, forecast
+from rollflow.tasks.collect.forecast import Measured, forecast, forecast_text
 from rollflow.tasks.collect.settle import OPEN, PENDING, SETTLED, decide
 from rollflow.tasks.publish.rewards import RewardStats, TaskRewards
 
@@ -61,6 +61,9 @@ def test_the_forecast_counts_the_settled_share_the_probes_measured() -> None:
     assert unknown["wall_s"] is None
     until = forecast(Measured(1000, 16, 8, 100, probe_tasks=100, probe_settled=60))
     assert until["tasks"] == 250  # 100 learnable at a 40% learnable share
+    blind = forecast(Measured(1000, 16, 8, 100))  # no probes: the share, so where it stops, is not known
+    assert blind["rollouts_range"] == [1600, 16000] and blind["tasks_at_most"]
+    assert "rollouts for up to 1,000 tasks" in forecast_text(blind)
 
 
 @pytest.fixture(scope="module")

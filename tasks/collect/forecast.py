@@ -47,7 +47,10 @@ def forecast(m: Measured) -> dict[str, Any]:
         if learnable:
             tasks = min(tasks, -(-m.until_learnable * 1.0 // learnable))
     tasks = int(tasks)
-    if after is None:
+    unknown_stop = m.until_learnable is not None and share is None  # how far the input goes is not known
+    if unknown_stop:  # at least the target's tasks, learnable, with K each; at most the whole input
+        low, high, rollouts = min(tasks, m.until_learnable or 0) * k, tasks * k, None
+    elif after is None:
         low = high = rollouts = tasks * k
     elif share is None:
         low, high, rollouts = tasks * after, tasks * k, None
@@ -59,6 +62,7 @@ def forecast(m: Measured) -> dict[str, Any]:
     return {
         "measured": asdict(m),
         "tasks": tasks,
+        "tasks_at_most": unknown_stop,
         "settled_share": None if share is None else round(share, 4),
         "rollouts": rollouts,
         "rollouts_range": [low, high],
@@ -72,7 +76,8 @@ def forecast_text(f: dict[str, Any]) -> str:
     """One line for the CLI, said before the first chunk starts."""
     low, high = f["rollouts_range"]
     rollouts = f"{f['rollouts']:,}" if f["rollouts"] is not None else f"{low:,}-{high:,}"
-    parts = [f"forecast: {rollouts} rollouts for {f['tasks']:,} tasks"]
+    up_to = "up to " if f.get("tasks_at_most") else ""
+    parts = [f"forecast: {rollouts} rollouts for {up_to}{f['tasks']:,} tasks"]
     if f["settled_share"] is not None:
         parts.append(f"{f['settled_share']:.0%} settled by the probes' tasks (full: {f['rollouts_full']:,})")
     wall = f"{f['wall_s']:,.0f} s" if f["wall_s"] is not None else "unknown (no rate measured)"
