@@ -65,6 +65,8 @@ def test_a_withdrawn_chunk_leaves_the_report(run_cli, fast_sim, tmp_path: Path):
     report, rewards = _run_then(run_cli, fast_sim.url, tmp_path, lambda out: _change_rewards(out, 1))
     assert sorted({task // CHUNK for task, _ in rewards}) == [0, 2]  # the withdrawn chunk is not published
     assert report["missing_chunks"] == [1] and report["missing"] == CHUNK * 2
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| missing | {CHUNK * 2:,} |" in card and f"missing: {CHUNK * 2}" in card  # table, front matter
     assert report["rows_written"] == report["rewards"]["rollouts"] == len(rewards) == 2 * CHUNK * 2
     assert report["rewards"]["tasks"] == 2 * CHUNK
     assert report["reward_mean"] == pytest.approx(statistics.fmean(rewards.values()), abs=1e-6)
