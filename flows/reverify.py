@@ -194,7 +194,7 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     summary = await compare_task(handles, plan)
     failures: Counter[str] = await failures_task(handles, plan)
     stages["compare"] = time.perf_counter() - t
-    ok = summary.complete and (summary.failed == 0 or spec.allow_incomplete)
+    ok = summary.complete and ((summary.failed == 0 and summary.missing == 0) or spec.allow_incomplete)
     t = time.perf_counter()
     if ok:
         await publish_task(handles, plan)
@@ -230,12 +230,24 @@ async def _reverify(handles: ReverifyHandles, lease: Lease) -> dict[str, Any]:
     if not ok:
         why = (
             _failed_why(spec, failures, summary.failed)
+            if summary.complete and summary.failed
+            else _missing_why(spec, summary.missing)
             if summary.complete
             else f"the rescored output is incomplete: {'; '.join(summary.problems[:5])}. Run the same "
             f"command again to resume"
         )
         raise ReverifyIncomplete(f"Nothing was published: {why}.", report)
     return report
+
+
+def _missing_why(spec: ReverifySpec, missing: int) -> str:
+    """Rollouts the source never had: a rescoring cannot make them."""
+    return (
+        f"the source lacks {missing:,} rollouts of its tasks (they failed when it was collected, or its "
+        "undecided tasks never got their later ones), which reverify cannot make: run the collection's "
+        f"command on {spec.source} again to collect them, then this one; or pass --allow-incomplete to "
+        "publish without them"
+    )
 
 
 def _failed_why(spec: ReverifySpec, failures: Counter[str], failed: int) -> str:

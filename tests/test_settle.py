@@ -64,6 +64,8 @@ def test_the_forecast_counts_the_settled_share_the_probes_measured() -> None:
     blind = forecast(Measured(1000, 16, 8, 100))  # no probes: the share, so where it stops, is not known
     assert blind["rollouts_range"] == [1600, 16000] and blind["tasks_at_most"]
     assert "rollouts for up to 1,000 tasks" in forecast_text(blind)
+    beyond = forecast(Measured(40, 8, 4, 100))  # a target past the input: it may all settle at 4 each
+    assert beyond["rollouts_range"] == [160, 320]
 
 
 @pytest.fixture(scope="module")
@@ -377,3 +379,40 @@ def test_progress_takes_a_committed_chunks_settled_rollouts_out_of_the_plan() ->
     count.add(ProgressEvent("rollouts", chunk=0, done=100))
     assert count.add(ProgressEvent("chunk", chunk=0, done=100, total=60))
     assert (count.done, count.total) == (100, 100)
+
+
+def test_reverify_of_a_source_short_of_rollouts_says_so_and_publishes_only_when_allowed(
+    run_cli, rows: Path, tmp_path: Path
+) -> None:
+    """A settled collection published incomplete (backend failures; tasks left undecided never got their
+    later rollouts): reverify cannot make those rollouts, so it refuses to call its output complete, says
+    how many the source lacks and what to do, and with --allow-incomplete states them in report and card."""
+    sim = spawn_simulator("--latency-ms", "1", "--slots", "128", "--difficulty", "spread",
+                          "--fault-rate", "0.1", "--fault-kinds", "500", "--seed", "5")  # fmt: skip
+    try:
+        out = tmp_path / "out"
+        args = settle_args(rows, out, sim, "--max-retries", "0", "--allow-incomplete", "--limit", "60")
+        res = run_cli(*args)
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    source = orjson.loads((out / "report.json").read_bytes())
+    assert source["missing"] > 0
+    rv = tmp_path / "rv"
+    res = run_cli("reverify", str(out), "--output", str(rv), "--verifier", "math_fast", "--no-progress")
+    assert res.returncode != 0 and "the source lacks" in res.stderr, res.stderr[-3000:]
+    assert "run the collection's command" in res.stderr and not (rv / "rollouts.jsonl").exists()
+    res = run_cli("reverify", str(out), "--output", str(rv), "--verifier", "math_fast", "--no-progress",
+                  "--allow-incomplete")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((rv / "report.json").read_bytes())
+    by_task: dict[int, int] = {}
+    settled: dict[int, int] = {}
+    for line in (rv / "rollouts.jsonl").read_bytes().splitlines():
+        row = orjson.loads(line)
+        by_task[row["_ng_task_index"]] = by_task.get(row["_ng_task_index"], 0) + 1
+        if row["_rf"].get("settled_after"):
+            settled[row["_ng_task_index"]] = row["_rf"]["settled_after"]
+    short = sum(settled.get(t, K) - n for t, n in by_task.items())  # the tasks it has, short of theirs
+    assert report["missing"] == short > 0 and report["missing"] <= source["missing"]
+    assert f"| missing | {short:,} |" in (rv / "README.md").read_text()

@@ -48,8 +48,9 @@ def forecast(m: Measured) -> dict[str, Any]:
             tasks = min(tasks, -(-m.until_learnable * 1.0 // learnable))
     tasks = int(tasks)
     unknown_stop = m.until_learnable is not None and share is None  # how far the input goes is not known
-    if unknown_stop:  # at least the target's tasks, learnable, with K each; at most the whole input
-        low, high, rollouts = min(tasks, m.until_learnable or 0) * k, tasks * k, None
+    if unknown_stop:  # the target's tasks first, learnable, K each; or the whole input, all settled
+        whole = tasks * (after if after is not None else k)
+        low, high, rollouts = min((m.until_learnable or 0) * k, whole), tasks * k, None
     elif after is None:
         low = high = rollouts = tasks * k
     elif share is None:

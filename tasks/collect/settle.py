@@ -23,11 +23,14 @@ SETTLED, OPEN, PENDING = "settled", "open", "pending"
 SETTLED_AFTER = "settled_after"  # the `_rf` field of a settled task's rows, and the tasks file's
 
 
-def settle_rule_text(after: int, repeats: int, threshold: float) -> str:
-    """The rule in one sentence, for the report, the card and the CLI."""
+def settle_rule_text(after: int, repeats: int, threshold: float | None) -> str:
+    """The rule in one sentence, for the report, the card and the CLI (`threshold` None: the collection's,
+    which a rescoring does not know)."""
+    at = "by the collection's verifier" if threshold is None else f"correct at reward >= {threshold:g}"
     return (
         f"each task first got {after} rollouts; a task whose {after} were all correct or all wrong "
-        f"(correct at reward >= {threshold:g}) was settled and got no more, the others got all {repeats}"
+        f"({at}) was settled and got no more, the others got {'up to' if threshold is None else 'all'} "
+        f"{repeats}"
     )
 
 
@@ -140,7 +143,7 @@ def learnable_target(
 
 
 def settling_report(
-    after: int, repeats: int, threshold: float, settled_tasks: int, unasked: int, rows: int
+    after: int, repeats: int, threshold: float | None, settled_tasks: int, unasked: int, rows: int
 ) -> dict[str, Any]:
     """report.json's `settling`: the rule, the tasks it settled and the rollouts it never requested."""
     full = rows + unasked

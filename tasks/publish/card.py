@@ -41,6 +41,7 @@ def _facts(report: dict[str, Any]) -> dict[str, Any]:
             "rewards": report["after"],
             "previous": report["before"],
             "failed": report["failed"],
+            "missing": report.get("missing"),
             "failures_by_kind": report["failures_by_kind"],
             "scored_by": report["verifier"],
             "origin": {

@@ -390,7 +390,7 @@ def pass_at_k_tasks(d: dict[str, Any]) -> str:
     short = d["tasks"] - counted - split
     why = [f"{split:,} settled tasks now split"] if split else []
     if short > 0:
-        why.append(f"{short:,} with a rollout that has no reward")
+        why.append(f"{short:,} short of their rollouts (failed, or never collected)")
     return f"{counted:,} of {d['tasks']:,} tasks" + (f" (left out: {'; '.join(why)})" if why else "")
 
 

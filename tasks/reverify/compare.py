@@ -20,7 +20,7 @@ from rollflow.tasks.storage import rowjson
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger
 
 TOP_TASKS = 10
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 FAILED = "failed"  # the before side of a rollout the source had no reward for
 
 
@@ -66,6 +66,7 @@ class ChunkComparison:
     problems: list[str] = field(default_factory=list)
     story: dict[str, Any] = field(default_factory=dict)
     settle_after: int | None = None  # the collection's --settle-after, read from a settled task's rows
+    short: int = 0  # rollouts its tasks lack: a settled task's first M, any other's max_k, less its rows
 
 
 @dataclass
@@ -80,6 +81,7 @@ class _Pass:
     lines: list[bytes] = field(default_factory=list)
     story: RowStory = field(default_factory=RowStory)
     only: set[tuple[int, int]] | None = None  # --failed-only: the rollouts this run scored; the rest are kept
+    tasks_seen: int = 0
 
     def __post_init__(self) -> None:
         self.before = RewardStats(threshold=self.threshold, max_k=self.max_k)
@@ -95,6 +97,8 @@ class _Pass:
         if task is None or not task.after.rollouts:
             return
         self.lines.append(task.line())
+        self.tasks_seen += 1
+        self.out.short += max(0, (task.settled_after or self.max_k) - task.after.rollouts)
         settled = task.settled_after is not None
         self.after.add_task(task.after, settled=settled, rescored=True)
         if task.before.rollouts:
@@ -171,6 +175,7 @@ def compare_chunk(
             check.row(lineno, line)
     check.close_task()
     out = check.out
+    out.short += max(0, chunk.num_tasks - check.tasks_seen) * max_k  # tasks with no row at all
     out.sha256 = digest.hexdigest()
     out.sha_matches = out.sha256 == manifest.sha256
     out.before, out.after = check.before.state(), check.after.state()
@@ -209,6 +214,13 @@ class Comparison:
     problems: list[str] = field(default_factory=list)
     story: RowStory = field(default_factory=RowStory)
     settle_after: int | None = None
+    short: int = 0  # rollouts the tasks lack, this run's failures among them
+
+    @property
+    def missing(self) -> int:
+        """Rollouts the source never had (its failures, its undecided tasks' later ones): no rescoring
+        makes them; only collecting again does."""
+        return max(0, self.short - self.failed)
 
     @property
     def complete(self) -> bool:
@@ -222,6 +234,7 @@ class Comparison:
         self.rescored += part.rescored
         self.changed += part.changed
         self.settle_after = self.settle_after or part.settle_after
+        self.short += part.short
         self.chunks_committed += int(part.committed and part.sha_matches)
         if not part.sha_matches:
             self.changed_chunks.append(part.chunk)

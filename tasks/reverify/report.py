@@ -55,6 +55,7 @@ def build_report(
         "rows_expected": summary.rows_expected,
         "rows_written": summary.rows,
         "failed": summary.failed,
+        "missing": summary.missing,
         "failures_by_kind": dict(sorted(failures.items())),
         "invalid": summary.invalid,
         "rescored": summary.rescored,
@@ -73,18 +74,18 @@ def build_report(
         "complete": summary.complete,
         "problems": summary.problems[:50],
         "metrics": metrics,
-        **_settling(summary, after, spec.verify.correct_threshold),
+        **_settling(summary, after),
     }
 
 
-def _settling(summary: Comparison, after: dict[str, Any] | None, threshold: float) -> dict[str, Any]:
+def _settling(summary: Comparison, after: dict[str, Any] | None) -> dict[str, Any]:
     """The source's settling, read from its rows (the rule, the tasks, the rollouts never asked), with
     the settled tasks this verifier splits."""
     settled = (after or {}).get("settled", {}).get("tasks")
     if not settled or summary.settle_after is None:
         return {}
     m, k = summary.settle_after, summary.max_k
-    section = settling_report(m, k, threshold, settled, settled * max(0, k - m), summary.rows)
+    section = settling_report(m, k, None, settled, settled * max(0, k - m), summary.rows)
     section["settled_split"] = ((after or {}).get("settled_split") or {}).get("tasks", 0)
     return {"settling": section}
 
@@ -123,6 +124,17 @@ def _before_after(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _before_note(report: dict[str, Any]) -> list[str]:
+    """Before is counted over the rollouts rescored here: those whose checks failed now are in neither."""
+    if not report["failed"]:
+        return []
+    return [
+        "",
+        f"Both columns are over the rollouts that have a reward after rescoring: the {report['failed']:,} "
+        "whose checks failed now are left out of both, so before differs from the source's own figures.",
+    ]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     verifier = report["verifier"]
     lib = f" ({verifier['library']} {verifier['library_version']})" if verifier["library"] else ""
@@ -142,12 +154,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"| rescored | {report['rescored']:,} |",
         f"| rewards changed | {report['changed']:,} ({_pct(report['changed'], total)}) |",
         f"| failed | {report['failed']:,} {report['failures_by_kind'] or ''} |",
+        f"| missing from the source | {report.get('missing', 0):,} |",
         f"| rows/s | {shown(report['metrics'].get('rows_per_s'))} |",
         f"| wall s | {shown(report['metrics'].get('wall_s'))} |",
         "",
         "## Before and after",
         "",
         *_before_after(report),
+        *_before_note(report),
         "",
         "## Agreement (rollouts; rows: before, columns: after)",
         "",
