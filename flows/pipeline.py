@@ -284,8 +284,9 @@ async def forecast_step(
             col.settle_after,
             spec.verify.correct_threshold,
         )
+    reached = learnable_target(col.until_learnable, plan.committed, (c.index for c in plan.pending))
     measured = Measured(
-        tasks=sum(c.good_rows for c in plan.pending),
+        tasks=0 if reached is not None and reached.reached([]) else sum(c.good_rows for c in plan.pending),
         num_repeats=col.num_repeats,
         settle_after=col.settle_after,
         until_learnable=col.until_learnable,

@@ -198,6 +198,7 @@ def test_until_learnable_stops_at_its_target_and_publishes_what_it_collected(
         *settle_args(rows, out, spread_sim, "--until-learnable", str(target), "--chunks-in-flight", "1")
     )
     assert res.returncode == 0, res.stderr  # a resumed run already has its target: it starts no chunk
+    assert "forecast: nothing left to collect" in res.stdout + res.stderr, res.stderr
     assert (out / "rollouts.jsonl").read_bytes() == data
 
 

@@ -73,14 +73,24 @@ def forecast(m: Measured) -> dict[str, Any]:
     }
 
 
+def _answered(f: dict[str, Any]) -> str:
+    """Where the settled share was read: tasks whose first rollouts are answered (by tuning's probes, or
+    by a run stopped before these chunks committed)."""
+    m = f["measured"]
+    return f"the {m['probe_tasks']:,} tasks whose first {m['settle_after']} rollouts are already answered"
+
+
 def forecast_text(f: dict[str, Any]) -> str:
     """One line for the CLI, said before the first chunk starts."""
     low, high = f["rollouts_range"]
-    rollouts = f"{f['rollouts']:,}" if f["rollouts"] is not None else f"{low:,}-{high:,}"
+    if not f["tasks"]:
+        return "forecast: nothing left to collect"
+    one = f["rollouts"] if f["rollouts"] is not None else low
+    rollouts = f"{one:,}" if f["rollouts"] is not None or low == high else f"{low:,}-{high:,}"
     up_to = "up to " if f.get("tasks_at_most") else ""
     parts = [f"forecast: {rollouts} rollouts for {up_to}{f['tasks']:,} tasks"]
     if f["settled_share"] is not None:
-        parts.append(f"{f['settled_share']:.0%} settled by the probes' tasks (full: {f['rollouts_full']:,})")
+        parts.append(f"{f['settled_share']:.0%} settled among {_answered(f)} (full: {f['rollouts_full']:,})")
     wall = f"{f['wall_s']:,.0f} s" if f["wall_s"] is not None else "unknown (no rate measured)"
     parts.append(f"collect wall {wall}")
     if f["backend_s"] is not None:
@@ -110,7 +120,10 @@ def forecast_markdown(f: dict[str, Any]) -> str:
     """report.md's `## Forecast` section: forecast and actual side by side."""
     actual = f.get("actual", {})
     low, high = f["rollouts_range"]
-    rollouts = f"{f['rollouts']:,}" if f["rollouts"] is not None else f"{low:,}-{high:,}"
+    if not f["tasks"]:
+        return "forecast: nothing left to collect"
+    one = f["rollouts"] if f["rollouts"] is not None else low
+    rollouts = f"{one:,}" if f["rollouts"] is not None or low == high else f"{low:,}-{high:,}"
     rows = [
         ("rollouts", rollouts, actual.get("rollouts")),
         ("wall s (collect)", f["wall_s"], actual.get("wall_s")),
@@ -120,7 +133,7 @@ def forecast_markdown(f: dict[str, Any]) -> str:
     for name, guess, real in rows:
         lines.append(f"| {name} | {'-' if guess is None else guess} | {'-' if real is None else real} |")
     if f["settled_share"] is not None:
-        lines += ["", f"Settled share forecast from the probes' tasks: {f['settled_share']:.1%}."]
+        lines += ["", f"Settled share forecast from {_answered(f)}: {f['settled_share']:.1%}."]
     return "\n".join([*lines, ""])
 
 
