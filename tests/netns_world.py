@@ -182,6 +182,10 @@ class World:
                 "RAY_AUTH_MODE": "disabled",
                 "RAY_TMPDIR": str(self.ray_tmp),
                 "RAY_USAGE_STATS_ENABLED": "0",
+                # Ray's client proxy starts each ray:// client's server with Popen(preexec_fn=...): a fork
+                # that runs gRPC's fork handlers, and the child's starts an event_engine thread that can
+                # segfault before the exec (grpc/grpc#43055): the server died at once, one client in ~4.
+                "GRPC_ENABLE_FORK_SUPPORT": "false",
                 "PREFECT_HOME": str(home),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             }
