@@ -41,7 +41,7 @@ GENERATED |= {gen_reference.REFERENCE / "report.md", gen_reference.REFERENCE / "
 # Other tools' flags the prose shows in their own commands (vLLM, Dask, Ray, Prefect, Docker, pip).
 FOREIGN_FLAGS = {
     "--port", "--nthreads", "--preload", "--preload-nanny", "--address", "--param", "--params",
-    "--pool", "--type", "--all", "--prefect-file", "--background", "--continuous-batching",
+    "--pool", "--type", "--all", "--prefect-file", "--background", "--continuous-batching", "--head",
 }  # fmt: skip
 # Flags `--help` shows today with no help text. An entry here that gains help fails the test below, so
 # the set only shrinks; a new flag without help fails it too.
