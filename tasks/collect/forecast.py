@@ -73,6 +73,17 @@ def forecast(m: Measured) -> dict[str, Any]:
     }
 
 
+NOTHING_LEFT = "forecast: nothing left to collect"
+
+
+def _rollouts(f: dict[str, Any]) -> str:
+    """The forecast's rollouts: one figure, or its range where settling leaves them unknown."""
+    low, high = f["rollouts_range"]
+    if f["rollouts"] is not None:
+        return f"{f['rollouts']:,}"
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
+
 def _answered(f: dict[str, Any]) -> str:
     """Where the settled share was read: tasks whose first rollouts are answered (by tuning's probes, or
     by a run stopped before these chunks committed)."""
@@ -82,11 +93,9 @@ def _answered(f: dict[str, Any]) -> str:
 
 def forecast_text(f: dict[str, Any]) -> str:
     """One line for the CLI, said before the first chunk starts."""
-    low, high = f["rollouts_range"]
     if not f["tasks"]:
-        return "forecast: nothing left to collect"
-    one = f["rollouts"] if f["rollouts"] is not None else low
-    rollouts = f"{one:,}" if f["rollouts"] is not None or low == high else f"{low:,}-{high:,}"
+        return NOTHING_LEFT
+    rollouts = _rollouts(f)
     up_to = "up to " if f.get("tasks_at_most") else ""
     parts = [f"forecast: {rollouts} rollouts for {up_to}{f['tasks']:,} tasks"]
     if f["settled_share"] is not None:
@@ -119,11 +128,9 @@ def against_actual(f: dict[str, Any], rollouts: int, wall_s: float, backend_s: f
 def forecast_markdown(f: dict[str, Any]) -> str:
     """report.md's `## Forecast` section: forecast and actual side by side."""
     actual = f.get("actual", {})
-    low, high = f["rollouts_range"]
     if not f["tasks"]:
-        return "forecast: nothing left to collect"
-    one = f["rollouts"] if f["rollouts"] is not None else low
-    rollouts = f"{one:,}" if f["rollouts"] is not None or low == high else f"{low:,}-{high:,}"
+        return NOTHING_LEFT
+    rollouts = _rollouts(f)
     rows = [
         ("rollouts", rollouts, actual.get("rollouts")),
         ("wall s (collect)", f["wall_s"], actual.get("wall_s")),

@@ -383,9 +383,14 @@ def rewards_markdown(d: dict[str, Any], image: str | None = None) -> str:
     return "\n".join([*lines, ""])
 
 
+def pass_at_k_counted(d: dict[str, Any]) -> int:
+    """The tasks pass@k is over (the same for every k)."""
+    return max((d.get("pass_at_k_tasks") or {}).values(), default=0)
+
+
 def pass_at_k_tasks(d: dict[str, Any]) -> str:
     """Which tasks pass@k is over, and why any were left out."""
-    counted = max((d.get("pass_at_k_tasks") or {}).values(), default=0)
+    counted = pass_at_k_counted(d)
     split = (d.get("settled_split") or {}).get("tasks") or 0
     short = d["tasks"] - counted - split
     why = [f"{split:,} settled tasks now split"] if split else []

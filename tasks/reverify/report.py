@@ -12,7 +12,7 @@ from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.percentiles import shown, shown_share
 from rollflow.tasks.collect.plan import rollflow_version
 from rollflow.tasks.collect.settle import settling_markdown, settling_report
-from rollflow.tasks.publish.rewards import rewards_markdown
+from rollflow.tasks.publish.rewards import pass_at_k_counted, rewards_markdown
 from rollflow.tasks.publish.verifier_story import verifier_story
 from rollflow.tasks.reverify.compare import FAILED, Comparison
 from rollflow.tasks.storage import owned
@@ -115,9 +115,7 @@ def _before_after(report: dict[str, Any]) -> list[str]:
         b = (before.get("pass_at_k") or {}).get(k)
         lines.append(f"| pass@{k} | {'-' if b is None else f'{b:.4f}'} | {after['pass_at_k'][k]:.4f} |")
     if after.get("pass_at_k"):
-        over = [
-            max((d.get("pass_at_k_tasks") or {}).values(), default=0) if d else None for d in (before, after)
-        ]
+        over = [pass_at_k_counted(d) if d else None for d in (before, after)]
         lines.append(
             "| pass@k over (tasks) | " + " | ".join("-" if n is None else f"{n:,}" for n in over) + " |"
         )
