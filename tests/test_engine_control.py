@@ -32,7 +32,8 @@ OPTS = EngineOptions()
 
 
 def r(running: float, waiting: float, kv: float, in_flight: int, preempted: int = 0) -> Reading:
-    return Reading(1, running, waiting, kv, preempted, in_flight)
+    """One interval in which as many requests ended as were in flight (a turnover)."""
+    return Reading(1, running, waiting, kv, preempted, in_flight, ended=in_flight)
 
 
 def twice(state: EngineState, reading: Reading) -> tuple[int, str]:
@@ -85,9 +86,9 @@ def test_growth_from_below_a_knee_stops_at_it_until_the_engine_runs_more() -> No
     full = Reading(1, 12.0, 28.0, 0.1, 0, 40, running_peak=12.0)
     assert decide(state, full, OPTS) == (14, "28 waiting for capacity at 12 running: full")
     state.limit = 11
-    limit, why = twice(state, Reading(1, 11.0, 0.0, 0.1, 0, 11, running_peak=11.0))
+    limit, why = twice(state, Reading(1, 11.0, 0.0, 0.1, 0, 11, running_peak=11.0, ended=11))
     assert limit == 14 and "knee" in why, why  # 12 + OPTS.min_queue, not 22
-    limit, why = twice(state, Reading(1, 14.0, 0.0, 0.1, 0, 14, running_peak=14.0))
+    limit, why = twice(state, Reading(1, 14.0, 0.0, 0.1, 0, 14, running_peak=14.0, ended=14))
     assert limit == 28, why  # it ran 14, more than the knee: its capacity came back
 
 
@@ -98,7 +99,7 @@ def test_growth_stops_at_the_requests_the_kv_cache_holds_at_their_finished_size(
 
     def room(footprint: float | None) -> Reading:
         return Reading(1, 8.0, 0.0, 0.1, 0, 8, running_peak=8.0, footprint=footprint, cache_tokens=16384,
-                       stated=8.0)  # fmt: skip
+                       stated=8.0, ended=8)  # fmt: skip
 
     state = EngineState(limit=8)
     limit, why = twice(state, room(None))
@@ -108,6 +109,25 @@ def test_growth_stops_at_the_requests_the_kv_cache_holds_at_their_finished_size(
     assert twice(state, room(128.0))[0] == 16  # x2: far below the 115 it holds
     # an engine that does not count finished requests (no cache_tokens) grows as before
     assert twice(EngineState(limit=8), r(8, 0, 0.1, 8))[0] == 16
+
+
+def test_growth_waits_for_a_turnover_and_is_judged_by_its_peak_kv_use() -> None:
+    """8 long replies began together; 2 ended early (short ones end first). The cache looks nearly empty
+    while they are young, but the limit grows only once 8 have ended since it last moved, and then by
+    the cache's peak use over that turnover (60% at 8 running: 8 * 0.9 / 0.6 = 12; x1.25 = 10), not x2
+    to 16, which would overflow it once all of them write at once."""
+    state = EngineState(limit=8)
+
+    def room(kv: float, ended: int) -> Reading:
+        return Reading(1, 8.0, 0.0, kv, 0, 8, running_peak=8.0, ended=ended)
+
+    assert decide(state, room(0.05, 2), OPTS)[0] == 8
+    limit, why = decide(state, room(0.1, 0), OPTS)
+    assert limit == 8 and "turn over (2 of 8 ended" in why, why
+    assert decide(state, room(0.6, 0), OPTS)[0] == 8
+    limit, why = decide(state, room(0.1, 6), OPTS)  # the long ones end: the turnover is whole
+    assert limit == 10 and "grow" in why, why
+    assert state.ended == 0 and state.kv_peak is None  # the next turnover is one at 10
 
 
 def test_the_footprint_is_counted_since_the_run_began_in_whole_blocks() -> None:

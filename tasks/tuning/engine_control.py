@@ -10,12 +10,14 @@ rollouts to read:
   engine is full, so give back the excess, down to what it runs plus that queue at most; the small
   queue keeps it fed between replies;
 - nothing waiting, the KV cache below `kv_grow` and the limit used: grow, x2 while far from any limit,
-  else x`grow`, never past what the cache's use projects it holds at `kv_high`; only after
+  else x`grow`, never past what the cache's peak use projects it holds at `kv_high`; only after
   `room_intervals` such intervals in a row, and not while a tenth of those in flight have not reached
   the engine (its API server holds them: more would only wait there);
-- the cache's use now says little of a request that has just begun, so where the engine counts the
-  tokens its finished requests held (vLLM), the limit never passes the requests of that size its cache
-  holds at `kv_high`, and before one has finished, never the requests of full length it states;
+- the cache's use says little of requests that have just begun (each one's share grows as it writes),
+  and the first to end are the short ones: so the limit grows once per turnover (as many requests ended
+  as the limit, since it last moved), judged by the cache's peak use over that turnover; and where the
+  engine counts the tokens its finished requests held (vLLM), never past the requests of that size its
+  cache holds at `kv_high`;
 - a queue seen at R running is a knee: growth from below it stops at R plus the small queue, until the
   engine runs more than R (its capacity came back), so the limit does not swing past it and back;
 - otherwise hold, and say why.
@@ -81,6 +83,7 @@ class Reading:
     footprint: float | None = None  # KV tokens one finished request held, in whole blocks (None: unknown)
     cache_tokens: int | None = None  # the KV cache's size, where the engine counts finished requests
     stated: float | None = None  # requests of full length the engine says its cache holds
+    ended: int = 0  # this run's requests to the endpoint that ended in the interval (answered or failed)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +104,7 @@ def reading(
     before: EngineSample | None,
     in_flight: int,
     first: EngineSample | None = None,
+    ended: int = 0,
 ) -> Reading:
     """The interval's reading from its samples; `before` is the last sample of the interval before (the
     preemption counter is cumulative, so its growth is counted from there), `first` the run's first (the
@@ -125,6 +129,7 @@ def reading(
         footprint=footprint(first, last),
         cache_tokens=None if last is None or last.finished is None else last.kv_capacity_tokens,
         stated=None if last is None else last.kv_max_concurrency,
+        ended=ended,
     )
 
 
@@ -172,6 +177,18 @@ class EngineState:
     held_at_growth: float | None = None  # that share when the limit last grew
     bad_level: int | None = None  # the limit the last preemption came at
     knee: float | None = None  # the most running when a queue last formed (None: none, or it ran more since)
+    ended: int = 0  # requests ended since the limit last moved (or the last turnover was judged)
+    kv_peak: float | None = None  # the cache's highest use over those, and the requests running then
+    peak_running: float | None = None
+
+    def turn(self, r: Reading) -> None:
+        """Count the interval into the turnover under way."""
+        self.ended += r.ended
+        if r.kv is not None and (self.kv_peak is None or r.kv >= self.kv_peak):
+            self.kv_peak, self.peak_running = r.kv, r.running
+
+    def new_turnover(self) -> None:
+        self.ended, self.kv_peak, self.peak_running = 0, None, None
 
 
 def _after_probe(state: EngineState, r: Reading, opts: EngineOptions) -> None:
@@ -205,6 +222,7 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
 def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
     if r.samples == 0:
         return state.limit, "no engine sample in the interval"
+    state.turn(r)
     _after_probe(state, r, opts)
     if state.knee is not None and r.running_peak is not None and r.running_peak > state.knee:
         state.knee = None  # it runs more than where it queued: its capacity came back
@@ -251,8 +269,15 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
     state.room += 1
     if state.room < opts.room_intervals:
         return state.limit, "room in the engine: grow if it stays"
+    if state.ended < state.limit:
+        return state.limit, (
+            f"room in the engine: grow once the requests in flight turn over ({state.ended} of "
+            f"{state.limit} ended since the limit last moved)"
+        )
     state.room = 0
-    return _grow(state, r, opts)
+    limit, why = _grow(state, r, opts)
+    state.new_turnover()
+    return limit, why
 
 
 def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
@@ -261,7 +286,8 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     # far: the cache mostly empty and a doubling still under any ceiling (a limit cut well below its
     # ceiling by a tenant who has since left climbs back at x2, not by quarters)
     below_ceiling = state.ceiling is None or state.limit * opts.fast_grow <= state.ceiling
-    far = below_ceiling and (r.kv is None or r.kv < opts.kv_grow / 2)
+    kv, running = (state.kv_peak, state.peak_running) if state.kv_peak is not None else (r.kv, r.running)
+    far = below_ceiling and (kv is None or kv < opts.kv_grow / 2)
     knee = (
         None
         if state.knee is None
@@ -277,10 +303,10 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     if fits is not None and fits < new:
         size = f"of {r.footprint:g} tokens" if r.footprint else "of full length (none has ended yet)"
         new, why = fits, f"up to the {fits} requests {size} the KV cache holds"
-    if r.kv and r.running:
-        projected = math.floor(r.running * opts.kv_high / r.kv)
+    if kv and running:
+        projected = math.floor(running * opts.kv_high / kv)
         if projected < new:
-            new, why = projected, f"up to what the KV cache holds at {opts.kv_high:.0%} by its use now"
+            new, why = projected, f"up to what the KV cache holds at {opts.kv_high:.0%} by its peak use"
     probed = (
         _probe(state, r, opts) if state.ceiling is not None and state.calm >= opts.calm_intervals else None
     )
@@ -321,7 +347,10 @@ def _probe(state: EngineState, r: Reading, opts: EngineOptions) -> str | None:
 
 
 def _set(state: EngineState, opts: EngineOptions, new: int, why: str) -> tuple[int, str]:
-    state.limit = max(opts.min_limit, min(opts.max_limit, new))
+    moved = max(opts.min_limit, min(opts.max_limit, new))
+    if moved != state.limit:
+        state.new_turnover()  # the turnover to judge the next growth by is one at the new limit
+    state.limit = moved
     return state.limit, why
 
 
@@ -366,7 +395,8 @@ class EngineController:
                 new, why = self.limit.limit, "the run ended"
             elif self.sampler.seen_signal and blind < opts.blind_intervals:
                 first = first or next((s for s in samples if s.finished is not None), None)
-                r = reading(samples, before, self.in_flight(), first)
+                ended = sample.ok + sum(errors.values())
+                r = reading(samples, before, self.in_flight(), first, ended)
                 before = samples[-1] if samples else before
                 if errors.get("http_429"):
                     new, why = adaptive.decide(latency, sample, self.fallback)
