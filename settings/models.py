@@ -365,7 +365,7 @@ class CollectionSettings(Settings):
     )
     settle_after: int | None = Field(
         None,
-        ge=1,
+        ge=0,  # 0 and 1 are refused below, with the reason
         le=10_000,
         description="Give each task this many rollouts first; when all of them are correct, or all wrong "
         "(at --correct-threshold), the task is settled and gets no more, otherwise it gets the rest up to "
@@ -385,6 +385,11 @@ class CollectionSettings(Settings):
             raise ValueError(
                 "settle_after 1 settles every task: one rollout always agrees with itself, so no task would "
                 "get a second; give 2 or more"
+            )
+        if self.settle_after == 0:
+            raise ValueError(
+                "settle_after 0 would settle tasks on no rollout at all; give 2 or more, or leave it out to "
+                "give every task num_repeats rollouts"
             )
         if self.until_learnable is not None and self.num_repeats < 2:
             raise ValueError(

@@ -128,6 +128,11 @@ def test_growth_waits_for_a_turnover_and_is_judged_by_its_peak_kv_use() -> None:
     limit, why = decide(state, room(0.1, 6), OPTS)  # the long ones end: the turnover is whole
     assert limit == 10 and "grow" in why, why
     assert state.ended == 0 and state.kv_peak is None  # the next turnover is one at 10
+    # the peak is read with the requests running in its own sample: a wave that ended within the interval
+    # (8 running at 60%, then 2 at 10%) is 8 at 60%, not its median running at 60%
+    wave = [EngineSample(8, 0, 0.6, 0.0), EngineSample(2, 0, 0.1, 0.5), EngineSample(2, 0, 0.1, 1.0)]
+    got = reading(wave, None, 8, ended=6)
+    assert (got.kv, got.kv_running, got.running, got.ended) == (0.6, 8.0, 2, 6)
 
 
 def test_the_footprint_is_counted_since_the_run_began_in_whole_blocks() -> None:

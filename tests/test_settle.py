@@ -207,6 +207,7 @@ def test_until_learnable_stops_at_its_target_and_publishes_what_it_collected(
     [
         ("--settle-after", str(K), "must be below num_repeats"),
         ("--settle-after", "1", "settles every task: one rollout always agrees with itself"),
+        ("--settle-after", "0", "settle tasks on no rollout at all; give 2 or more"),
         ("--num-repeats", "1", "needs num_repeats 2 or more"),
     ],
 )

@@ -84,6 +84,7 @@ class Reading:
     cache_tokens: int | None = None  # the KV cache's size, where the engine counts finished requests
     stated: float | None = None  # requests of full length the engine says its cache holds
     ended: int = 0  # this run's requests to the endpoint that ended in the interval (answered or failed)
+    kv_running: float | None = None  # the requests running in the sample of the cache's highest use
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +115,8 @@ def reading(
     seen = [(s.running or 0) + (_waiting(s) or 0) for s in samples if s.running is not None]
     last = samples[-1] if samples else None
     kv = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
+    at_kv = max((s for s in samples if s.kv_cache_usage is not None), key=lambda s: s.kv_cache_usage or 0.0,
+                default=None)  # fmt: skip
     counts = [s.preemptions for s in (before, *samples) if s is not None and s.preemptions is not None]
     # a restarted engine starts its counter again: only growth between neighbours counts
     preempted = sum(max(0, b - a) for a, b in itertools.pairwise(counts))
@@ -130,6 +133,7 @@ def reading(
         cache_tokens=None if last is None or last.finished is None else last.kv_capacity_tokens,
         stated=None if last is None else last.kv_max_concurrency,
         ended=ended,
+        kv_running=None if at_kv is None or at_kv.running is None else float(at_kv.running),
     )
 
 
@@ -185,7 +189,7 @@ class EngineState:
         """Count the interval into the turnover under way."""
         self.ended += r.ended
         if r.kv is not None and (self.kv_peak is None or r.kv >= self.kv_peak):
-            self.kv_peak, self.peak_running = r.kv, r.running
+            self.kv_peak, self.peak_running = r.kv, r.kv_running if r.kv_running is not None else r.running
 
     def new_turnover(self) -> None:
         self.ended, self.kv_peak, self.peak_running = 0, None, None
