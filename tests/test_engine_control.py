@@ -125,7 +125,8 @@ def test_growth_waits_for_a_turnover_and_is_judged_by_its_peak_kv_use() -> None:
     limit, why = decide(state, room(0.1, 0), OPTS)
     assert limit == 8 and "turn over (2 of 8 ended" in why, why
     assert decide(state, room(0.6, 0), OPTS)[0] == 8
-    limit, why = decide(state, room(0.1, 6), OPTS)  # the long ones end: the turnover is whole
+    assert decide(state, Reading(0, None, None, None, 0, 8, ended=1), OPTS)[0] == 8  # no sample: still ended
+    limit, why = decide(state, room(0.1, 5), OPTS)  # the long ones end: the turnover is whole
     assert limit == 10 and "grow" in why, why
     assert state.ended == 0 and state.kv_peak is None  # the next turnover is one at 10
     # the peak is read with the requests running in its own sample: a wave that ended within the interval

@@ -224,9 +224,9 @@ def decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, st
 
 
 def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str]:
+    state.turn(r)  # requests end in an interval without a sample too
     if r.samples == 0:
         return state.limit, "no engine sample in the interval"
-    state.turn(r)
     _after_probe(state, r, opts)
     if state.knee is not None and r.running_peak is not None and r.running_peak > state.knee:
         state.knee = None  # it runs more than where it queued: its capacity came back
