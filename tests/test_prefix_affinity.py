@@ -75,6 +75,6 @@ def test_a_controller_does_not_take_affinitys_slack_for_draining() -> None:
 
     state, opts = EngineState(limit=36), EngineOptions()
     for _ in range(2):
-        limit, why = decide(state, Reading(1, 38.0, 0.0, 0.2, 0, 38), opts)
+        limit, why = decide(state, Reading(1, 38.0, 0.0, 0.2, 0, 38, ended=38), opts)  # a turnover each
     assert limit > 36, why
     assert "draining" in decide(EngineState(limit=36), Reading(1, 30.0, 0.0, 0.2, 0, 46), opts)[1]
