@@ -114,7 +114,7 @@ def reading(
     waiting = [_waiting(s) for s in samples if _waiting(s) is not None]
     seen = [(s.running or 0) + (_waiting(s) or 0) for s in samples if s.running is not None]
     last = samples[-1] if samples else None
-    kv = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
+    # the sample of the cache's highest use: its use, and the requests running then
     at_kv = max((s for s in samples if s.kv_cache_usage is not None), key=lambda s: s.kv_cache_usage or 0.0,
                 default=None)  # fmt: skip
     counts = [s.preemptions for s in (before, *samples) if s is not None and s.preemptions is not None]
@@ -124,7 +124,7 @@ def reading(
         samples=len(samples),
         running=statistics.median(running) if running else None,
         waiting=statistics.median(waiting) if waiting else None,  # type: ignore[type-var]
-        kv=max(kv) if kv else None,
+        kv=None if at_kv is None else at_kv.kv_cache_usage,
         preempted=preempted,
         in_flight=in_flight,
         at_engine=max(seen) if seen else None,
@@ -290,7 +290,7 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     # far: the cache mostly empty and a doubling still under any ceiling (a limit cut well below its
     # ceiling by a tenant who has since left climbs back at x2, not by quarters)
     below_ceiling = state.ceiling is None or state.limit * opts.fast_grow <= state.ceiling
-    kv, running = (state.kv_peak, state.peak_running) if state.kv_peak is not None else (r.kv, r.running)
+    kv, running = state.kv_peak, state.peak_running  # over the turnover, this interval's reading among them
     far = below_ceiling and (kv is None or kv < opts.kv_grow / 2)
     knee = (
         None
