@@ -14,8 +14,10 @@ from rollout_data import assert_complete, write_rows
 from tuning_support import configure_sim, setup_run, sim_metrics
 
 from rollflow.infra.local import spawn_simulator
+from rollflow.tasks.backends.endpoints import EndpointPool
 from rollflow.tasks.backends.engine_metrics import EngineSample, parse_engine_metrics, sample_endpoints
 from rollflow.tasks.backends.http import auth_headers, close_loop_session
+from rollflow.tasks.backends.limiter import ConcurrencyLimit
 from rollflow.tasks.collect.chunk import collect_chunk
 from rollflow.tasks.tuning.engine_control import (
     EngineOptions,
@@ -134,6 +136,62 @@ def test_growth_waits_for_a_turnover_and_is_judged_by_its_peak_kv_use() -> None:
     wave = [EngineSample(8, 0, 0.6, 0.0), EngineSample(2, 0, 0.1, 0.5), EngineSample(2, 0, 0.1, 1.0)]
     got = reading(wave, None, 8, ended=6)
     assert (got.kv, got.kv_running, got.running, got.ended) == (0.6, 8.0, 2, 6)
+
+
+def test_growth_waits_until_the_requests_in_flight_at_the_last_move_have_ended() -> None:
+    """Short replies end and are replaced many times while the long ones still write: ends alone (16 of
+    a limit of 8) are no turnover while 4 requests in flight when the limit was set still run."""
+    state = EngineState(limit=8)
+
+    def room(kv: float, left: int) -> Reading:
+        return Reading(1, 8.0, 0.0, kv, 0, 8, running_peak=8.0, ended=8, left=left)
+
+    assert decide(state, room(0.05, 4), OPTS)[0] == 8
+    limit, why = decide(state, room(0.08, 4), OPTS)
+    assert limit == 8 and "4 of them still running" in why, why
+    limit, why = decide(state, room(0.1, 0), OPTS)  # the long ones ended: judged by the peak, 10%
+    assert limit == 16 and "grow" in why, why
+
+
+def test_a_turnover_counts_down_the_requests_in_flight_when_the_limit_was_set() -> None:
+    """The endpoint counts down the attempts in flight at a mark (every move of the limit, by whichever
+    rule, marks it): one begun after the mark is not one of them; a cancelled one has ended too."""
+    pool = EndpointPool(["http://e"], {"http://e": 64}, ConcurrencyLimit(64))
+    ep = pool.endpoint("http://e")
+    for _ in range(3):
+        pool.begin(ep)
+    ep.mark()
+    assert ep.left == 3
+    started = ep.marked_at - 1.0
+    pool.end(ep, started=ep.marked_at + 1.0)  # began after the mark: not one of the turnover
+    assert ep.left == 3
+    pool.end(ep, started=started)
+    pool.end(ep, abandoned=True, started=started)  # cancelled: it ended too
+    assert ep.left == 1
+
+
+def test_trims_and_cuts_do_not_compound_while_the_excess_drains() -> None:
+    """While the requests of a cut drain, the cache stays full and preemptions go on: the limit is cut
+    from what ran, once, not again every interval."""
+    state = EngineState(limit=40)
+    limits = [decide(state, r(38, 0, 0.99, 40, preempted=2), OPTS)[0] for _ in range(4)]
+    assert limits == [30, 30, 30, 30], limits  # 0.8 of the 38 that ran
+    state = EngineState(limit=40)
+    full = Reading(1, 40.0, 0.0, 0.92, 0, 40, running_peak=40.0, ended=2, left=30)
+    limits = [decide(state, full, OPTS)[0] for _ in range(3)]
+    assert limits == [36, 36, 36], limits  # the 40 in flight before the trim still run: one trim
+    assert decide(state, Reading(1, 36.0, 0.0, 0.92, 0, 36, ended=30, left=0), OPTS)[0] == 32  # full at 36
+    assert decide(EngineState(limit=1), r(1, 0, 0.95, 1), OPTS)[0] == 1
+
+
+def test_a_ceiling_is_lifted_by_the_turnovers_peak_not_one_quiet_interval() -> None:
+    state = EngineState(limit=64)
+    assert decide(state, r(60, 0, 0.95, 64, preempted=5), OPTS)[0] == 48
+    for _ in range(OPTS.calm_intervals - 1):
+        decide(state, Reading(1, 48.0, 0.0, 0.7, 0, 48, running_peak=48.0, ended=3), OPTS)
+    limit, why = decide(state, Reading(1, 48.0, 0.0, 0.2, 0, 48, running_peak=48.0, ended=60), OPTS)
+    assert "the ceiling is lifted" not in why and state.ceiling is not None, why  # the peak was 70%
+    assert limit <= 53, (limit, why)
 
 
 def test_the_footprint_is_counted_since_the_run_began_in_whole_blocks() -> None:

@@ -184,14 +184,14 @@ class BackendClient:
                 )
             except UnknownAgent as exc:
                 raise BackendError(str(exc), kind="unknown_agent") from None
+            start = time.perf_counter()  # before begin: an attempt counted in flight at a mark began by it
             token = self.pool.begin(ep)
-            start = time.perf_counter()
             try:
                 reply = await self._post(self._targets[ep.url], body, headers)
                 latency = time.perf_counter() - start
                 result = self._result(self._targets[ep.url], reply, latency, len(failed) + 1)
             except BackendError as exc:
-                self.pool.end(ep)
+                self.pool.end(ep, started=start)
                 self._failed(ep, exc)
                 failed.append((ep, token))
                 exc.attempts = len(failed)
@@ -199,9 +199,9 @@ class BackendClient:
                     raise
                 continue
             except BaseException:
-                self.pool.end(ep, abandoned=True)
+                self.pool.end(ep, abandoned=True, started=start)
                 raise
-            self.pool.end(ep)
+            self.pool.end(ep, started=start)
             self.pool.succeeded(ep, result.latency_s)
             for observer in self.observers:
                 observer.success(result.latency_s)

@@ -66,6 +66,12 @@ class Endpoint:
     engine: Callable[[], dict[str, Any] | None] | None = None
     agents: frozenset[str] = frozenset()  # the agents whose rows it answers (empty: any row)
     peak: int = 0  # the most in flight at once since a controller last read it (`take_peak`)
+    marked_at: float = 0.0  # perf_counter time of the last `mark`
+    left: int = 0  # attempts in flight at the last `mark` that have not ended yet
+
+    def mark(self) -> None:
+        """Start a turnover: from now, count down the attempts in flight until each of them has ended."""
+        self.marked_at, self.left = time.perf_counter(), self.outstanding
 
     def take_peak(self) -> int:
         """The most in flight at once since the last call (an instant's count is noise at small limits)."""
@@ -199,9 +205,12 @@ class EndpointPool:
         ep.last_begun = self._begun
         return ep.ejections if ep.in_rotation else OUT_AT_START
 
-    def end(self, ep: Endpoint, abandoned: bool = False) -> None:
-        """The attempt is over; an abandoned (cancelled) one frees a trial slot without an outcome."""
+    def end(self, ep: Endpoint, abandoned: bool = False, started: float | None = None) -> None:
+        """The attempt (begun at perf_counter time `started`) is over; an abandoned (cancelled) one frees
+        a trial slot without an outcome."""
         ep.outstanding -= 1
+        if started is not None and started <= ep.marked_at and ep.left > 0:
+            ep.left -= 1
         if abandoned:
             ep.trial = False
 

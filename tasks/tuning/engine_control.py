@@ -85,6 +85,9 @@ class Reading:
     stated: float | None = None  # requests of full length the engine says its cache holds
     ended: int = 0  # this run's requests to the endpoint that ended in the interval (answered or failed)
     kv_running: float | None = None  # the requests running in the sample of the cache's highest use
+    left: int | None = (
+        None  # requests in flight when the limit was last set that have not ended (None: unknown)
+    )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +109,7 @@ def reading(
     in_flight: int,
     first: EngineSample | None = None,
     ended: int = 0,
+    left: int | None = None,
 ) -> Reading:
     """The interval's reading from its samples; `before` is the last sample of the interval before (the
     preemption counter is cumulative, so its growth is counted from there), `first` the run's first (the
@@ -134,6 +138,7 @@ def reading(
         stated=None if last is None else last.kv_max_concurrency,
         ended=ended,
         kv_running=None if at_kv is None or at_kv.running is None else float(at_kv.running),
+        left=left,
     )
 
 
@@ -232,18 +237,25 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
         state.knee = None  # it runs more than where it queued: its capacity came back
     if r.preempted > 0:
         state.calm = 0
-        # below what ran while it preempted: that is what the cache holds now
-        held = min(state.limit, r.in_flight, math.inf if r.running is None else r.running)
-        cut = max(opts.min_limit, math.floor(held * opts.cut))
+        # below what ran while it preempted: that is what the cache holds now (from what ran, not from the
+        # limit: while the requests of a cut drain, preemptions go on, and the cut must not compound)
+        held = min(r.in_flight, math.inf if r.running is None else r.running)
+        cut = max(opts.min_limit, min(state.limit, math.floor(held * opts.cut)))
         state.ceiling = cut
         return _set(state, opts, cut, f"{r.preempted} preemptions: cut, and hold below {cut} a while")
     state.calm += 1
+    if r.in_flight > math.ceil(state.limit * (1 + AFFINITY_SLACK)):  # affinity may carry it past a little
+        # a full cache while the excess drains is the excess itself: trimming again would compound
+        return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
     if r.kv is not None and r.kv >= opts.kv_high:
-        trimmed = math.floor(state.limit * opts.trim)
+        if r.in_flight > state.limit and r.left:  # the cache is full of the excess the last move drains
+            return (
+                state.limit,
+                f"KV cache {r.kv:.0%} used while {r.left} requests from before the last move run",
+            )
+        trimmed = max(opts.min_limit, math.floor(state.limit * opts.trim))
         state.ceiling = min(state.ceiling or trimmed, trimmed) if state.ceiling else trimmed
         return _set(state, opts, trimmed, f"KV cache {r.kv:.0%} used: trim")
-    if r.in_flight > math.ceil(state.limit * (1 + AFFINITY_SLACK)):  # affinity may carry it past a little
-        return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
     queue = max(opts.min_queue, opts.queue_share * (r.running or 0.0))
     if r.waiting and r.running_peak is not None:
         state.knee = r.running_peak
@@ -273,10 +285,15 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
     state.room += 1
     if state.room < opts.room_intervals:
         return state.limit, "room in the engine: grow if it stays"
+    if r.left:
+        return state.limit, (
+            f"room in the engine: grow once the requests in flight when the limit was last set have ended "
+            f"({r.left} of them still running; the cache's use says little of requests still writing)"
+        )
     if state.ended < state.limit:
         return state.limit, (
             f"room in the engine: grow once the requests in flight turn over ({state.ended} of "
-            f"{state.limit} ended since the limit last moved)"
+            f"{state.limit} ended since the limit was last set)"
         )
     state.room = 0
     limit, why = _grow(state, r, opts)
@@ -316,7 +333,7 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     )
     if state.ceiling is not None and state.ceiling < new:
         new, why = state.ceiling, f"up to the ceiling {state.ceiling} (set by preemption or a full KV cache)"
-    why = probed or why
+    why = f"{probed}; {why}" if probed else why
     if new <= state.limit:
         return state.limit, f"room in the engine, but held: {why}"
     state.held_at_growth = state.held
@@ -341,9 +358,13 @@ def _probe(state: EngineState, r: Reading, opts: EngineOptions) -> str | None:
     probe = max(ceiling + 1, math.ceil(ceiling * opts.probe_above_ceiling))
     if wary and probe >= state.bad_level:  # type: ignore[operator]
         probe = state.bad_level - 1  # type: ignore[operator]
-    if not wary and r.kv and r.kv < opts.kv_grow / 2:  # a KV use of 0 with requests running tells nothing
+    peak = state.kv_peak  # over the turnover, as growth is judged; 0 with requests running tells nothing
+    if not wary and peak and peak < opts.kv_grow / 2:
         state.ceiling, state.calm, state.since_probe = None, 0, 0
-        return f"calm for {opts.calm_intervals} intervals, KV cache {r.kv:.0%} used: the ceiling is lifted"
+        return (
+            f"calm for {opts.calm_intervals} intervals, KV cache at most {peak:.0%} used: "
+            "the ceiling is lifted"
+        )
     if probe <= ceiling:
         return None  # below where it preempted: wait out the longer spell
     state.ceiling, state.calm, state.since_probe = probe, 0, 0
@@ -367,6 +388,9 @@ class EngineController:
     log: AttemptLog
     in_flight: Callable[[], int]  # this run's most requests in flight at the endpoint in the interval
     options: EngineOptions = field(default_factory=EngineOptions)
+    # starts a turnover (counts down the requests in flight now), and how many of them have not ended
+    mark: Callable[[], None] = lambda: None
+    left: Callable[[], int | None] = lambda: None
     fallback: adaptive.AdaptiveOptions = field(default_factory=adaptive.AdaptiveOptions)
     history: list[dict[str, Any]] = field(default_factory=list)
     rule: Rule = decide  # another rule set, for benchmarks beside it
@@ -380,6 +404,8 @@ class EngineController:
         before: EngineSample | None = self.sampler.latest
         first = before if before is not None and before.finished is not None else None
         blind = 0
+        self.mark()
+        applied = self.limit.limit
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), opts.interval_s)
@@ -393,6 +419,8 @@ class EngineController:
                 "at": round(time.time(), 3),  # epoch seconds, to set beside the engine's own logs
                 "rate": round(sample.rate, 3),
             }
+            if self.limit.limit != applied:  # set from outside (a share of the run's limit): a new turnover
+                self._moved(state)
             state.limit = latency.limit = self.limit.limit
             blind = blind + 1 if not samples else 0
             if stop.is_set():
@@ -400,14 +428,15 @@ class EngineController:
             elif self.sampler.seen_signal and blind < opts.blind_intervals:
                 first = first or next((s for s in samples if s.finished is not None), None)
                 ended = sample.ok + sum(errors.values())
-                r = reading(samples, before, self.in_flight(), first, ended)
+                r = reading(samples, before, self.in_flight(), first, ended, self.left())
                 before = samples[-1] if samples else before
                 if errors.get("http_429"):
                     new, why = adaptive.decide(latency, sample, self.fallback)
                     state.limit = new
                 else:
                     new, why = self.rule(state, r, opts)
-                entry.update(r.as_dict())
+                entry.update(r.as_dict(), turnover={"ended": state.ended, "left": r.left,
+                             "kv_peak": _round(state.kv_peak, 3)})  # fmt: skip
             else:
                 new, why = adaptive.decide(latency, sample, self.fallback)
                 seen = self.sampler.seen_signal
@@ -415,9 +444,17 @@ class EngineController:
                 state.limit = new
             if new != self.limit.limit:
                 self.limit.set_limit(new)
+                self._moved(state)  # whichever rule moved it (the 429 and blind paths too)
+            applied = self.limit.limit
             self.history.append({**entry, "limit": new, "why": why})
             if len(self.history) > opts.history_kept:
                 self.history = thinned(self.history)
+
+    def _moved(self, state: EngineState) -> None:
+        """The limit moved: growth waits for the requests in flight now to end, and for room anew."""
+        self.mark()
+        state.new_turnover()
+        state.room = 0
 
 
 def thinned(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -467,7 +504,8 @@ async def engine_control(
         pool.observe(url, log)
         ep = pool.endpoint(url)
         group.controllers[url] = EngineController(
-            adaptive.EndpointLimit(pool, url), samplers[url], log, ep.take_peak, opts, rule=rule or decide
-        )
+            adaptive.EndpointLimit(pool, url), samplers[url], log, ep.take_peak, opts, rule=rule or decide,
+            mark=ep.mark, left=lambda ep=ep: ep.left,
+        )  # fmt: skip
     async with group.running():
         yield group
