@@ -1,8 +1,11 @@
 """Concurrency controllers side by side in one run, on the simulator's paged KV cache (vLLM-like: a full
 cache preempts the youngest request, which is recomputed) or on a real vLLM (`--vllm`, CPU, tiny model).
 
-The reference is the best of a fixed-parallelism sweep. Each method then collects the same number of
-rollouts from a cold start:
+The reference is the best of a fixed-parallelism sweep. Then, in `--rounds` rounds (the order rotated each
+round), that fixed value and each controller collect the same number of rollouts, the controllers from a
+cold start; a controller is judged against the fixed value of its own round, since a machine's speed
+drifts over minutes (on 2 cores beside vLLM, repeats of one fixed value varied 22-39/s), and the row gives
+each round's figure beside the median. Tune-then-hold runs once, against the rounds' median. Methods:
 - tune-then-hold: diagnose + tune (doubling from 5, steady-rate steps), then its choice held;
 - adaptive (latency): the latency and 429 rules, on the same engine with its gauges hidden;
 - engine: rollflow's engine-aware controller (`adaptive`, and `auto` on long runs);
@@ -23,6 +26,7 @@ import asyncio
 import collections
 import json
 import math
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -60,7 +64,7 @@ def prime_rl_rule(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[
         state.limit = max(1, math.floor(state.limit * 0.9))
         return state.limit, "KV > 0.8: trim"
     if r.kv < 0.6:
-        state.limit = math.ceil(state.limit * 1.25)
+        state.limit = min(opts.max_limit, math.ceil(state.limit * 1.25))  # its own cap on concurrency
         return state.limit, "KV < 0.6: grow x1.25"
     return state.limit, "hold"
 
@@ -96,7 +100,15 @@ def _buckets(batch: RolloutBatch, t0: float, t1: float) -> list[int]:
 
 
 def _figures(
-    name: str, buckets: list[int], lead_s: float, n: int, wall: float, best: float, pre: int, probes: int
+    name: str,
+    buckets: list[int],
+    lead_s: float,
+    n: int,
+    wall: float,
+    best: float,
+    pre: int,
+    probes: int,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """One method's row: time to 0.95 of best, share at or above it, whole-run rate share, and costs."""
     reached = next((i + 1 for i, c in enumerate(buckets) if c >= TARGET * best), None)
@@ -109,16 +121,18 @@ def _figures(
         "preemptions_per_1k": round(1000 * pre / n, 1),
         "probe_rollouts": probes,
     }
-    print(_line(row))
+    if not quiet:
+        print(_line(row))
     return row
 
 
 def _line(row: dict[str, Any]) -> str:
     to_target = "never" if row["reach_0.95_s"] is None else f"{row['reach_0.95_s']:5.1f} s"
+    probes = "-" if row["probe_rollouts"] is None else f"{row['probe_rollouts']:,}"
     return (
         f"  {row['method']:<16} reach 0.95 of best: {to_target:>7} | share of run at >= 0.95: "
         f"{row['share_at_0.95']:4.2f} | whole run {row['rollouts_per_s']:7.1f}/s = {row['of_best']:4.2f} of "
-        f"best | preemptions/1k {row['preemptions_per_1k']:6.1f} | probe rollouts {row['probe_rollouts']:>6,}"
+        f"best | preemptions/1k {row['preemptions_per_1k']:6.1f} | probe rollouts {probes:>6}"
     )
 
 
@@ -141,36 +155,46 @@ async def run_methods(
     start: int,
     backend: dict[str, Any] | None = None,
     sweep_levels: tuple[int, ...] | None = None,
+    rounds: int = 2,
 ) -> list[dict[str, Any]]:
-    """The sweep, then each method from a cold start on n rollouts (hidden_url: that engine, no gauges;
-    `backend`: the kind and model when not the simulator's agent)."""
+    """The sweep, then rounds of the best fixed value and each controller from a cold start on n rollouts,
+    in an order rotated each round, each controller judged against the fixed value of its own round (a
+    machine's speed drifts between minutes; a pair in one round shares it); tune-then-hold once, judged
+    against the rounds' median fixed rate. hidden_url: that engine, no gauges; `backend`: the kind and
+    model when not the simulator's agent."""
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-controllers-"))
-    ctx, plan = _context(url, work, n * 8 + 20_000, backend)
+    ctx, plan = _context(url, work, n * (3 * rounds + 8) + 20_000, backend)
     feed = _feed(ctx, plan)
     levels, per_level = sweep_levels or SWEEP, max(300, n // 4)
     sweep = {p: await measure(ctx, plan, feed, p, n=per_level) for p in levels}
-    best_p, best = max(sweep.items(), key=lambda kv: kv[1])
+    best_p = max(sweep.items(), key=lambda kv: kv[1])[0]
     print("  fixed sweep: " + ", ".join(f"{p}: {r:.1f}/s" for p, r in sweep.items()) + f" (best {best_p})")
-    pre0 = _preemptions(url)
-    await measure(ctx, plan, feed, best_p, n=n)
-    fixed_pre = 1000 * (_preemptions(url) - pre0) / n
-    print(f"  best fixed ({best_p}) preemptions/1k: {fixed_pre:.1f}")
-    lines: list[dict[str, Any]] = [
-        {"method": f"best fixed ({best_p})", "reach_0.95_s": None, "share_at_0.95": None,
-         "rollouts_per_s": round(best, 1), "of_best": 1.0, "preemptions_per_1k": round(fixed_pre, 1),
-         "probe_rollouts": None, "sweep": {str(p): round(r, 1) for p, r in sweep.items()}},
-    ]  # fmt: skip
 
-    async def engine(rule: Any = None) -> Any:
+    async def fixed() -> tuple[RolloutBatch, float, float]:
+        ctx.limit.set_limit(best_p)
+        return await _controlled(ctx, feed, n, _nothing)
+
+    async def engine(rule: Any = None) -> tuple[RolloutBatch, float, float]:
         ctx.limit.set_limit(start)
         return await _under_engine(ctx, feed, n, rule)
 
-    for name, method in (("engine", lambda: engine()), ("prime-rl rules", lambda: engine(prime_rl_rule))):
-        pre0 = _preemptions(url)
-        batch, t0, t1 = await method()
-        lines.append(
-            _figures(name, _buckets(batch, t0, t1), 0.0, n, t1 - t0, best, _preemptions(url) - pre0, 0)
-        )
+    methods: dict[str, Callable[[], Awaitable[tuple[RolloutBatch, float, float]]]] = {
+        f"best fixed ({best_p})": fixed, "engine": engine, "prime-rl rules": lambda: engine(prime_rl_rule),
+    }  # fmt: skip
+    names = list(methods)
+    runs: dict[str, list[tuple[list[int], float, int]]] = {name: [] for name in names}
+    for k in range(rounds):
+        order = names[k % len(names) :] + names[: k % len(names)]
+        print(f"  round {k + 1}: {', '.join(order)}")
+        for name in order:
+            pre0 = _preemptions(url)
+            batch, t0, t1 = await methods[name]()
+            runs[name].append((_buckets(batch, t0, t1), t1 - t0, _preemptions(url) - pre0))
+    fixed_rates = [n / wall for _, wall, _ in runs[names[0]]]
+    best = statistics.median(fixed_rates)
+    print("  best fixed rounds: " + ", ".join(f"{r:.1f}/s" for r in fixed_rates))
+    lines = [_paired(name, runs[name], fixed_rates, n) for name in names]
+    lines[0]["sweep"] = {str(p): round(r, 1) for p, r in sweep.items()}
     pre0, t_start = _preemptions(url), time.perf_counter()
     d, t = await diagnose_and_tune(ctx, plan, feed)
     probes = d.probe_rollouts + t.probe_rollouts
@@ -187,6 +211,30 @@ async def run_methods(
     feed.close()
     await close_loop_session()
     return lines
+
+
+def _paired(
+    name: str, runs: list[tuple[list[int], float, int]], fixed: list[float], n: int
+) -> dict[str, Any]:
+    """One method's row over the rounds: each round judged against that round's fixed rate; the medians,
+    and each round's share of the best so the spread is in the row."""
+    rows = [
+        _figures(f"{name} r{k + 1}", buckets, 0.0, n, wall, fixed[k], pre, 0, quiet=True)
+        for k, (buckets, wall, pre) in enumerate(runs)
+    ]
+    reached = [r["reach_0.95_s"] for r in rows]
+    row = {
+        "method": name,
+        "reach_0.95_s": None if None in reached else statistics.median(reached),
+        "share_at_0.95": round(statistics.median(r["share_at_0.95"] for r in rows), 3),
+        "rollouts_per_s": round(statistics.median(r["rollouts_per_s"] for r in rows), 1),
+        "of_best": round(statistics.median(r["of_best"] for r in rows), 3),
+        "of_best_each_round": [r["of_best"] for r in rows],
+        "preemptions_per_1k": round(1000 * sum(pre for *_, pre in runs) / (n * len(runs)), 1),
+        "probe_rollouts": None if name.startswith("best fixed") else 0,
+    }
+    print(_line(row) + f" | each round {row['of_best_each_round']}")
+    return row
 
 
 async def _under_engine(ctx: Any, feed: Any, n: int, rule: Any) -> tuple[RolloutBatch, float, float]:
@@ -234,13 +282,13 @@ async def _latency_method(url: str, n: int, start: int, best: float) -> dict[str
     )
 
 
-def _simulated(profile: str) -> Callable[[], Awaitable[None]]:
+def _simulated(profile: str, rounds: int) -> Callable[[], Awaitable[None]]:
     async def go(n: int) -> list[dict[str, Any]]:
         sim = spawn_simulator("--profile", profile, "--seed", "1")
         hidden = spawn_simulator("--profile", profile, "--seed", "1", "--metrics-format", "none")
         try:
             print(f"simulator --profile {profile}, {n:,} rollouts per method")
-            return await run_methods(sim.url, hidden.url, n, start=5)
+            return await run_methods(sim.url, hidden.url, n, start=5, rounds=rounds)
         finally:
             sim.stop()
             hidden.stop()
@@ -248,7 +296,7 @@ def _simulated(profile: str) -> Callable[[], Awaitable[None]]:
     return go  # type: ignore[return-value]
 
 
-async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> list[dict[str, Any]]:
+async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float, rounds: int) -> list[dict[str, Any]]:
     from rollflow.infra.vllm.stack import VllmServer
 
     log_dir = Path(tempfile.mkdtemp(prefix="rollflow-bench-vllm-"))
@@ -257,7 +305,9 @@ async def _on_vllm(n: int, max_num_seqs: int, kv_gb: float) -> list[dict[str, An
             f"vLLM (CPU, tiny model) max_num_seqs {max_num_seqs}, KV {kv_gb * 1024:.0f} MiB; {n:,} rollouts"
         )
         chat = {"kind": "chat", "model": server.model, "max_output_tokens": VLLM_TOKENS}
-        return await run_methods(server.base_url, None, n, start=5, backend=chat, sweep_levels=VLLM_SWEEP)
+        return await run_methods(
+            server.base_url, None, n, start=5, backend=chat, sweep_levels=VLLM_SWEEP, rounds=rounds
+        )
 
 
 async def main() -> None:
@@ -267,14 +317,17 @@ async def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also on a real vLLM (installs it on first use)")
     ap.add_argument("--vllm-only", action="store_true", help="only on a real vLLM")
     ap.add_argument("--vllm-rollouts", type=int, default=1500)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the fixed value and each controller")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     if not args.vllm_only:
-        sim = await _simulated(args.profile)(args.rollouts)  # type: ignore[call-arg]
+        sim = await _simulated(args.profile, args.rounds)(args.rollouts)  # type: ignore[call-arg]
         rows += [{"engine": f"simulator ({args.profile})", **r} for r in sim]
         _save(rows, args)
     if args.vllm or args.vllm_only:
-        rows += [{"engine": "vLLM (CPU)", **r} for r in await _on_vllm(args.vllm_rollouts, 64, 1 / 64)]
+        rows += [
+            {"engine": "vLLM (CPU)", **r} for r in await _on_vllm(args.vllm_rollouts, 64, 1 / 64, args.rounds)
+        ]
         _save(rows, args)
 
 
