@@ -4,7 +4,8 @@ A self-hosted engine rarely answers 429: given too much it queues, fills its KV 
 endpoint's limit is moved from what its engine says every interval, not from rates that need many
 rollouts to read:
 - preemptions: cut below what ran meanwhile and keep that as a ceiling until a calm spell has passed,
-  so the engine is never driven into repeated preemption;
+  so the engine is never driven into repeated preemption (from what ran, so that preemptions while a
+  cut drains do not cut again; a full cache while that excess drains holds the limit, likewise);
 - KV cache above `kv_high`: trim (the cache is the limit, and preemption is near);
 - requests waiting for capacity beyond a small queue (`queue_share` of those running, at least 2): the
   engine is full, so give back the excess, down to what it runs plus that queue at most; the small
@@ -14,8 +15,9 @@ rollouts to read:
   `room_intervals` such intervals in a row, and not while a tenth of those in flight have not reached
   the engine (its API server holds them: more would only wait there);
 - the cache's use says little of requests that have just begun (each one's share grows as it writes),
-  and the first to end are the short ones: so the limit grows once per turnover (as many requests ended
-  as the limit, since it last moved), judged by the cache's peak use over that turnover; and where the
+  and the first to end are the short ones: so the limit grows once per turnover (every request in flight
+  when the limit was last set has ended, and as many as the limit have ended), judged by the cache's
+  peak use over that turnover; and where the
   engine counts the tokens its finished requests held (vLLM), never past the requests of that size its
   cache holds at `kv_high`;
 - a queue seen at R running is a knee: growth from below it stops at R plus the small queue, until the
