@@ -181,7 +181,13 @@ def test_trims_and_cuts_do_not_compound_while_the_excess_drains() -> None:
     limits = [decide(state, full, OPTS)[0] for _ in range(3)]
     assert limits == [36, 36, 36], limits  # the 40 in flight before the trim still run: one trim
     assert decide(state, Reading(1, 36.0, 0.0, 0.92, 0, 36, ended=30, left=0), OPTS)[0] == 32  # full at 36
-    assert decide(EngineState(limit=1), r(1, 0, 0.95, 1), OPTS)[0] == 1
+    state = EngineState(limit=1)
+    assert decide(state, r(1, 0, 0.95, 1), OPTS)[0] == 1 and state.ceiling == 1
+    # after a growth, a cache that fills is trimmed though requests from before the growth still run
+    state = EngineState(limit=32)
+    state.down = False
+    limit, why = decide(state, Reading(1, 36.0, 0.0, 0.97, 0, 36, running_peak=36.0, ended=2, left=20), OPTS)
+    assert limit == 28 and "trim" in why, why
 
 
 def test_a_ceiling_is_lifted_by_the_turnovers_peak_not_one_quiet_interval() -> None:

@@ -209,7 +209,7 @@ class EndpointPool:
         """The attempt (begun at perf_counter time `started`) is over; an abandoned (cancelled) one frees
         a trial slot without an outcome."""
         ep.outstanding -= 1
-        if started is not None and started <= ep.marked_at and ep.left > 0:
+        if ep.left > 0 and (started is None or started <= ep.marked_at):  # None: not known, so counted
             ep.left -= 1
         if abandoned:
             ep.trial = False

@@ -191,6 +191,7 @@ class EngineState:
     ended: int = 0  # requests ended since the limit last moved (or the last turnover was judged)
     kv_peak: float | None = None  # the cache's highest use over those, and the requests running then
     peak_running: float | None = None
+    down: bool = False  # whether the limit's last move was down (its excess drains)
 
     def turn(self, r: Reading) -> None:
         """Count the interval into the turnover under way."""
@@ -250,7 +251,7 @@ def _decide(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, s
         # a full cache while the excess drains is the excess itself: trimming again would compound
         return state.limit, f"draining to the new limit ({r.in_flight} in flight)"
     if r.kv is not None and r.kv >= opts.kv_high:
-        if r.in_flight > state.limit and r.left:  # the cache is full of the excess the last move drains
+        if state.down and r.in_flight > state.limit and r.left:  # full of the excess the last cut drains
             return (
                 state.limit,
                 f"KV cache {r.kv:.0%} used while {r.left} requests from before the last move run",
@@ -377,6 +378,7 @@ def _set(state: EngineState, opts: EngineOptions, new: int, why: str) -> tuple[i
     moved = max(opts.min_limit, min(opts.max_limit, new))
     if moved != state.limit:
         state.new_turnover()  # the turnover to judge the next growth by is one at the new limit
+        state.down = moved < state.limit
     state.limit = moved
     return state.limit, why
 
