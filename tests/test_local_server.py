@@ -96,6 +96,13 @@ def test_local_server_is_started_once_and_kept(
     assert STARTED not in second.stderr
     assert report["prefect_api"] == "local server"
     assert _flow_runs(api) == 2
+    # it runs the services rollflow uses, and not those it does not (an idle loop costs part of a core)
+    with urllib.request.urlopen(f"{api}/admin/settings", timeout=10) as resp:
+        services = json.loads(resp.read())["server"]["services"]
+    assert [services[s]["enabled"] for s in ("triggers", "foreman", "repossessor", "pause_expirations")] == [
+        False
+    ] * 4, services
+    assert services["scheduler"]["enabled"] and services["task_run_recorder"]["enabled"], services
 
 
 def test_the_kept_server_stops_when_idle_and_the_next_run_starts_it(

@@ -21,6 +21,14 @@ HEALTH_TIMEOUT_S = 0.3
 POLL_S = 0.1
 PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME, where `prefect server stop` looks
 PORT_FILE = "rollflow-server.port"  # the port rollflow started this PREFECT_HOME's server on
+# Prefect services the kept server leaves off: rollflow uses no automations (triggers), work pools
+# (foreman), pauses, or concurrency leases (repossessor). It keeps the scheduler (served schedules), late
+# runs, cancellation, and the event and task-run recorders the UI shows runs from. An idle server's
+# loops cost part of a core for as long as it lives (bench/server_idle.py measures it).
+SERVICES_OFF = {
+    f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false"
+    for name in ("TRIGGERS", "FOREMAN", "PAUSE_EXPIRATIONS", "REPOSSESSOR")
+}
 
 
 class LocalServerError(Exception):
@@ -107,8 +115,9 @@ def free_port() -> int:
 class LocalServer:
     """`prefect server start --background` on 127.0.0.1:`port`, started now and waited for later."""
 
-    def __init__(self, home: Path, port: int) -> None:
+    def __init__(self, home: Path, port: int, services_off: dict[str, str] | None = None) -> None:
         self.home, self.port = home, port
+        self.services_off = SERVICES_OFF if services_off is None else services_off
         self.api_url = f"http://127.0.0.1:{port}/api"
         self.ui_url = f"http://127.0.0.1:{port}"
         self.pid_file = home / PID_FILE
@@ -147,6 +156,7 @@ class LocalServer:
                 str(self.port),
             ],
             env={
+                **self.services_off,  # the user's own setting of any of them wins
                 **os.environ,
                 "PREFECT_HOME": str(self.home),
                 # its own port, also where its UI sends the browser's API calls
