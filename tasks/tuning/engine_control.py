@@ -87,9 +87,7 @@ class Reading:
     stated: float | None = None  # requests of full length the engine says its cache holds
     ended: int = 0  # this run's requests to the endpoint that ended in the interval (answered or failed)
     kv_running: float | None = None  # the requests running in the sample of the cache's highest use
-    left: int | None = (
-        None  # requests in flight when the limit was last set that have not ended (None: unknown)
-    )
+    left: int | None = None  # requests in flight when the limit was last set not yet ended (None: unknown)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -201,6 +199,14 @@ class EngineState:
 
     def new_turnover(self) -> None:
         self.ended, self.kv_peak, self.peak_running = 0, None, None
+
+    def move(self, new: int) -> None:
+        """The limit moves (by any rule): the next growth is judged by a turnover at the new limit, after
+        room is seen anew; a move down leaves an excess to drain."""
+        if new != self.limit:
+            self.new_turnover()
+            self.down, self.room = new < self.limit, 0
+        self.limit = new
 
 
 def _after_probe(state: EngineState, r: Reading, opts: EngineOptions) -> None:
@@ -375,11 +381,7 @@ def _probe(state: EngineState, r: Reading, opts: EngineOptions) -> str | None:
 
 
 def _set(state: EngineState, opts: EngineOptions, new: int, why: str) -> tuple[int, str]:
-    moved = max(opts.min_limit, min(opts.max_limit, new))
-    if moved != state.limit:
-        state.new_turnover()  # the turnover to judge the next growth by is one at the new limit
-        state.down = moved < state.limit
-    state.limit = moved
+    state.move(max(opts.min_limit, min(opts.max_limit, new)))
     return state.limit, why
 
 
@@ -424,7 +426,8 @@ class EngineController:
                 "rate": round(sample.rate, 3),
             }
             if self.limit.limit != applied:  # set from outside (a share of the run's limit): a new turnover
-                self._moved(state)
+                state.move(self.limit.limit)
+                self.mark()
             state.limit = latency.limit = self.limit.limit
             blind = blind + 1 if not samples else 0
             if stop.is_set():
@@ -436,7 +439,7 @@ class EngineController:
                 before = samples[-1] if samples else before
                 if errors.get("http_429"):
                     new, why = adaptive.decide(latency, sample, self.fallback)
-                    state.limit = new
+                    state.move(new)
                 else:
                     new, why = self.rule(state, r, opts)
                 entry.update(r.as_dict(), turnover={"ended": state.ended, "left": r.left,
@@ -445,20 +448,14 @@ class EngineController:
                 new, why = adaptive.decide(latency, sample, self.fallback)
                 seen = self.sampler.seen_signal
                 why = f"{f'no engine sample for {blind} intervals' if seen else 'no engine gauges'}: {why}"
-                state.limit = new
+                state.move(new)
             if new != self.limit.limit:
                 self.limit.set_limit(new)
-                self._moved(state)  # whichever rule moved it (the 429 and blind paths too)
+                self.mark()  # growth waits for the requests in flight now to end (whichever rule moved it)
             applied = self.limit.limit
             self.history.append({**entry, "limit": new, "why": why})
             if len(self.history) > opts.history_kept:
                 self.history = thinned(self.history)
-
-    def _moved(self, state: EngineState) -> None:
-        """The limit moved: growth waits for the requests in flight now to end, and for room anew."""
-        self.mark()
-        state.new_turnover()
-        state.room = 0
 
 
 def thinned(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
