@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures_prefect import home_with_db
+
 WORLD_SCRIPT = Path(__file__).with_name("netns_world.py")
 UNSHARE = ["unshare", "-rn", "--pid", "--fork", "--kill-child", "--mount-proc"]
 READY_TIMEOUT_S = 150.0
@@ -220,12 +222,13 @@ class RayWorld:
 
 
 @pytest.fixture(scope="session")
-def ray_world() -> Iterator[RayWorld]:
+def ray_world(prefect_db: Path) -> Iterator[RayWorld]:
     """One namespace world per session, stopped at its end (its files under a short /tmp/rfr-* dir)."""
     reason = unshare_permitted()
     if reason is not None:
         pytest.skip(reason)
     root = Path(tempfile.mkdtemp(prefix="rfr-", dir="/tmp"))  # short: Unix socket paths end at 107 chars
+    home_with_db(root / "prefect-home", prefect_db)  # the world's Prefect server starts on it
     world = RayWorld(root)
     try:
         yield world

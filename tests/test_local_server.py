@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.infra.local import Service, free_port
-from tests.fixtures_prefect import RunCli
+from tests.fixtures_prefect import RunCli, home_with_db
 from tests.rollout_data import write_rows
 
 STARTED = "started a Prefect server that stays for later runs"
@@ -50,10 +50,19 @@ def _stop(env: dict[str, str], home: Path) -> None:
 
 
 @pytest.fixture
-def no_api(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """No API URL; a fresh PREFECT_HOME and a free port as the profile's server address. Any server
-    started there is stopped at teardown."""
-    home = tmp_path / "prefect-home"
+def no_api(tmp_path: Path, cli_env: dict[str, str], prefect_db: Path) -> Iterator[dict[str, str]]:
+    """No API URL; a PREFECT_HOME whose database exists (as after a first start) and a free port as the
+    profile's server address. Any server started there is stopped at teardown."""
+    yield from _no_api(home_with_db(tmp_path / "prefect-home", prefect_db), cli_env)
+
+
+@pytest.fixture
+def new_home(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """As `no_api`, with nothing in PREFECT_HOME: a new machine's first start, which creates the database."""
+    yield from _no_api(tmp_path / "prefect-home", cli_env)
+
+
+def _no_api(home: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
     port = free_port()
     env = {
         "PREFECT_API_URL": "",
@@ -84,8 +93,9 @@ def _flow_runs(api: str) -> int:
 
 
 def test_local_server_is_started_once_and_kept(
-    run_cli: RunCli, no_api: dict[str, str], fast_sim: Service, tmp_path: Path
+    run_cli: RunCli, new_home: dict[str, str], fast_sim: Service, tmp_path: Path
 ) -> None:
+    no_api = new_home
     api = f"http://127.0.0.1:{no_api['PREFECT_SERVER_API_PORT']}/api"
     first, report = _collect(run_cli, tmp_path / "first", fast_sim, no_api)
     assert STARTED in first.stderr and api.removesuffix("/api") in first.stderr
@@ -257,9 +267,10 @@ def test_the_demo_takes_the_kept_server_path_under_load(
 
 
 def test_a_prefect_home_that_is_a_file_is_one_paragraph(
-    run_cli: RunCli, no_api: dict[str, str], tmp_path: Path
+    run_cli: RunCli, new_home: dict[str, str], tmp_path: Path
 ):
     """A PREFECT_HOME that is a regular file ended in FileExistsError's traceback."""
+    no_api = new_home
     home = Path(no_api["PREFECT_HOME"])
     home.write_text("not a folder")
     inp = write_rows(tmp_path / "in.jsonl", 2)
