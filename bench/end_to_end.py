@@ -1,21 +1,25 @@
-"""20,000 rollouts end to end against a zero-latency agent server, rollflow next to NeMo Gym's collector.
+"""Rollouts end to end against a zero-latency agent server, rollflow next to NeMo Gym's collector.
+
+`--rollouts 20000` (the default) measures the rate; `--rollouts 10` a small run's fixed cost. Each rollflow
+row is printed as a ratio of NeMo Gym's row of the same run: rate, wall time and CPU-s.
 
 The agent server is rollflow's simulator in agent mode (`--latency-ms 0`), in its own process; parallelism
 256. Each collector runs as a whole command in a subprocess: wall time, rollouts/s, CPU-s from
-RUSAGE_CHILDREN (the command and every process it waited for; servers that run detached from it, such as
-the simulator, the running `prefect server` and the head-server stand-in, are not counted), CPU ms/rollout.
+RUSAGE_CHILDREN (the command and every process it waited for; servers that run detached from it, such as the
+simulator, the running `prefect server` and the head-server stand-in, are not counted), CPU ms/rollout.
 Rows: rollflow with a running `prefect server` (PREFECT_API_URL set), with Prefect's ephemeral server, with
 no server configured (the default: a kept local server, started by a warm-up run), and NeMo Gym 0.7.0's
-`ng_collect_rollouts`, found in the venv NG_VENV
-(default /work/ngvenv when it exists; the row is skipped with a message otherwise). The collector resolves
-its agent through NeMo Gym's head server, which `ng_run` would start; bench/ng_head.py stands in for it,
-serving a config that names the simulator as the agent and its environment server. NeMo Gym's aggregate
-metrics step is off (`+disable_aggregation=true`): it calls an `/aggregate_metrics` route that only a real
-NeMo Gym agent has. Each output is counted: every row must hold ROLLOUTS lines.
+`ng_collect_rollouts`, found in the venv NG_VENV (default: the venv infra/nemo_gym/install.sh makes,
+~/.cache/rollflow/nemo-gym-0.7.0; the row is skipped with a message when there is none). The collector
+resolves its agent through NeMo Gym's head server, which `ng_run` would start; bench/ng_head.py stands in
+for it, serving a config that names the simulator as the agent and its environment server. NeMo Gym's
+aggregate metrics step is off (`+disable_aggregation=true`): it calls an `/aggregate_metrics` route that
+only a real NeMo Gym agent has. Each output is counted: every row must hold one line per rollout.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import resource
@@ -31,7 +35,8 @@ from results import save
 
 from rollflow.infra.local import free_port, wait_http
 
-ROLLOUTS, PARALLELISM = 20_000, 256
+PARALLELISM = 256
+NG_DEFAULT = Path.home() / ".cache" / "rollflow" / "nemo-gym-0.7.0"
 AGENT = "bench_agent"
 HERE = Path(__file__).resolve().parent
 ROLLFLOW = str(Path(sys.executable).with_name("rollflow"))
@@ -66,8 +71,8 @@ def _count_lines(path: Path) -> int:
 
 
 def ng_venv() -> Path | None:
-    """NeMo Gym's venv: NG_VENV, else /work/ngvenv when it holds `ng_collect_rollouts`."""
-    venv = Path(os.environ.get("NG_VENV", "/work/ngvenv"))
+    """NeMo Gym's venv: NG_VENV, else the one infra/nemo_gym/install.sh makes, when it holds the command."""
+    venv = Path(os.environ.get("NG_VENV") or NG_DEFAULT)
     return venv if (venv / "bin" / "ng_collect_rollouts").exists() else None
 
 
@@ -141,6 +146,9 @@ def ng_row(venv: Path, inp: Path, tmp: Path, sim_url: str, base: dict[str, str])
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rollouts", type=int, default=20_000, help="rows in the input (one rollout each)")
+    rollouts = ap.parse_args().rollouts
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLFLOW_", "PREFECT_API_URL"))}
     base["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     venv = ng_venv()
@@ -149,48 +157,63 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as name:
             tmp = Path(name)
-            inp = write_input(tmp / "in.jsonl", ROLLOUTS)
+            inp = write_input(tmp / "in.jsonl", rollouts)
             rows = rollflow_rows(inp, tmp, sim.url, base)
             if venv:
                 rows.append(ng_row(venv, inp, tmp, sim.url, base))
             else:
-                print("NeMo Gym row skipped: no ng_collect_rollouts in NG_VENV (default /work/ngvenv); "
-                      "install nemo-gym==0.7.0 in a Python 3.13 venv and set NG_VENV to it")  # fmt: skip
+                print(f"NeMo Gym row skipped: no ng_collect_rollouts in NG_VENV (default {NG_DEFAULT}); "
+                      "bash infra/nemo_gym/install.sh installs it there")  # fmt: skip
     finally:
         sim.stop()
     print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    _print(rows)
+    _print(rows, rollouts)
+    ng = next((r for r in rows if r.name.startswith("NeMo Gym")), None)
     table = [
         {
             "collector": r.name,
             "wall s": round(r.wall_s, 2),
-            "rollouts/s": round(ROLLOUTS / r.wall_s),
+            "rollouts/s": round(rollouts / r.wall_s),
             "CPU s": round(r.cpu_s, 2),
-            "CPU ms/rollout": round(r.cpu_s * 1000 / ROLLOUTS, 3),
+            "CPU ms/rollout": round(r.cpu_s * 1000 / rollouts, 3),
+            **(_ratios(r, ng) if ng and r is not ng else {}),
             "rows": r.lines,
             "exit": r.returncode,
         }
         for r in rows
     ]
     save(
-        "end_to_end",
+        "end_to_end" if rollouts == 20_000 else f"end_to_end_{rollouts}",
         table,
-        title="End to end, beside NeMo Gym's ng_collect_rollouts",
-        params={"rollouts": ROLLOUTS, "parallelism": PARALLELISM},
+        title=f"End to end, {rollouts:,} rollouts, beside NeMo Gym's ng_collect_rollouts",
+        params={"rollouts": rollouts, "parallelism": PARALLELISM},
     )
 
 
-def _print(rows: list[Row]) -> None:
-    print(f"{ROLLOUTS:,} rollouts, parallelism {PARALLELISM}, zero-latency simulator (agent /run); CPU-s "
+def _ratios(r: Row, ng: Row) -> dict[str, float]:
+    """This row against NeMo Gym's of the same run: rate (higher is better), wall and CPU (lower is)."""
+    return {
+        "rate x NeMo Gym": round(ng.wall_s / r.wall_s, 2),
+        "wall x NeMo Gym": round(r.wall_s / ng.wall_s, 2),
+        "CPU x NeMo Gym": round(r.cpu_s / ng.cpu_s, 2),
+    }
+
+
+def _print(rows: list[Row], rollouts: int) -> None:
+    print(f"{rollouts:,} rollouts, parallelism {PARALLELISM}, zero-latency simulator (agent /run); CPU-s "
           "counts the command and its children, not detached servers")  # fmt: skip
+    ng = next((r for r in rows if r.name.startswith("NeMo Gym")), None)
     print(
         f"{'collector':34} {'wall s':>7} {'rollouts/s':>10} {'CPU s':>7} {'CPU ms/rollout':>14} {'rows':>7}"
+        + ("   rate, wall, CPU x NeMo Gym" if ng else "")
     )
     for r in rows:
-        line = (f"{r.name:34} {r.wall_s:7.2f} {ROLLOUTS / r.wall_s:10,.0f} {r.cpu_s:7.2f} "
-                f"{r.cpu_s * 1000 / ROLLOUTS:14.3f} {r.lines:7,}")  # fmt: skip
+        line = (f"{r.name:34} {r.wall_s:7.2f} {rollouts / r.wall_s:10,.0f} {r.cpu_s:7.2f} "
+                f"{r.cpu_s * 1000 / rollouts:14.3f} {r.lines:7,}")  # fmt: skip
+        if ng and r is not ng:
+            line += "   " + ", ".join(f"{v:.2f}x" for v in _ratios(r, ng).values())
         problems = [f"exit {r.returncode}"] * bool(r.returncode)
-        problems += [f"expected {ROLLOUTS:,} rows"] * (r.lines != ROLLOUTS)
+        problems += [f"expected {rollouts:,} rows"] * (r.lines != rollouts)
         print(line + (f"  ({', '.join(problems)})" if problems else ""))
 
 
