@@ -125,8 +125,13 @@ def engine_problem(spec: EngineSettings) -> str | None:
     """Why `spec`'s runner cannot start here (checked before a run begins), or None."""
     try:
         if spec.runner == "ray":
+            # A wrong address is said before Ray and Prefect are imported (seconds); `auto` is looked up in
+            # Ray's own record, so there a missing Ray is said first.
+            auto = ray_target(spec) == "auto"
+            if not auto and (problem := ray_unreachable(spec)):
+                return problem
             ray_runner(spec)
-            if problem := ray_unreachable(spec):
+            if auto and (problem := ray_unreachable(spec)):
                 return problem
         elif spec.runner == "dask" and spec.dask_address:  # before the class, as dask_runner reads them
             return dask_unreachable(spec.dask_address)
