@@ -133,9 +133,23 @@ def _started() -> datetime:
     return (when if isinstance(when, datetime) else datetime.now(UTC)).astimezone(_zone())
 
 
+def deployment_name() -> str:
+    """The run's deployment's name, "" when it has none. A top-level run's own flow run says so: Prefect's
+    runtime.deployment would read the run back from the API first (a client, a TLS context and a request:
+    ~0.1 s) each time; a subflow may be under a deployed parent, so it asks Prefect."""
+    from prefect.context import FlowRunContext
+    from prefect.runtime import deployment
+
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx is not None else None
+    if run is not None and run.deployment_id is None and run.parent_task_run_id is None:
+        return ""
+    return deployment.name or ""
+
+
 def runtime_values() -> dict[str, str]:
     """The values an output's placeholders take: the same on every retry of one flow run."""
-    from prefect.runtime import deployment, flow_run
+    from prefect.runtime import flow_run
 
     when = _started()
     return {
@@ -144,19 +158,19 @@ def runtime_values() -> dict[str, str]:
         + ("Z" if when.utcoffset() == timedelta(0) else when.strftime("%z")),
         "flow_run_name": flow_run.name or "",
         "flow_run_id": str(flow_run.id or ""),
-        "deployment": deployment.name or "",
+        "deployment": deployment_name(),
     }
 
 
 def run_name() -> str:
     """A flow run's name from what it collects: `<input stem>-<model or kind>-<MMDD>-<HHMMSS>` (UTC), and
     its deployment's name when served (`rows-qwen3-1202-020000-nightly`), not Prefect's random words."""
-    from prefect.runtime import deployment, flow_run
+    from prefect.runtime import flow_run
 
     params = flow_run.parameters or {}
     stem = PurePosixPath(str(params.get("input") or "run").rstrip("/")).name.split(".")[0] or "run"
     backend = params.get("backend")
     backend = backend.model_dump() if isinstance(backend, BaseModel) else (backend or {})
     model = str(backend.get("model") or backend.get("kind") or "").rsplit("/", 1)[-1]
-    parts = [stem, model, _started().strftime("%m%d-%H%M%S"), deployment.name or ""]
+    parts = [stem, model, _started().strftime("%m%d-%H%M%S"), deployment_name()]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "-", p).strip("-") for p in parts if p)[:100]

@@ -136,6 +136,19 @@ def test_version_is_the_installed_distributions() -> None:
     assert res.stdout.strip() == f"rollflow {version('rollflow')}"
 
 
+def test_help_does_not_look_up_the_version() -> None:
+    """Only --version reads the installed distribution's metadata (a scan of sys.path): `rollflow --help`,
+    which every command's parser building shares, never imports importlib.metadata."""
+    exe = str(Path(sys.executable).with_name("rollflow"))
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0 and "usage: rollflow" in res.stdout, res.stderr[-2000:]
+    imported = {
+        line.rsplit("|", 1)[1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "rollflow.flows.cli.main" in imported and "importlib.metadata" not in imported
+
+
 def test_a_v1_suffix_is_taken_off_wherever_the_url_comes_from(monkeypatch: pytest.MonkeyPatch) -> None:
     """The responses and chat backends add /v1/... themselves: a base given with its /v1 (as OpenAI clients
     take it) is the same server; the flag, the environment, a flow run's parameters and a replica list all

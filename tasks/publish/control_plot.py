@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from rollflow.tasks.publish.plot import _pyplot, png_bytes
+from rollflow.tasks.publish.plot import new_figure, png_bytes
 
 CONTROL_PNG = "control.png"
 
@@ -16,14 +16,10 @@ def control_png(adaptive: dict[str, Any]) -> bytes:
     """Per endpoint: the limit and the engine's running and waiting requests over time (left axis), its
     KV cache's use (right axis) and each interval with preemptions marked."""
     endpoints = adaptive.get("endpoints") or [{"url": "", "history": adaptive["history"]}]
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(endpoints), 1, figsize=(7, 3.2 * len(endpoints)), dpi=110, squeeze=False)
-    try:
-        for ax, ep in zip(axes[:, 0], endpoints, strict=True):
-            _panel(ax, ep["history"], ep["url"])
-        return png_bytes(fig)
-    finally:
-        plt.close(fig)
+    fig, axes = new_figure((7, 3.2 * len(endpoints)), rows=len(endpoints))
+    for ax, ep in zip(axes[:, 0], endpoints, strict=True):
+        _panel(ax, ep["history"], ep["url"])
+    return png_bytes(fig)
 
 
 def _panel(ax: Any, history: list[dict[str, Any]], url: str) -> None:

@@ -23,7 +23,6 @@ from rollflow.tasks.reverify.rescore import (
     rescored_line,
     row_of_failure,
 )
-from rollflow.tasks.reverify.shards import read_shards_chunk
 from rollflow.tasks.reverify.source import (
     Mode,
     RolloutKey,
@@ -63,6 +62,8 @@ def _read(ctx: ReverifyContext, chunk: SourceChunk) -> list[tuple[bytes, bool]]:
     if ctx.mode == "failed":
         return list(iter_failed_chunk(ctx.source_url, chunk, ctx.source_options))
     if ctx.mode == "shards":
+        from rollflow.tasks.reverify.shards import read_shards_chunk  # pyarrow: only a Parquet source pays it
+
         return [(line, False) for line in read_shards_chunk(ctx.source_url, chunk, ctx.source_options)]
     return [(line, False) for line in read_dataset_chunk(ctx.source_url, chunk, ctx.source_options)]
 

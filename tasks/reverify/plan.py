@@ -15,7 +15,6 @@ from rollflow.settings import redact
 from rollflow.settings.reverify import ReverifySpec
 from rollflow.tasks.collect.plan import config_hash, rollflow_version
 from rollflow.tasks.collect.rows import InputError, stop_before_writing
-from rollflow.tasks.reverify.shards import scan_shards
 from rollflow.tasks.reverify.source import SourceChunk, SourcePlan, dataset_file, scan_dataset, scan_failed
 from rollflow.tasks.storage.ledger import ChunkManifest, Ledger, RunIdentity
 from rollflow.tasks.storage.owned import location
@@ -78,6 +77,8 @@ def plan_reverify(
     else:
         url = dataset_file(spec.source, source_options)
         if url is None:  # a run's Parquet shards: read through the committed chunks they were written from
+            from rollflow.tasks.reverify.shards import scan_shards  # pyarrow: only a Parquet source pays it
+
             source = scan_shards(spec.source, source_options, stopped)
         else:
             source = scan_dataset(url, spec.chunk_size, source_options, stopped)

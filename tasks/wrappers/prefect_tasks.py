@@ -23,7 +23,6 @@ from rollflow.tasks.publish.audit import AuditSummary, audit_run
 from rollflow.tasks.publish.concat import concatenate, concatenate_tasks
 from rollflow.tasks.publish.drop_chunks import drop_chunk_data
 from rollflow.tasks.publish.nemo_gym_files import write_aggregate_metrics, write_sidecar
-from rollflow.tasks.publish.parquet import write_parquet
 from rollflow.tasks.reverify.source import SourceChanged
 from rollflow.tasks.storage.lease import Lease, LeaseLost, OutputGone
 from rollflow.tasks.storage.store import StorageFull, describe_error, storage_full
@@ -153,6 +152,8 @@ async def verify_task(handles: RunHandles, plan: RunPlan) -> AuditSummary:
 @task(name="parquet", cache_policy=NONE)
 async def parquet_task(handles: RunHandles, plan: RunPlan) -> list[str]:
     """--format parquet: shards under <output>/data/ from the committed chunks, and tasks.jsonl."""
+    from rollflow.tasks.publish.parquet import write_parquet  # pyarrow (0.15 s): only a Parquet run pays it
+
     manifests = await asyncio.to_thread(handles.ledger.committed)
     ordered = [manifests[c.index] for c in plan.scan.chunks if c.index in manifests]
     spec = handles.spec
