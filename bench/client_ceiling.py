@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 
+import psutil
 from harness import run_args, run_rollflow, spawn_prefect_server, spawn_simulator, write_input
 from pyspy import Profiler, rollflow_command, summary
 from results import save
@@ -26,6 +28,11 @@ COLLECT_STAGE = (
     "ClientRequest.write_bytes",
     "Ledger.commit",
 )
+
+
+def own_command(proc: psutil.Process) -> str | None:
+    """This bench's `rollflow run` only: the machine may run others at the same time."""
+    return rollflow_command(proc) if proc.ppid() == os.getpid() else None
 
 
 def main() -> None:
