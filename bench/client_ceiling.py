@@ -48,9 +48,7 @@ def main() -> None:
     sim = spawn_simulator("--latency-ms", "0", "--slots", "4096")
     prefect = spawn_prefect_server()
     spy = (
-        Profiler(rollflow_command, args.profile, "ceiling", rate=200)
-        if args.profile
-        else contextlib.nullcontext()
+        Profiler(own_command, args.profile, "ceiling", rate=200) if args.profile else contextlib.nullcontext()
     )
     try:
         with spy:
