@@ -29,9 +29,17 @@ WAITS = tuple(
 )
 
 
+def rollflow_command(proc: psutil.Process) -> str | None:
+    """ "command" for a `rollflow run` process, else None: the selector of the process a bench drives."""
+    cmd = proc.cmdline()
+    return "command" if len(cmd) > 2 and cmd[1].endswith("/rollflow") and cmd[2] == "run" else None
+
+
 class Profiler:
-    def __init__(self, select: Callable[[psutil.Process], str | None], out: Path, prefix: str) -> None:
-        self.select, self.out, self.prefix = select, out, prefix
+    def __init__(
+        self, select: Callable[[psutil.Process], str | None], out: Path, prefix: str, rate: int = RATE
+    ) -> None:
+        self.select, self.out, self.prefix, self.rate = select, out, prefix, rate
         self.spies: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -43,7 +51,7 @@ class Profiler:
                 if kind is None or proc.pid in self.spies:
                     continue
                 path = self.out / f"{self.prefix}-{kind}-{proc.pid}.txt"
-                cmd = [PY_SPY, "record", "--pid", str(proc.pid), "--rate", str(RATE), "--format", "raw",
+                cmd = [PY_SPY, "record", "--pid", str(proc.pid), "--rate", str(self.rate), "--format", "raw",
                        "--nonblocking", "--threads", "-o", str(path)]  # fmt: skip
                 spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 self.spies[proc.pid] = (kind, spy)
@@ -83,8 +91,11 @@ def _frames(stack: str) -> list[str]:
     return names
 
 
-def summary(paths: list[Path], top: int = 25) -> str:
-    """The profiles in `paths` added up: samples, then the top functions by inclusive and by self share."""
+def summary(paths: list[Path], top: int = 25, within: tuple[str, ...] = ()) -> str:
+    """The profiles in `paths` added up: samples, then the top functions by inclusive and by self share.
+
+    With `within`, only the samples whose stack has a function whose name holds one of them (one stage).
+    """
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
     total = waiting = 0
@@ -97,6 +108,8 @@ def summary(paths: list[Path], top: int = 25) -> str:
                 continue
             n = int(count)
             frames = _frames(stack)
+            if within and not any(part in frame for frame in frames for part in within):
+                continue
             if len(frames) < 2 or frames[-1].endswith(WAITS):  # a thread with no Python frame: native
                 waiting += n
                 continue

@@ -44,7 +44,7 @@ from pathlib import Path
 import psutil
 from cpumeter import CpuMeter
 from harness import spawn_prefect_server, spawn_simulator, write_input
-from pyspy import Profiler, summary
+from pyspy import Profiler, rollflow_command, summary
 from results import save
 from timeline import Timeline
 
@@ -223,8 +223,7 @@ def backend_timeline(name: str) -> Iterator[None]:
 
 def profiled_kind(proc: psutil.Process) -> str | None:
     """ "command" for the `rollflow run` process, "worker" for an engine's worker process, else None."""
-    cmd = proc.cmdline()
-    if len(cmd) > 2 and cmd[1].endswith("/rollflow") and cmd[2] == "run":
+    if rollflow_command(proc):
         return "command"
     return "worker" if engine_kind(proc) == "worker" else None
 

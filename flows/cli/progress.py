@@ -101,8 +101,8 @@ class ProgressBar:
         )
 
     def __enter__(self) -> ProgressBar:
-        self._unsubscribe = hub.subscribe(self._on_event)
-        if self.enabled:
+        if self.enabled:  # a bar not shown counts nothing: every rollout's event would pass it for naught
+            self._unsubscribe = hub.subscribe(self._on_event)
             self._progress.start()
             self._thread.start()
         return self

@@ -244,7 +244,9 @@ class BackendClient:
                 retry_after = (
                     parse_retry_after(resp.headers.get("Retry-After")) if status in RETRYABLE_STATUS else None
                 )
-                event_stream = resp.content_type == "text/event-stream"
+                # parsed only when the raw header may name an event stream (a JSON reply's never does)
+                raw_type = resp.headers.get("Content-Type", "")
+                event_stream = "event-stream" in raw_type.lower() and resp.content_type == "text/event-stream"
         except TimeoutError as exc:
             raise BackendError(
                 f"no reply within {self.settings.timeout_s:g}s from {url}",

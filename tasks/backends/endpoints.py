@@ -172,6 +172,8 @@ class EndpointPool:
             if not ep.in_rotation and not ep.trial and now >= ep.retry_at and ep.url not in exclude:
                 ep.trial = True
                 return ep
+        if len(endpoints) == 1:  # whatever its state, a lone endpoint is the choice (the usual case)
+            return endpoints[0]
         live = [ep for ep in endpoints if ep.in_rotation]
         allowed = [ep for ep in live if ep.url not in exclude] or live
         allowed = allowed or [ep for ep in endpoints if ep.url not in exclude] or endpoints

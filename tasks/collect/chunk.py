@@ -246,12 +246,13 @@ async def _collect_missing(
     batch = RolloutBatch(results=dict(kept))
 
     def todo(rollouts: range, group: list[tuple[int, dict[str, Any]]]) -> Iterator[WorkItem]:
-        return (
-            (task_index, prepare_row(row, ctx.collection, ctx.backend.sources), r)
-            for task_index, row in group
-            for r in rollouts
-            if (task_index, r) not in batch.results
-        )
+        """The rollouts the batch lacks, as they are taken; a row is prepared once for all its rollouts."""
+        for task_index, row in group:
+            sent = None
+            for r in rollouts:
+                if (task_index, r) not in batch.results:
+                    sent = sent or prepare_row(row, ctx.collection, ctx.backend.sources)
+                    yield task_index, sent, r
 
     async def both_phases(group: list[tuple[int, dict[str, Any]]]) -> None:
         """The group's first rollouts; with settling, then the rest of its tasks left open."""

@@ -36,7 +36,8 @@ def agent_map_of(agent_name: str | None, agent_map: Mapping[str, str]) -> dict[s
 
 def row_agent(row: Mapping[str, Any]) -> str | None:
     ref = row.get("agent_ref")
-    name = ref.get("name") if isinstance(ref, Mapping) else None
+    # dict checked first: the ABC's own check is slow, and every rollout's row passes here
+    name = ref.get("name") if isinstance(ref, (dict, Mapping)) else None
     return name if isinstance(name, str) else None
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import orjson
 
 # orjson writes 254 nested containers; a failure record wraps the row once more, and one level is spare.
 MAX_ROW_DEPTH = 252
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# Every ASCII digit read as "0" (only a digit becomes one): a run of 19 digits is then a plain substring,
+# found by a byte search at a tenth of the cost of the regular expression \d{19} (every reply passes).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGITS = b"0" * 19
 _EXACT_LOADS = json.JSONDecoder()
 
 
@@ -26,14 +28,15 @@ def loads(data: bytes) -> Any:
     orjson parses first either way, so invalid JSON raises orjson.JSONDecodeError with its message.
     """
     value = orjson.loads(data)
-    if _LONG_DIGITS.search(data) is None:
+    if _LONG_DIGITS not in data.translate(_DIGITS_AS_ZERO):
         return value
     return _EXACT_LOADS.decode(data.decode("utf-8"))
 
 
 def is_reward(value: Any) -> bool:
     """A value a row may carry as its reward: a finite int or float, never a bool (the one check)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    # a tuple, not `int | float`: isinstance checks a union several times slower, once per rollout
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def dumps(value: Any) -> bytes:
