@@ -9,12 +9,13 @@ RUSAGE_CHILDREN (the command and every process it waited for; servers that run d
 simulator, the running `prefect server` and the head-server stand-in, are not counted), CPU ms/rollout.
 Rows: rollflow with a running `prefect server` (PREFECT_API_URL set), with Prefect's ephemeral server, with
 no server configured (the default: a kept local server, started by a warm-up run), and NeMo Gym 0.7.0's
-`ng_collect_rollouts`, found in the venv NG_VENV (default: the venv infra/nemo_gym/install.sh makes,
-~/.cache/rollflow/nemo-gym-0.7.0; the row is skipped with a message when there is none). The collector
-resolves its agent through NeMo Gym's head server, which `ng_run` would start; bench/ng_head.py stands in
-for it, serving a config that names the simulator as the agent and its environment server. NeMo Gym's
-aggregate metrics step is off (`+disable_aggregation=true`): it calls an `/aggregate_metrics` route that
-only a real NeMo Gym agent has. Each output is counted: every row must hold one line per rollout.
+`ng_collect_rollouts`, found in the venv NG_VENV (default: where infra/nemo_gym/install.sh puts it,
+ROLLFLOW_NEMO_GYM_VENV or ~/.cache/rollflow/nemo-gym-0.7.0; the row is skipped with a message when there is
+none). The collector resolves its agent through NeMo Gym's head server, which `ng_run` would start;
+bench/ng_head.py stands in for it, serving a config that names the simulator as the agent and its
+environment server. NeMo Gym's aggregate metrics step is off (`+disable_aggregation=true`): it calls an
+`/aggregate_metrics` route that only a real NeMo Gym agent has. Each output is counted: every row must hold
+one line per rollout.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _count_lines(path: Path) -> int:
 
 
 def ng_venv() -> Path | None:
-    """NeMo Gym's venv: NG_VENV, else the one infra/nemo_gym/install.sh makes, when it holds the command."""
-    venv = Path(os.environ.get("NG_VENV") or NG_DEFAULT)
+    """NeMo Gym's venv: NG_VENV, else where infra/nemo_gym/install.sh puts it, when it holds the command."""
+    venv = Path(os.environ.get("NG_VENV") or os.environ.get("ROLLFLOW_NEMO_GYM_VENV") or NG_DEFAULT)
     return venv if (venv / "bin" / "ng_collect_rollouts").exists() else None
 
 
@@ -163,12 +164,12 @@ def main() -> None:
                 rows.append(ng_row(venv, inp, tmp, sim.url, base))
             else:
                 print(f"NeMo Gym row skipped: no ng_collect_rollouts in NG_VENV (default {NG_DEFAULT}); "
-                      "bash infra/nemo_gym/install.sh installs it there")  # fmt: skip
+                      "bash infra/nemo_gym/install.sh installs it")  # fmt: skip
     finally:
         sim.stop()
     print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     _print(rows, rollouts)
-    ng = next((r for r in rows if r.name.startswith("NeMo Gym")), None)
+    ng = _nemo_gym(rows, rollouts)
     table = [
         {
             "collector": r.name,
@@ -190,6 +191,12 @@ def main() -> None:
     )
 
 
+def _nemo_gym(rows: list[Row], rollouts: int) -> Row | None:
+    """NeMo Gym's row when it ran to the end and wrote every rollout: the others are set against it."""
+    ng = next((r for r in rows if r.name.startswith("NeMo Gym")), None)
+    return ng if ng and ng.returncode == 0 and ng.lines == rollouts else None
+
+
 def _ratios(r: Row, ng: Row) -> dict[str, float]:
     """This row against NeMo Gym's of the same run: rate (higher is better), wall and CPU (lower is)."""
     return {
@@ -202,7 +209,7 @@ def _ratios(r: Row, ng: Row) -> dict[str, float]:
 def _print(rows: list[Row], rollouts: int) -> None:
     print(f"{rollouts:,} rollouts, parallelism {PARALLELISM}, zero-latency simulator (agent /run); CPU-s "
           "counts the command and its children, not detached servers")  # fmt: skip
-    ng = next((r for r in rows if r.name.startswith("NeMo Gym")), None)
+    ng = _nemo_gym(rows, rollouts)
     print(
         f"{'collector':34} {'wall s':>7} {'rollouts/s':>10} {'CPU s':>7} {'CPU ms/rollout':>14} {'rows':>7}"
         + ("   rate, wall, CPU x NeMo Gym" if ng else "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -125,13 +126,15 @@ def engine_problem(spec: EngineSettings) -> str | None:
     """Why `spec`'s runner cannot start here (checked before a run begins), or None."""
     try:
         if spec.runner == "ray":
+            if importlib.util.find_spec("prefect_ray") is None:  # found without importing it
+                raise EngineUnavailable(RAY_MISSING)
             # A wrong address is said before Ray and Prefect are imported (seconds); `auto` is looked up in
-            # Ray's own record, so there a missing Ray is said first.
+            # Ray's own record, so there Ray is imported first.
             auto = ray_target(spec) == "auto"
-            if not auto and (problem := ray_unreachable(spec)):
+            if not auto and (problem := _ray_address_problem(spec)):
                 return problem
             ray_runner(spec)
-            if auto and (problem := ray_unreachable(spec)):
+            if auto and (problem := _ray_address_problem(spec)):
                 return problem
         elif spec.runner == "dask" and spec.dask_address:  # before the class, as dask_runner reads them
             return dask_unreachable(spec.dask_address)
@@ -140,6 +143,13 @@ def engine_problem(spec: EngineSettings) -> str | None:
     except EngineUnavailable as exc:
         return str(exc)
     return None
+
+
+def _ray_address_problem(spec: EngineSettings) -> str | None:
+    try:
+        return ray_unreachable(spec)
+    except ImportError:  # its probes speak gRPC, which comes with Ray's extra: that is what is missing
+        raise EngineUnavailable(RAY_MISSING) from None
 
 
 def ray_unreachable(spec: EngineSettings) -> str | None:

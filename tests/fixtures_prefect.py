@@ -30,7 +30,8 @@ def prefect_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not db.exists():
             home = shared / "prefect-db-home"
             env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-            env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+            for name in ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL"):
+                env.pop(name, None)  # the migrations go to this home's SQLite file
             prefect = str(Path(sys.executable).with_name("prefect"))
             made = subprocess.run(
                 [prefect, "server", "database", "upgrade", "-y"],

@@ -234,15 +234,21 @@ def test_ray_a_hung_replica_is_found_once_for_every_worker(
     assert rows[hung]["out_of_rotation_s"] > 0 and report["audit_ok"]
 
 
-def test_ray_without_the_extra_says_how_to_install_it(run_cli, fast_sim, rows_input, tmp_path) -> None:
-    """Where prefect-ray is not installed (a package that fails to import stands in for it here)."""
-    shadow = tmp_path / "shadow" / "prefect_ray"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'prefect_ray'\")\n")
+@pytest.mark.parametrize("address", [None, "ray://127.0.0.1:1"])
+def test_ray_without_the_extra_says_how_to_install_it(
+    run_cli, fast_sim, rows_input, tmp_path, address
+) -> None:
+    """Where prefect-ray and Ray's gRPC are not installed (packages that fail to import stand in for them
+    here); with an address too, whose check speaks gRPC (it ended in ModuleNotFoundError's traceback)."""
+    for name in ("prefect_ray", "grpc"):
+        shadow = tmp_path / "shadow" / name
+        shadow.mkdir(parents=True)
+        (shadow / "__init__.py").write_text(f"raise ImportError(\"No module named '{name}'\")\n")
     args = [*run_args(rows_input, str(tmp_path / "out"), fast_sim), "--runner", "ray"]
-    res = run_cli(*args, env={"PYTHONPATH": str(shadow.parent)})
+    args += ["--ray-address", address] if address else []
+    res = run_cli(*args, env={"PYTHONPATH": str(tmp_path / "shadow")})
     assert res.returncode == 2, res.stderr
-    assert "pip install 'rollflow[ray]'" in res.stderr
+    assert "pip install 'rollflow[ray]'" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
 
 
