@@ -251,7 +251,8 @@ async def _collect_missing(
             sent = None
             for r in rollouts:
                 if (task_index, r) not in batch.results:
-                    sent = sent or prepare_row(row, ctx.collection, ctx.backend.sources)
+                    if sent is None:
+                        sent = prepare_row(row, ctx.collection, ctx.backend.sources)
                     yield task_index, sent, r
 
     async def both_phases(group: list[tuple[int, dict[str, Any]]]) -> None:
