@@ -131,11 +131,24 @@ def test_growth_waits_for_a_turnover_and_is_judged_by_its_peak_kv_use() -> None:
     limit, why = decide(state, room(0.1, 5), OPTS)  # the long ones end: the turnover is whole
     assert limit == 10 and "grow" in why, why
     assert state.ended == 0 and state.kv_peak is None  # the next turnover is one at 10
-    # the peak is read with the requests running in its own sample: a wave that ended within the interval
-    # (8 running at 60%, then 2 at 10%) is 8 at 60%, not its median running at 60%
+    # the share is read with the requests running in its own sample: a wave that ended within the interval
+    # (8 running at 60%, then 2 at 10%) is 8 at 7.5% each, not 60% over its median of 2 running
     wave = [EngineSample(8, 0, 0.6, 0.0), EngineSample(2, 0, 0.1, 0.5), EngineSample(2, 0, 0.1, 1.0)]
     got = reading(wave, None, 8, ended=6)
-    assert (got.kv, got.kv_running, got.running, got.ended) == (0.6, 8.0, 2, 6)
+    assert (got.kv, got.kv_share, got.running, got.ended) == (0.6, 0.075, 2, 6)
+
+
+def test_growth_is_judged_by_the_most_one_request_held_not_by_the_fullest_sample() -> None:
+    """9 requests of random length: the fullest sample (67% at 9 running) projects 12 at 90%, but another
+    showed 8 running at 64% (8% each): 12 of those would overflow the cache, so it grows to 11 at most.
+    A sample of few running (2 of 9 in flight, a long one left) is no batch and is not judged."""
+    samples = [EngineSample(9, 0, 0.667, 0.0), EngineSample(8, 0, 0.64, 0.5), EngineSample(2, 0, 0.3, 0.9)]
+    got = reading(samples, None, 9, ended=9)
+    assert got.kv == 0.667 and got.kv_share == 0.08
+    state = EngineState(limit=9)
+    state.room = OPTS.room_intervals - 1
+    limit, why = decide(state, got, OPTS)
+    assert limit == 11 and "by its peak use" in why, why  # floor(0.9 / 0.08); 9 * 0.9 / 0.667 = 12.1
 
 
 def test_growth_waits_until_the_requests_in_flight_at_the_last_move_have_ended() -> None:

@@ -11,7 +11,8 @@ rollouts to read:
   engine is full, so give back the excess, down to what it runs plus that queue at most; the small
   queue keeps it fed between replies;
 - nothing waiting, the KV cache below `kv_grow` and the limit used: grow, x2 while far from any limit,
-  else x`grow`, never past what the cache's peak use projects it holds at `kv_high`; only after
+  else x`grow`, never past what the cache holds at `kv_high` by the most a running request held in one
+  sample (a few requests' use swings with their lengths: the peak share bounds a batch); only after
   `room_intervals` such intervals in a row, and not while a tenth of those in flight have not reached
   the engine (its API server holds them: more would only wait there);
 - the cache's use says little of requests that have just begun (each one's share grows as it writes),
@@ -86,7 +87,7 @@ class Reading:
     cache_tokens: int | None = None  # the KV cache's size, where the engine counts finished requests
     stated: float | None = None  # requests of full length the engine says its cache holds
     ended: int = 0  # this run's requests to the endpoint that ended in the interval (answered or failed)
-    kv_running: float | None = None  # the requests running in the sample of the cache's highest use
+    kv_share: float | None = None  # the most KV use per running request in one sample (a full batch's)
     left: int | None = None  # requests in flight when the limit was last set not yet ended (None: unknown)
 
     def as_dict(self) -> dict[str, Any]:
@@ -118,9 +119,7 @@ def reading(
     waiting = [_waiting(s) for s in samples if _waiting(s) is not None]
     seen = [(s.running or 0) + (_waiting(s) or 0) for s in samples if s.running is not None]
     last = samples[-1] if samples else None
-    # the sample of the cache's highest use: its use, and the requests running then
-    at_kv = max((s for s in samples if s.kv_cache_usage is not None), key=lambda s: s.kv_cache_usage or 0.0,
-                default=None)  # fmt: skip
+    kv = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
     counts = [s.preemptions for s in (before, *samples) if s is not None and s.preemptions is not None]
     # a restarted engine starts its counter again: only growth between neighbours counts
     preempted = sum(max(0, b - a) for a, b in itertools.pairwise(counts))
@@ -128,7 +127,7 @@ def reading(
         samples=len(samples),
         running=statistics.median(running) if running else None,
         waiting=statistics.median(waiting) if waiting else None,  # type: ignore[type-var]
-        kv=None if at_kv is None else at_kv.kv_cache_usage,
+        kv=max(kv) if kv else None,
         preempted=preempted,
         in_flight=in_flight,
         at_engine=max(seen) if seen else None,
@@ -137,9 +136,23 @@ def reading(
         cache_tokens=None if last is None or last.finished is None else last.kv_capacity_tokens,
         stated=None if last is None else last.kv_max_concurrency,
         ended=ended,
-        kv_running=None if at_kv is None or at_kv.running is None else float(at_kv.running),
+        kv_share=kv_share(samples, in_flight),
         left=left,
     )
+
+
+def kv_share(samples: Sequence[EngineSample], in_flight: int) -> float | None:
+    """The most KV use one running request held on average in a sample of at least half those in flight.
+
+    The sum of a few requests' use swings with their lengths: the highest share seen bounds the next
+    batch, where the share at the highest use seen (a lucky sample of short replies) would overflow it."""
+    least = max(1.0, in_flight / 2)
+    shares = [
+        s.kv_cache_usage / s.running
+        for s in samples
+        if s.kv_cache_usage is not None and s.running is not None and s.running >= least
+    ]
+    return max(shares) if shares else None
 
 
 def footprint(first: EngineSample | None, last: EngineSample | None) -> float | None:
@@ -187,18 +200,21 @@ class EngineState:
     bad_level: int | None = None  # the limit the last preemption came at
     knee: float | None = None  # the most running when a queue last formed (None: none, or it ran more since)
     ended: int = 0  # requests ended since the limit last moved (or the last turnover was judged)
-    kv_peak: float | None = None  # the cache's highest use over those, and the requests running then
-    peak_running: float | None = None
+    kv_peak: float | None = None  # the cache's highest use over those
+    share_peak: float | None = None  # and the most KV use per running request (see `kv_share`)
     down: bool = False  # whether the limit's last move was down (its excess drains)
 
     def turn(self, r: Reading) -> None:
         """Count the interval into the turnover under way."""
         self.ended += r.ended
-        if r.kv is not None and (self.kv_peak is None or r.kv >= self.kv_peak):
-            self.kv_peak, self.peak_running = r.kv, r.kv_running if r.kv_running is not None else r.running
+        if r.kv is not None:
+            self.kv_peak = r.kv if self.kv_peak is None else max(self.kv_peak, r.kv)
+        share = r.kv_share if r.kv_share is not None else (r.kv / r.running if r.kv and r.running else None)
+        if share is not None:
+            self.share_peak = share if self.share_peak is None else max(self.share_peak, share)
 
     def new_turnover(self) -> None:
-        self.ended, self.kv_peak, self.peak_running = 0, None, None
+        self.ended, self.kv_peak, self.share_peak = 0, None, None
 
     def move(self, new: int) -> None:
         """The limit moves (by any rule): the next growth is judged by a turnover at the new limit, after
@@ -316,7 +332,7 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     # far: the cache mostly empty and a doubling still under any ceiling (a limit cut well below its
     # ceiling by a tenant who has since left climbs back at x2, not by quarters)
     below_ceiling = state.ceiling is None or state.limit * opts.fast_grow <= state.ceiling
-    kv, running = state.kv_peak, state.peak_running  # over the turnover, this interval's reading among them
+    kv, share = state.kv_peak, state.share_peak  # over the turnover, this interval's reading among them
     far = below_ceiling and (kv is None or kv < opts.kv_grow / 2)
     knee = (
         None
@@ -333,8 +349,8 @@ def _grow(state: EngineState, r: Reading, opts: EngineOptions) -> tuple[int, str
     if fits is not None and fits < new:
         size = f"of {r.footprint:g} tokens" if r.footprint else "of full length (none has ended yet)"
         new, why = fits, f"up to the {fits} requests {size} the KV cache holds"
-    if kv and running:
-        projected = math.floor(running * opts.kv_high / kv)
+    if share:
+        projected = math.floor(opts.kv_high / share)
         if projected < new:
             new, why = projected, f"up to what the KV cache holds at {opts.kv_high:.0%} by its peak use"
     probed = (
