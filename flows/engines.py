@@ -72,6 +72,7 @@ def cluster_class(path: str) -> type:
 
 
 RUNNER_FIELDS = {
+    "local": ("collectors",),
     "dask": ("dask_address", "dask_workers", "dask_cluster_class", "dask_cluster_kwargs", "dask_adapt_min",
              "dask_adapt_max"),
     "ray": ("ray_address", "ray_keep_workers_s"),

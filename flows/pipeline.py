@@ -15,6 +15,7 @@ from prefect.artifacts import acreate_markdown_artifact
 from prefect.runtime import deployment as runtime_deployment
 
 from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress, run_log
+from rollflow.flows.collectors import choose_collectors, collect_spec
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.parameters import (
     AS_SERVED_BACKEND,
@@ -185,6 +186,9 @@ async def _collect_verify_publish(
         limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
         follow = extra.pop("controller", None) == "engine"
         guess = await forecast_step(spec, handles, plan, extra)
+        collectors = choose_collectors(spec, extra, follow, _remaining(spec, plan))
+        extra["collectors"] = collectors.as_dict()
+        spec = handles.spec = collect_spec(spec, collectors)
         collected = await collect_step(spec, settings, handles, plan, limits, left, follow)
         collected.extra = {**extra, **collected.extra}
         collected.extra["forecast"] = against_actual(guess, *actual_figures(collected))
@@ -333,7 +337,7 @@ async def choose_step(
         return mode, {}
     if not pending:
         return plan.identity.parallelism or FALLBACK_PARALLELISM, {}
-    remaining = sum(c.good_rows for c in pending) * spec.collection.num_repeats
+    remaining = _remaining(spec, plan)
     if await follows_engine(spec, settings, remaining):
         return FALLBACK_PARALLELISM, {"controller": "engine"}
     needed = TUNE_MIN_ROLLOUTS_PER_DIAGNOSE_ROW * spec.tuning.diagnose_rows * len(spec.backend.urls)
@@ -348,12 +352,19 @@ async def choose_step(
     return await choose_parallelism(spec, settings, handles, plan, probe_budget=budget)
 
 
+def _remaining(spec: RunSpec, plan: RunPlan) -> int:
+    """Rollouts the pending chunks hold (some may be adopted from probes)."""
+    return sum(c.good_rows for c in plan.pending) * spec.collection.num_repeats
+
+
 async def follows_engine(spec: RunSpec, settings: RollflowSettings, remaining: int) -> bool:
     """`adaptive`, or `auto` for a long run, on local workers whose engines publish their gauges: the
     limit follows them from the engine's own capacity, with no tuning first."""
     mode = spec.collection.parallelism
     if spec.runner != "local" or (mode == "auto" and remaining < spec.tuning.engine_min_rollouts):
         return False
+    if mode == "auto" and isinstance(spec.collectors, int) and spec.collectors > 1:
+        return False  # tuned once, then shared by the processes, as on Dask's workers
     try:
         backend = spec.backend_settings(settings.backend.api_key)
         gauges = await engine_gauges(spec.backend.urls, auth_headers(backend))
@@ -505,9 +516,9 @@ async def report_step(
             "chunk_size": plan.identity.chunk_size,
             **overhead_figures(handles.clock, result.outcomes),
             "endpoints": endpoint_rows(
-                collected.ctx.pool, result.outcomes, spec.runner != "local", collected.seconds
+                collected.ctx.pool, result.outcomes, handles.spec.runner != "local", collected.seconds
             ),
-            **remote_figures(spec, result),
+            **remote_figures(handles.spec, result),  # the runner the chunks ran on (collectors: Dask's)
             "format": spec.format,
             **settling_figures(spec, summary),
             "story": await asyncio.to_thread(run_story, spec, plan.identity, summary, handles.ledger),

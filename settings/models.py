@@ -538,6 +538,12 @@ class EngineSettings(Settings):
         "local",
         description="local: chunks in this process; dask or ray: chunks on a cluster's worker processes",
     )
+    collectors: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description="Collector processes of the local runner (runs only; reverify ignores it): a number, or "
+        "auto (more than one only when tuning found the collecting process at a core while the machine "
+        "had cores idle)",
+    )
     dask_address: str | None = Field(
         None, description="Scheduler of an existing Dask cluster (tcp://host:8786)"
     )

@@ -144,6 +144,13 @@ class RunSpec(EngineSettings):
                 f"--parallelism auto (tuned once, then shared by the workers) or a number with --runner "
                 f"{self.runner}, or --runner local with adaptive"
             )
+        several = isinstance(self.collectors, int) and self.collectors > 1
+        if self.runner == "local" and several and self.collection.parallelism == "adaptive":
+            raise ValueError(
+                f"--parallelism adaptive is not supported with --collectors {self.collectors}: the adaptive "
+                "controller steers one process's limit. Use --parallelism auto (tuned once, then shared by "
+                "the collector processes) or a number, or --collectors 1 with adaptive"
+            )
         if self.dask_address and self.dask_cluster_class:
             raise ValueError(
                 "--dask-address and --dask-cluster-class exclude each other: attach to a running "

@@ -34,6 +34,7 @@ CONCURRENT = {
     "test_cli",
     "test_cli_text",
     "test_collector",
+    "test_collectors",
     "test_consistency",
     "test_dask",
     "test_dask_monitors",

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rollflow.flows.cli.values import chunk_size_value, json_object, parallelism_value
+from rollflow.flows.cli.values import chunk_size_value, collectors_value, json_object, parallelism_value
 from rollflow.settings import (
     BackendParams,
     CollectionSettings,
@@ -76,6 +76,7 @@ RUN_FLAGS: Table = {
         ("stall-timeout-s", "collection", "stall_timeout_s"),
         ("deadline-s", "", "deadline_s"),
         ("runner", "", "runner"),
+        ("collectors", "", "collectors"),
         ("dask-address", "", "dask_address"),
         ("dask-workers", "", "dask_workers"),
         ("dask-cluster-class", "", "dask_cluster_class"),
@@ -139,6 +140,7 @@ SPECIAL_TYPES: dict[str, Callable[[str], Any]] = {
     "overrides": str,
     "parallelism": parallelism_value,
     "chunk_size": chunk_size_value,
+    "collectors": collectors_value,
     "dask_cluster_kwargs": json_object,
 }
 

@@ -16,16 +16,25 @@ def parallelism_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number, auto or adaptive, not {text!r}") from None
 
 
-def chunk_size_value(text: str) -> int | str:
+def _count_or_auto(text: str, what: str, most: int | None = None) -> int | str:
+    """A whole number from 1 (to `most`), or auto; else an error naming what is expected."""
     if text.lower() == "auto":
         return "auto"
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of input rows or auto, not {text!r}")
+    if value < 1 or (most is not None and value > most):
+        raise argparse.ArgumentTypeError(f"expected {what} or auto, not {text!r}")
     return value
+
+
+def chunk_size_value(text: str) -> int | str:
+    return _count_or_auto(text, "a number of input rows")
+
+
+def collectors_value(text: str) -> int | str:
+    return _count_or_auto(text, "a number of processes from 1 to 64", 64)
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from rollflow.tasks.collect.rollouts import (
 from rollflow.tasks.collect.rows import ChunkSpec, iter_chunk_rows
 from rollflow.tasks.collect.settle import first_rollouts
 from rollflow.tasks.storage.ledger import Ledger
+from rollflow.tasks.tuning.collectors import machine_busy_s
 from rollflow.tasks.tuning.engine import EngineStep, engine_step, fed_window, sample_mid_step
 from rollflow.tasks.tuning.fail_fast import all_failed, first_failure, rejection, until_all_fail
 from rollflow.tasks.tuning.throughput import StepMeasure, combine_measures, measure_step
@@ -232,25 +233,39 @@ class VerifyUsage:
     checks: int = 0
     process_cpu_s: float = 0.0
     wall_s: float = 0.0
+    machine_busy_s: float | None = None  # every core's busy seconds (None: the platform does not say)
 
     @classmethod
     def start(cls, verifier: Any) -> VerifyUsage:
-        return cls(*_checks(verifier), time.process_time(), time.perf_counter())
+        return cls(*_checks(verifier), time.process_time(), time.perf_counter(), machine_busy_s())
 
     def stop(self, verifier: Any) -> VerifyUsage:
         cpu, busy, checks = _checks(verifier)
+        now = machine_busy_s()
         return VerifyUsage(
             cpu - self.verify_cpu_s,
             busy - self.verify_busy_s,
             checks - self.checks,
             time.process_time() - self.process_cpu_s,
             time.perf_counter() - self.wall_s,
+            None if now is None or self.machine_busy_s is None else now - self.machine_busy_s,
         )
+
+    def cores(self) -> dict[str, float]:
+        """The collecting process's and the machine's busy cores over the step (see tuning/collectors)."""
+        if self.wall_s <= 0:
+            return {}
+        busy = (
+            {} if self.machine_busy_s is None else {"busy_cores": round(self.machine_busy_s / self.wall_s, 3)}
+        )
+        return {"client_cores": round(self.process_cpu_s / self.wall_s, 3), **busy}
 
     @classmethod
     def total(cls, parts: Sequence[VerifyUsage]) -> VerifyUsage:
         fields = ("verify_cpu_s", "verify_busy_s", "checks", "process_cpu_s", "wall_s")
-        return cls(*(sum(getattr(p, f) for p in parts) for f in fields))
+        machine = [p.machine_busy_s for p in parts]
+        busy = None if None in machine else sum(m for m in machine if m is not None)
+        return cls(*(sum(getattr(p, f) for p in parts) for f in fields), machine_busy_s=busy)
 
 
 def _checks(verifier: Any) -> tuple[float, float, int]:

@@ -88,6 +88,7 @@ class TuneStep:
     note: str = ""
     rollouts_per_s_err: float = 0.0
     engine: dict[str, Any] | None = None
+    cores: dict[str, float] = field(default_factory=dict)  # the client's and the machine's busy cores
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +102,7 @@ class TuneStep:
             "rollouts": self.rollouts,
             "utilisation": None if self.utilisation is None else round(self.utilisation, 3),
             "note": self.note,
+            **self.cores,
             **({"engine": self.engine} if self.engine is not None else {}),
         }
 
@@ -181,6 +183,7 @@ def _row(phase: str, step: StepResult, latency0: float | None, note: str = "") -
         note=note,
         rollouts_per_s_err=m.reported_err,
         engine=step.engine.as_dict() if step.engine is not None else None,
+        cores=step.usage.cores(),
     )
 
 

@@ -1,0 +1,113 @@
+"""More than one collector process on the local runner: asked for, or chosen when tuning finds the client
+at a core with cores idle; one limit across them, every rollout exactly once, the choice in report.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from rollout_data import assert_complete, write_rows
+
+from rollflow.flows.collectors import MIN_SECONDS_LEFT, choose_collectors
+from rollflow.infra.local import spawn_simulator
+from rollflow.settings import RunSpec
+from rollflow.tasks.tuning.collectors import CLIENT_BOUND, auto_collectors, machine_busy_s
+
+
+def _step(client: float, busy: float, rate: float = 5000.0, parallelism: int = 80) -> dict[str, float]:
+    return {"parallelism": parallelism, "rollouts_per_s": rate, "client_cores": client, "busy_cores": busy}
+
+
+def test_auto_adds_a_collector_per_idle_core_only_when_the_client_is_at_a_core() -> None:
+    one = auto_collectors(_step(1.0, 1.56), 2)  # this machine: the simulator took the other core
+    assert one.count == 1 and "0.44 of 2 cores idle" in one.why, one.why
+    assert auto_collectors(_step(0.97, 1.1), 4).count == 3  # 2.9 idle: two more of 0.97 each
+    assert auto_collectors(_step(0.97, 1.0), 64).count == 64  # never more than the cores
+    calm = auto_collectors(_step(CLIENT_BOUND - 0.05, 1.0), 8)
+    assert calm.count == 1 and "not the limit" in calm.why
+    assert auto_collectors(None, 8).count == 1
+    assert auto_collectors({"parallelism": 8, "rollouts_per_s": 1.0, "client_cores": 1.0}, 8).count == 1
+
+
+def _spec(tmp_path: Path, **collection: object) -> RunSpec:
+    return RunSpec.model_validate(
+        {"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out"),
+         "backend": {"url": "http://127.0.0.1:1", "kind": "agent"}, "collection": collection}
+    )  # fmt: skip
+
+
+def test_a_short_rest_or_a_limit_steered_here_keeps_one_collector(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("rollflow.flows.collectors.usable_cores", lambda: 8)
+    tuning = {"tuning": {"steps": [_step(0.2, 1.0, 900.0, 5), _step(0.99, 1.2, 5000.0, 80)]}}
+    spec = _spec(tmp_path, parallelism="auto")
+    long = choose_collectors(spec, tuning, False, int(5000 * MIN_SECONDS_LEFT * 2))
+    assert long.count == 7 and long.client_cores == 0.99, long  # 6.8 idle: 6 more; the best step judged
+    short = choose_collectors(spec, tuning, False, 20_000)
+    assert short.count == 1 and "too short" in short.why, short.why
+    assert choose_collectors(spec, tuning, True, 10**7).count == 1  # the engine's gauges steer it here
+    assert choose_collectors(_spec(tmp_path, parallelism=64), {}, False, 10**7).count == 1  # not measured
+
+
+def test_the_machine_busy_counter_moves_with_work() -> None:
+    before = machine_busy_s()
+    assert before is not None  # Linux: /proc/stat
+    sum(i * i for i in range(3_000_000))
+    after = machine_busy_s()
+    assert after is not None and after > before
+
+
+def test_collectors_need_a_limit_that_is_not_steered_in_one_process(run_cli, tmp_path: Path) -> None:
+    inp = write_rows(tmp_path / "rows.jsonl", 10)
+    res = run_cli("run", "--input", str(inp), "--output", str(tmp_path / "o"), "--backend-url",
+                  "http://127.0.0.1:1", "--collectors", "2", "--parallelism", "adaptive")  # fmt: skip
+    assert res.returncode == 2 and "--parallelism adaptive is not supported with --collectors 2" in res.stderr
+    res = run_cli("run", "--input", str(inp), "--output", str(tmp_path / "o"), "--backend-url",
+                  "http://127.0.0.1:1", "--collectors", "0")  # fmt: skip
+    assert res.returncode == 2 and "from 1 to 64 or auto, not '0'" in res.stderr, res.stderr
+
+
+def test_two_collectors_share_one_limit_and_write_every_rollout_once(run_cli, tmp_path: Path) -> None:
+    sim = spawn_simulator("--latency-ms", "2", "--slots", "4096")
+    inp, out = write_rows(tmp_path / "rows.jsonl", 3000), tmp_path / "out"
+    try:
+        res = run_cli(
+            "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url",
+            sim.url, "--num-repeats", "2", "--parallelism", "48", "--chunk-size", "250", "--collectors", "2",
+            "--no-progress",
+        )  # fmt: skip
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((out / "report.json").read_bytes())
+    assert report["collectors"] == {"count": 2, "why": "--collectors 2"}
+    assert report["runner"] == "dask" and report["peak_in_flight_allowed"] <= 48
+    workers = report["workers"]
+    assert len({w["worker"] for w in workers}) == 2, workers
+    assert sum(w["rollouts"] for w in workers) == 6000 and all(w["peak_in_flight"] <= 48 for w in workers)
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 3000, 2)
+
+
+@pytest.mark.alone  # reads the machine's CPU while tuning
+def test_auto_judges_the_client_from_the_tuners_steps(run_cli, tmp_path: Path) -> None:
+    """A backend without gauges is tuned; each step records the client's and the machine's busy cores,
+    and the choice follows from the best step's figures as the rule says, whatever this machine has."""
+    sim = spawn_simulator("--latency-ms", "0", "--slots", "4096", "--metrics-format", "none")
+    inp, out = write_rows(tmp_path / "rows.jsonl", 3000), tmp_path / "out"
+    try:
+        res = run_cli(
+            "run", "--input", str(inp), "--output", str(out), "--backend-kind", "agent", "--backend-url",
+            sim.url, "--num-repeats", "4", "--parallelism", "auto", "--no-progress",
+        )  # fmt: skip
+    finally:
+        sim.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = orjson.loads((out / "report.json").read_bytes())
+    steps = report["tuning"]["steps"]
+    assert all(0 < s["client_cores"] <= 1.2 and s["busy_cores"] >= 0 for s in steps), steps
+    chosen = report["collectors"]
+    best = max((s for s in steps if not s["errors"]), key=lambda s: s["rollouts_per_s"])
+    assert chosen["client_cores"] == round(best["client_cores"], 2), (chosen, best)
+    assert chosen["why"].startswith(f"auto: at parallelism {best['parallelism']}: "), chosen
+    assert (chosen["count"] > 1) == (report.get("runner") == "dask"), report.get("runner")
+    assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 3000, 4)
