@@ -237,6 +237,17 @@ def test_the_card_is_what_the_hub_writes(rows: int, license: str | None) -> None
     )
 
 
+def test_a_card_of_a_run_where_every_rollout_failed_has_no_pass_at_k() -> None:
+    """--allow-incomplete with every rollout failed: no task was scored, pass@k is {}; the card says "-"
+    (it raised on formatting the empty figure as a number)."""
+    from rollflow.tasks.publish.card import render_card
+
+    report = _collected_report(0)
+    report["rewards"] = {"tasks": 0, "mean": None, "std": None, "pass_at_k": {}}
+    text = render_card(report, "rollouts.jsonl")
+    assert "| pass at k | - |" in text, text
+
+
 def test_the_card_does_not_import_huggingface_hub() -> None:
     """A run writes its card without importing huggingface_hub (0.3 s of every run's fixed cost)."""
     code = (

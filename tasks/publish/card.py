@@ -113,8 +113,8 @@ def card_data(
 
 def _num(value: Any, fmt: str = ",.4g") -> str:
     """A count as an exact integer with separators (10,003, never 1e+04); other numbers to 4 figures."""
-    if value is None:
-        return "-"
+    if value is None or (isinstance(value, (dict, list)) and not value):
+        return "-"  # nothing scored: an empty pass@k, no figure
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, int):
