@@ -24,15 +24,33 @@ def choose_collectors(spec: RunSpec, extra: dict[str, Any], follow: bool, remain
         return Collectors(1, "the limit follows the backend from this process: one collector")
     if isinstance(asked, int):
         return asked_collectors(asked)
-    steps = [s for s in extra.get("tuning", {}).get("steps", []) if not s.get("errors")]
-    best = max(steps, key=lambda s: s["rollouts_per_s"], default=None)
-    chosen = auto_collectors(best, usable_cores())
-    if chosen.count > 1 and best is not None:
-        seconds = remaining / max(best["rollouts_per_s"], 1e-9)
+    at = chosen_step(extra.get("tuning", {}))
+    chosen = auto_collectors(at, usable_cores())  # judged at the level collection runs at
+    if chosen.count > 1 and at is not None:
+        seconds = remaining / max(at["rollouts_per_s"], 1e-9)
         if seconds < MIN_SECONDS_LEFT:
             why = f"{chosen.why}; but the {remaining:,} rollouts left take {seconds:.0f} s at the tuned rate"
             return Collectors(1, f"{why}, too short to start them: one collector", *_figures(chosen))
     return chosen
+
+
+def chosen_step(tuning: dict[str, Any]) -> dict[str, Any] | None:
+    """The error-free readings at the parallelism the tuner chose (or the nearest level read below it), as
+    one: their mean rate and cores (one fast re-reading elsewhere on the curve says nothing of the level
+    collection runs at)."""
+    chosen = tuning.get("chosen_parallelism")
+    clean = [s for s in tuning.get("steps", []) if not s.get("errors")]
+    level = max((s["parallelism"] for s in clean if chosen is not None and s["parallelism"] <= chosen),
+                default=None)  # fmt: skip
+    at = [s for s in clean if s["parallelism"] == level]
+    if not at:
+        return None
+    step: dict[str, Any] = {"parallelism": level}
+    for key in ("rollouts_per_s", "client_cores", "busy_cores"):
+        values = [s[key] for s in at if s.get(key) is not None]
+        if len(values) == len(at):
+            step[key] = sum(values) / len(values)
+    return step if "rollouts_per_s" in step else None
 
 
 def _figures(c: Collectors) -> tuple[float | None, float | None]:
@@ -44,4 +62,7 @@ def collect_spec(spec: RunSpec, collectors: Collectors) -> RunSpec:
     worker processes."""
     if collectors.count <= 1 or spec.runner != "local":
         return spec
-    return spec.model_copy(update={"runner": "dask", "dask_workers": collectors.count})
+    # a cluster of this machine's own: never the address or cluster class set for --runner dask
+    local = {"dask_address": None, "dask_cluster_class": None, "dask_cluster_kwargs": {},
+             "dask_adapt_min": None, "dask_adapt_max": None}  # fmt: skip
+    return spec.model_copy(update={"runner": "dask", "dask_workers": collectors.count, **local})

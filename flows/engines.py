@@ -115,6 +115,12 @@ def engine_notes(spec: EngineSettings) -> list[str]:
         for name in names
         if name in set_here
     ]
+    several = spec.runner == "local" and isinstance(spec.collectors, int) and spec.collectors > 1
+    if several and isinstance(spec, RunSpec) and spec.collection.parallelism == "auto":
+        notes.append(
+            f"--collectors {spec.collectors}: the limit is tuned once and shared by the processes; against "
+            "an engine with gauges it does not follow them as one process does (--collectors 1 for that)"
+        )
     if spec.runner == "ray" and spec.ray_keep_workers_s and not keeps_warm_workers(spec):
         notes.append(
             "--ray-keep-workers-s keeps nothing on the local Ray instance this run starts and stops; "
@@ -186,6 +192,9 @@ def dask_runner(spec: EngineSettings, chunks: int, threads: int | None = None) -
             "n_workers": spec.dask_workers,
             "threads_per_worker": threads,
             "processes": True,
+            # this machine's own processes: on loopback, and no dashboard open to the network
+            "host": "127.0.0.1",
+            "dashboard_address": None,
             **workers,
         }
     )

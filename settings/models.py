@@ -540,9 +540,9 @@ class EngineSettings(Settings):
     )
     collectors: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto",
-        description="Collector processes of the local runner (runs only; reverify ignores it): a number, or "
+        description="Collector processes of the local runner (runs only; reverify ignores it): 1 to 64, or "
         "auto (more than one only when tuning found the collecting process at a core while the machine "
-        "had cores idle)",
+        "had cores idle); more than one run as a local Dask cluster on 127.0.0.1",
     )
     dask_address: str | None = Field(
         None, description="Scheduler of an existing Dask cluster (tcp://host:8786)"

@@ -9,10 +9,12 @@ import orjson
 import pytest
 from rollout_data import assert_complete, write_rows
 
-from rollflow.flows.collectors import MIN_SECONDS_LEFT, choose_collectors
+from rollflow.flows import collectors as flow_collectors
+from rollflow.flows.collectors import MIN_SECONDS_LEFT, choose_collectors, chosen_step, collect_spec
 from rollflow.infra.local import spawn_simulator
 from rollflow.settings import RunSpec
-from rollflow.tasks.tuning.collectors import CLIENT_BOUND, auto_collectors, machine_busy_s
+from rollflow.tasks.tuning import collectors
+from rollflow.tasks.tuning.collectors import CLIENT_BOUND, Collectors, auto_collectors, machine_busy_s
 
 
 def _step(client: float, busy: float, rate: float = 5000.0, parallelism: int = 80) -> dict[str, float]:
@@ -37,12 +39,52 @@ def _spec(tmp_path: Path, **collection: object) -> RunSpec:
     )  # fmt: skip
 
 
+def test_the_level_the_tuner_chose_is_judged_not_the_fastest_reading() -> None:
+    """One fast re-reading at 160 (6,105/s, the client at 0.89) says nothing of collecting at 70: the
+    readings at 64, the nearest level read below the choice, are judged, as their mean."""
+    steps = [_step(0.5, 1.0, 3000.0, 32), _step(0.6, 1.2, 4000.0, 64), _step(0.7, 1.4, 4400.0, 64),
+             _step(0.89, 1.5, 6105.0, 160), {**_step(1.0, 1.9, 9000.0, 320), "errors": 3}]  # fmt: skip
+    at = chosen_step({"steps": steps, "chosen_parallelism": 70})
+    want = {"parallelism": 64, "rollouts_per_s": 4200.0, "client_cores": 0.65, "busy_cores": 1.3}
+    assert at == pytest.approx(want), at
+    assert auto_collectors(at, 8).count == 1  # the client at 0.65 of a core: not the limit there
+    assert chosen_step({"steps": steps[3:], "chosen_parallelism": 70}) is None  # nothing read at or below
+
+
+def test_a_cpu_quota_counts_as_the_cores_and_its_cgroup_as_the_busy_time(tmp_path: Path, monkeypatch) -> None:
+    """In a container limited to 2 CPUs on a big host, auto never counts the host's idle cores."""
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    (tmp_path / "cpu.stat").write_text("usage_usec 7500000\nuser_usec 5000000\nsystem_usec 2500000\n")
+    monkeypatch.setattr(collectors, "CGROUP", str(tmp_path))
+    assert collectors.cpu_quota() == 2.0 and collectors.usable_cores() <= 2
+    assert machine_busy_s() == 7.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert collectors.cpu_quota() is None and machine_busy_s() != 7.5  # no quota: /proc/stat
+
+
+def test_collectors_run_on_a_cluster_of_this_machine_never_on_one_set_for_the_dask_runner(
+    tmp_path: Path,
+) -> None:
+    spec = RunSpec.model_validate(
+        {"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out"),
+         "dask_cluster_class": "dask_jobqueue.SLURMCluster", "dask_cluster_kwargs": {"cores": 8},
+         "dask_adapt_max": 16}
+    )  # fmt: skip
+    ran = collect_spec(spec, Collectors(3, "--collectors 3"))
+    assert (ran.runner, ran.dask_workers, ran.dask_address, ran.dask_cluster_class) == ("dask", 3, None, None)
+    assert ran.dask_cluster_kwargs == {} and ran.dask_adapt_max is None
+    assert collect_spec(spec, Collectors(1, "one")) is spec
+    addressed = collect_spec(spec.model_copy(update={"dask_address": "tcp://h:8786"}), Collectors(2, "two"))
+    assert addressed.dask_address is None and addressed.dask_workers == 2
+
+
 def test_a_short_rest_or_a_limit_steered_here_keeps_one_collector(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("rollflow.flows.collectors.usable_cores", lambda: 8)
-    tuning = {"tuning": {"steps": [_step(0.2, 1.0, 900.0, 5), _step(0.99, 1.2, 5000.0, 80)]}}
+    monkeypatch.setattr(flow_collectors, "usable_cores", lambda: 8)
+    steps = [_step(0.2, 1.0, 900.0, 5), _step(0.99, 1.2, 5000.0, 80)]
+    tuning = {"tuning": {"steps": steps, "chosen_parallelism": 80}}
     spec = _spec(tmp_path, parallelism="auto")
     long = choose_collectors(spec, tuning, False, int(5000 * MIN_SECONDS_LEFT * 2))
-    assert long.count == 7 and long.client_cores == 0.99, long  # 6.8 idle: 6 more; the best step judged
+    assert long.count == 7 and long.client_cores == 0.99, long  # 6.8 idle: 6 more, of 0.99 each
     short = choose_collectors(spec, tuning, False, 20_000)
     assert short.count == 1 and "too short" in short.why, short.why
     assert choose_collectors(spec, tuning, True, 10**7).count == 1  # the engine's gauges steer it here
@@ -91,7 +133,7 @@ def test_two_collectors_share_one_limit_and_write_every_rollout_once(run_cli, tm
 @pytest.mark.alone  # reads the machine's CPU while tuning
 def test_auto_judges_the_client_from_the_tuners_steps(run_cli, tmp_path: Path) -> None:
     """A backend without gauges is tuned; each step records the client's and the machine's busy cores,
-    and the choice follows from the best step's figures as the rule says, whatever this machine has."""
+    and the choice follows from the chosen level's figures as the rule says, whatever this machine has."""
     sim = spawn_simulator("--latency-ms", "0", "--slots", "4096", "--metrics-format", "none")
     inp, out = write_rows(tmp_path / "rows.jsonl", 3000), tmp_path / "out"
     try:
@@ -105,9 +147,8 @@ def test_auto_judges_the_client_from_the_tuners_steps(run_cli, tmp_path: Path) -
     report = orjson.loads((out / "report.json").read_bytes())
     steps = report["tuning"]["steps"]
     assert all(0 < s["client_cores"] <= 1.2 and s["busy_cores"] >= 0 for s in steps), steps
-    chosen = report["collectors"]
-    best = max((s for s in steps if not s["errors"]), key=lambda s: s["rollouts_per_s"])
-    assert chosen["client_cores"] == round(best["client_cores"], 2), (chosen, best)
-    assert chosen["why"].startswith(f"auto: at parallelism {best['parallelism']}: "), chosen
+    chosen, at = report["collectors"], chosen_step(report["tuning"])
+    assert at is not None and chosen["client_cores"] == round(at["client_cores"], 2), (chosen, at)
+    assert chosen["why"].startswith(f"auto: at parallelism {at['parallelism']}: "), chosen
     assert (chosen["count"] > 1) == (report.get("runner") == "dask"), report.get("runner")
     assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 3000, 4)

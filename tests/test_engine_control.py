@@ -34,8 +34,9 @@ OPTS = EngineOptions()
 
 
 def r(running: float, waiting: float, kv: float, in_flight: int, preempted: int = 0) -> Reading:
-    """One interval in which as many requests ended as were in flight (a turnover)."""
-    return Reading(1, running, waiting, kv, preempted, in_flight, ended=in_flight)
+    """One interval in which as many requests ended as were in flight (a turnover), its one sample a batch."""
+    share = kv / running if running else None
+    return Reading(1, running, waiting, kv, preempted, in_flight, ended=in_flight, kv_share=share)
 
 
 def twice(state: EngineState, reading: Reading) -> tuple[int, str]:
@@ -121,7 +122,7 @@ def test_growth_waits_for_a_turnover_and_is_judged_by_its_peak_kv_use() -> None:
     state = EngineState(limit=8)
 
     def room(kv: float, ended: int) -> Reading:
-        return Reading(1, 8.0, 0.0, kv, 0, 8, running_peak=8.0, ended=ended)
+        return Reading(1, 8.0, 0.0, kv, 0, 8, running_peak=8.0, ended=ended, kv_share=kv / 8)
 
     assert decide(state, room(0.05, 2), OPTS)[0] == 8
     limit, why = decide(state, room(0.1, 0), OPTS)
@@ -149,6 +150,13 @@ def test_growth_is_judged_by_the_most_one_request_held_not_by_the_fullest_sample
     state.room = OPTS.room_intervals - 1
     limit, why = decide(state, got, OPTS)
     assert limit == 11 and "by its peak use" in why, why  # floor(0.9 / 0.08); 9 * 0.9 / 0.667 = 12.1
+    # an interval with no batch at all (2 of 9 running, a long one left) judges nothing, not 0.3 over 2
+    state = EngineState(limit=9)
+    state.turn(reading([EngineSample(2, 0, 0.3, 0.0), EngineSample(2, 0, 0.3, 0.5)], None, 9))
+    state.room = OPTS.room_intervals - 1
+    batch = [EngineSample(9, 0, 0.5, 0.0), EngineSample(9, 0, 0.5, 0.5)]
+    limit, why = decide(state, reading(batch, None, 9, ended=9), OPTS)
+    assert limit == 12 and "by its peak use" not in why, why  # x1.25; the projection (16) is higher
 
 
 def test_growth_waits_until_the_requests_in_flight_at_the_last_move_have_ended() -> None:
@@ -157,7 +165,7 @@ def test_growth_waits_until_the_requests_in_flight_at_the_last_move_have_ended()
     state = EngineState(limit=8)
 
     def room(kv: float, left: int) -> Reading:
-        return Reading(1, 8.0, 0.0, kv, 0, 8, running_peak=8.0, ended=8, left=left)
+        return Reading(1, 8.0, 0.0, kv, 0, 8, running_peak=8.0, ended=8, left=left, kv_share=kv / 8)
 
     assert decide(state, room(0.05, 4), OPTS)[0] == 8
     limit, why = decide(state, room(0.08, 4), OPTS)

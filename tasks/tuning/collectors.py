@@ -1,10 +1,11 @@
 """How many collector processes a local run uses: more than one only when the client is the limit.
 
-One event loop collects at most what one core parses. When, at the tuner's best step, the collecting
+One event loop collects at most what one core parses. When, at the level the tuner chose, the collecting
 process used nearly a core (`CLIENT_BOUND`) while the machine had whole cores idle, the backend still had
 room the client could not use: the collect stage then runs a collector process per such core (a local
-Dask cluster's single-threaded workers, under the run's one share book, exactly once). The machine's
-busy cores come from /proc/stat over the same step (None elsewhere: then one collector, and why).
+Dask cluster's workers, under the run's one share book, exactly once). The busy cores come from
+/proc/stat over the same step, or under a container's CPU quota from its cgroup, whose quota then counts
+as its cores (None elsewhere: then one collector, and why).
 """
 
 from __future__ import annotations
@@ -19,8 +20,29 @@ SPARE_CORE = 0.75  # the least idle CPU worth another collector: most of a core
 MAX_COLLECTORS = 64
 
 
+CGROUP = "/sys/fs/cgroup"  # cgroup v2: a container's CPU quota (cpu.max) and what it used (cpu.stat)
+
+
+def cpu_quota() -> float | None:
+    """The cores a CPU quota allows this process's cgroup (None: no quota, or no cgroup v2 to say)."""
+    try:
+        with open(f"{CGROUP}/cpu.max", "rb") as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == b"max" else int(quota) / int(period)
+
+
 def machine_busy_s() -> float | None:
-    """CPU seconds every core of the machine has spent busy since boot (Linux; None elsewhere)."""
+    """CPU seconds the cores this process may use have spent busy so far: under a quota, its cgroup's;
+    else every core's since boot (/proc/stat). None where neither says (not Linux)."""
+    if cpu_quota() is not None:
+        try:
+            with open(f"{CGROUP}/cpu.stat", "rb") as f:
+                usage = next(line.split()[1] for line in f if line.startswith(b"usage_usec "))
+            return int(usage) / 1e6
+        except (OSError, StopIteration, ValueError):
+            return None
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()
@@ -34,11 +56,13 @@ def machine_busy_s() -> float | None:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity, where the platform says)."""
+    """The cores this process may run on: its affinity, and no more than a CPU quota allows."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.floor(quota)))
 
 
 @dataclass(frozen=True)
@@ -62,7 +86,7 @@ def asked_collectors(count: int) -> Collectors:
 
 
 def auto_collectors(best: dict[str, Any] | None, cores: int) -> Collectors:
-    """From the tuner's best step (its `client_cores` and `busy_cores` over its wall time)."""
+    """From the tuner's readings at its chosen level (`client_cores`, `busy_cores` over their wall time)."""
     if best is None:
         return Collectors(1, "auto: no tuning step measured the client; give --collectors N to set it")
     client, busy = best.get("client_cores"), best.get("busy_cores")

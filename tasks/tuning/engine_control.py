@@ -209,9 +209,8 @@ class EngineState:
         self.ended += r.ended
         if r.kv is not None:
             self.kv_peak = r.kv if self.kv_peak is None else max(self.kv_peak, r.kv)
-        share = r.kv_share if r.kv_share is not None else (r.kv / r.running if r.kv and r.running else None)
-        if share is not None:
-            self.share_peak = share if self.share_peak is None else max(self.share_peak, share)
+        if r.kv_share is not None:  # None: no sample of a batch (see kv_share), which judges nothing
+            self.share_peak = r.kv_share if self.share_peak is None else max(self.share_peak, r.kv_share)
 
     def new_turnover(self) -> None:
         self.ended, self.kv_peak, self.share_peak = 0, None, None
