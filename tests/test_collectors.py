@@ -127,6 +127,8 @@ def test_two_collectors_share_one_limit_and_write_every_rollout_once(run_cli, tm
     workers = report["workers"]
     assert len({w["worker"] for w in workers}) == 2, workers
     assert sum(w["rollouts"] for w in workers) == 6000 and all(w["peak_in_flight"] <= 48 for w in workers)
+    md = (out / "report.md").read_text()
+    assert "Collector processes: 2 (--collectors 2), as a local Dask cluster of 2 workers." in md, md[:1500]
     assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 3000, 2)
 
 

@@ -182,6 +182,8 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
     if report.get("stages"):
         lines += ["", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {_fmt(float(s))} |" for name, s in report["stages"].items()]
+    if report.get("collectors"):
+        lines += ["", _collectors_line(report)]
     if report.get("settling"):
         lines += ["", settling_markdown(report["settling"])]
     if report.get("until_learnable"):
@@ -210,6 +212,15 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None = None
     if report.get("audit_problems"):
         lines += ["", "## Audit problems", ""] + [f"- {p}" for p in report["audit_problems"]]
     return "\n".join(lines) + "\n"
+
+
+def _collectors_line(report: dict[str, Any]) -> str:
+    """How many processes collected and why; with more than one, the cluster they ran as."""
+    c = report["collectors"]
+    line = f"Collector processes: {c['count']} ({c['why']})"
+    if c["count"] > 1 and report.get("runner"):
+        line += f", as a local {report['runner'].capitalize()} cluster of {len(report.get('workers') or [])} workers"
+    return line + "."
 
 
 def write_report(store: Store, report: dict[str, Any]) -> None:
