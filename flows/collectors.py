@@ -15,8 +15,19 @@ from rollflow.tasks.tuning.collectors import Collectors, asked_collectors, auto_
 MIN_SECONDS_LEFT = 30.0  # a local cluster takes seconds to start: worth it for a collect this long at least
 
 
-def choose_collectors(spec: RunSpec, extra: dict[str, Any], follow: bool, remaining: int) -> Collectors:
-    """How many collector processes the collect stage runs, and why (always 1 off the local runner)."""
+def choose_collectors(
+    spec: RunSpec, extra: dict[str, Any], follow: bool, remaining: int, chunks: int
+) -> Collectors:
+    """How many collector processes the collect stage runs, and why (always 1 off the local runner; never
+    more than the `chunks` pending, each of which one process collects)."""
+    chosen = _choose(spec, extra, follow, remaining)
+    if chosen.count > max(1, chunks):
+        why = f"{chosen.why}; {chunks} chunk{'s' * (chunks != 1)} pending"
+        return Collectors(max(1, chunks), why, *_figures(chosen))
+    return chosen
+
+
+def _choose(spec: RunSpec, extra: dict[str, Any], follow: bool, remaining: int) -> Collectors:
     asked = spec.collectors
     if spec.runner != "local":
         return Collectors(1, f"--runner {spec.runner}: its workers collect")
@@ -35,6 +46,25 @@ def choose_collectors(spec: RunSpec, extra: dict[str, Any], follow: bool, remain
 
 
 def chosen_step(tuning: dict[str, Any]) -> dict[str, Any] | None:
+    """The readings at the level the tuner chose, as one; with several endpoints (tuned at once, in this
+    process) their levels and rates summed, the busiest client and machine readings kept."""
+    if "endpoints" not in tuning:
+        return _at_level(tuning)
+    each = [_at_level(t) for t in tuning["endpoints"]]
+    if not each or any(e is None for e in each):
+        return None
+    steps = [e for e in each if e is not None]
+    step: dict[str, Any] = {
+        "parallelism": sum(e["parallelism"] for e in steps),
+        "rollouts_per_s": sum(e["rollouts_per_s"] for e in steps),
+    }
+    for key in ("client_cores", "busy_cores"):  # process- and machine-wide figures: not summed
+        if all(key in e for e in steps):
+            step[key] = max(e[key] for e in steps)
+    return step
+
+
+def _at_level(tuning: dict[str, Any]) -> dict[str, Any] | None:
     """The error-free readings at the parallelism the tuner chose (or the nearest level read below it), as
     one: their mean rate and cores (one fast re-reading elsewhere on the curve says nothing of the level
     collection runs at)."""

@@ -186,8 +186,9 @@ async def _collect_verify_publish(
         limits = extra.get("tuning", {}).get("limits") or parallelism  # several endpoints: each its own
         follow = extra.pop("controller", None) == "engine"
         guess = await forecast_step(spec, handles, plan, extra)
-        collectors = choose_collectors(spec, extra, follow, _remaining(spec, plan))
-        extra["collectors"] = collectors.as_dict()
+        collectors = choose_collectors(spec, extra, follow, _remaining(spec, plan), len(plan.pending))
+        if spec.runner == "local":  # another runner's workers are its collectors: report.json's `workers`
+            extra["collectors"] = collectors.as_dict()
         spec = handles.spec = collect_spec(spec, collectors)
         collected = await collect_step(spec, settings, handles, plan, limits, left, follow)
         collected.extra = {**extra, **collected.extra}

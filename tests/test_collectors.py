@@ -24,17 +24,18 @@ def _step(client: float, busy: float, rate: float = 5000.0, parallelism: int = 8
 def test_auto_adds_a_collector_per_idle_core_only_when_the_client_is_at_a_core() -> None:
     one = auto_collectors(_step(1.0, 1.56), 2)  # this machine: the simulator took the other core
     assert one.count == 1 and "0.44 of 2 cores idle" in one.why, one.why
-    assert auto_collectors(_step(0.97, 1.1), 4).count == 3  # 2.9 idle: two more of 0.97 each
-    assert auto_collectors(_step(0.97, 1.0), 64).count == 64  # never more than the cores
+    assert auto_collectors(_step(0.97, 1.1), 4).count == 4  # 2.9 idle: 3 cores at least 0.75 idle
+    assert auto_collectors(_step(0.86, 2.28), 4).count == 2  # 1.72 idle: one whole core, not 1.72/0.86
+    assert auto_collectors(_step(0.97, 1.0), 128).count == 64  # never more than MAX_COLLECTORS
     calm = auto_collectors(_step(CLIENT_BOUND - 0.05, 1.0), 8)
     assert calm.count == 1 and "not the limit" in calm.why
     assert auto_collectors(None, 8).count == 1
     assert auto_collectors({"parallelism": 8, "rollouts_per_s": 1.0, "client_cores": 1.0}, 8).count == 1
 
 
-def _spec(tmp_path: Path, **collection: object) -> RunSpec:
+def _spec(tmp_path: Path, collectors: int | str = "auto", **collection: object) -> RunSpec:
     return RunSpec.model_validate(
-        {"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out"),
+        {"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out"), "collectors": collectors,
          "backend": {"url": "http://127.0.0.1:1", "kind": "agent"}, "collection": collection}
     )  # fmt: skip
 
@@ -51,15 +52,42 @@ def test_the_level_the_tuner_chose_is_judged_not_the_fastest_reading() -> None:
     assert chosen_step({"steps": steps[3:], "chosen_parallelism": 70}) is None  # nothing read at or below
 
 
-def test_a_cpu_quota_counts_as_the_cores_and_its_cgroup_as_the_busy_time(tmp_path: Path, monkeypatch) -> None:
-    """In a container limited to 2 CPUs on a big host, auto never counts the host's idle cores."""
-    (tmp_path / "cpu.max").write_text("200000 100000\n")
-    (tmp_path / "cpu.stat").write_text("usage_usec 7500000\nuser_usec 5000000\nsystem_usec 2500000\n")
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_cpu_quota_counts_as_the_cores_and_its_cgroup_as_the_busy_time(
+    version: str, tmp_path: Path, monkeypatch
+) -> None:
+    """In a container limited to 2 CPUs on a 64-core host, auto never counts the host's idle cores."""
+    if version == "v2":
+        (tmp_path / "cpu.max").write_text("200000 100000\n")
+        (tmp_path / "cpu.stat").write_text("usage_usec 7500000\nuser_usec 5000000\nsystem_usec 2500000\n")
+    else:
+        (tmp_path / "cpu").mkdir()
+        (tmp_path / "cpuacct").mkdir()
+        (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+        (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+        (tmp_path / "cpuacct" / "cpuacct.usage").write_text("7500000000\n")
     monkeypatch.setattr(collectors, "CGROUP", str(tmp_path))
-    assert collectors.cpu_quota() == 2.0 and collectors.usable_cores() <= 2
+    monkeypatch.setattr(collectors, "_affinity", lambda: set(range(64)))
+    assert collectors.cpu_quota() == 2.0 and collectors.usable_cores() == 2
     assert machine_busy_s() == 7.5
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert collectors.cpu_quota() is None and machine_busy_s() != 7.5  # no quota: /proc/stat
+    quota = tmp_path / ("cpu.max" if version == "v2" else "cpu/cpu.cfs_quota_us")
+    quota.write_text("150000 100000\n" if version == "v2" else "150000\n")
+    assert collectors.usable_cores() == 1  # 1.5 CPUs: one whole core
+    quota.write_text("max 100000\n" if version == "v2" else "-1\n")
+    assert collectors.cpu_quota() is None and collectors.usable_cores() == 64
+    assert machine_busy_s() != 7.5  # no quota: /proc/stat
+    quota.write_text("garbage\n")
+    assert collectors.cpu_quota() is None  # not the kernel's form: says nothing
+
+
+def test_several_endpoints_are_judged_together_at_their_chosen_levels() -> None:
+    """Tuned at once in this process: their levels and rates add up; the client's and the machine's
+    cores are one process's and one machine's, so the busiest reading is kept, never a sum."""
+    one = {"chosen_parallelism": 40, "steps": [_step(0.5, 1.0, 2000.0, 40)]}
+    two = {"chosen_parallelism": 64, "steps": [_step(0.9, 1.3, 3000.0, 64), _step(0.95, 1.4, 3500.0, 128)]}
+    at = chosen_step({"chosen_parallelism": 104, "endpoints": [one, two]})
+    assert at == {"parallelism": 104, "rollouts_per_s": 5000.0, "client_cores": 0.9, "busy_cores": 1.3}
+    assert chosen_step({"endpoints": [one, {"chosen_parallelism": 8, "steps": two["steps"]}]}) is None
 
 
 def test_collectors_run_on_a_cluster_of_this_machine_never_on_one_set_for_the_dask_runner(
@@ -83,12 +111,16 @@ def test_a_short_rest_or_a_limit_steered_here_keeps_one_collector(tmp_path: Path
     steps = [_step(0.2, 1.0, 900.0, 5), _step(0.99, 1.2, 5000.0, 80)]
     tuning = {"tuning": {"steps": steps, "chosen_parallelism": 80}}
     spec = _spec(tmp_path, parallelism="auto")
-    long = choose_collectors(spec, tuning, False, int(5000 * MIN_SECONDS_LEFT * 2))
-    assert long.count == 7 and long.client_cores == 0.99, long  # 6.8 idle: 6 more, of 0.99 each
-    short = choose_collectors(spec, tuning, False, 20_000)
+    long = choose_collectors(spec, tuning, False, int(5000 * MIN_SECONDS_LEFT * 2), 100)
+    assert long.count == 8 and long.client_cores == 0.99, long  # 6.8 idle: 7 more
+    few = choose_collectors(spec, tuning, False, int(5000 * MIN_SECONDS_LEFT * 2), 3)
+    assert few.count == 3 and few.why.endswith("; 3 chunks pending"), few.why  # a chunk is one process's
+    assert choose_collectors(_spec(tmp_path, collectors=4), {}, False, 0, 0).count == 1  # nothing pending
+    short = choose_collectors(spec, tuning, False, 20_000, 100)
     assert short.count == 1 and "too short" in short.why, short.why
-    assert choose_collectors(spec, tuning, True, 10**7).count == 1  # the engine's gauges steer it here
-    assert choose_collectors(_spec(tmp_path, parallelism=64), {}, False, 10**7).count == 1  # not measured
+    assert choose_collectors(spec, tuning, True, 10**7, 100).count == 1  # the engine's gauges steer it here
+    fixed = _spec(tmp_path, parallelism=64)
+    assert choose_collectors(fixed, {}, False, 10**7, 100).count == 1  # not measured
 
 
 def test_the_machine_busy_counter_moves_with_work() -> None:
@@ -128,7 +160,7 @@ def test_two_collectors_share_one_limit_and_write_every_rollout_once(run_cli, tm
     assert len({w["worker"] for w in workers}) == 2, workers
     assert sum(w["rollouts"] for w in workers) == 6000 and all(w["peak_in_flight"] <= 48 for w in workers)
     md = (out / "report.md").read_text()
-    assert "Collector processes: 2 (--collectors 2), as a local Dask cluster of 2 workers." in md, md[:1500]
+    assert "Collector processes: 2 (--collectors 2), as a local Dask cluster; 2 of them collected" in md, md
     assert_complete((out / "rollouts.jsonl").read_bytes().splitlines(), 3000, 2)
 
 

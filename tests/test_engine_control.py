@@ -150,13 +150,24 @@ def test_growth_is_judged_by_the_most_one_request_held_not_by_the_fullest_sample
     state.room = OPTS.room_intervals - 1
     limit, why = decide(state, got, OPTS)
     assert limit == 11 and "by its peak use" in why, why  # floor(0.9 / 0.08); 9 * 0.9 / 0.667 = 12.1
-    # an interval with no batch at all (2 of 9 running, a long one left) judges nothing, not 0.3 over 2
+    # an interval with no batch (2 of 9 running, long ones left) still bounds growth, cautiously: 0.3
+    # over 2 is 15% each, 6 at 90%, so the limit holds rather than growing unbounded
     state = EngineState(limit=9)
     state.turn(reading([EngineSample(2, 0, 0.3, 0.0), EngineSample(2, 0, 0.3, 0.5)], None, 9))
     state.room = OPTS.room_intervals - 1
     batch = [EngineSample(9, 0, 0.5, 0.0), EngineSample(9, 0, 0.5, 0.5)]
     limit, why = decide(state, reading(batch, None, 9, ended=9), OPTS)
-    assert limit == 12 and "by its peak use" not in why, why  # x1.25; the projection (16) is higher
+    assert limit == 9 and "held" in why and "by its peak use" in why, why
+
+
+def test_growth_is_bounded_by_the_cache_when_the_engine_runs_under_half_of_those_in_flight() -> None:
+    """20 in flight, 9 running at 3% of the cache each (its API server holds the rest): no sample is a
+    batch, yet growth stops at what the cache holds at 90% (30), not x2 to 40."""
+    samples = [EngineSample(9, 0, 0.27, 0.0), EngineSample(9, 0, 0.27, 0.5)]
+    state = EngineState(limit=20)
+    state.room = OPTS.room_intervals - 1
+    limit, why = decide(state, reading(samples, None, 20, ended=20, left=0), OPTS)
+    assert limit == 30 and "by its peak use" in why, why
 
 
 def test_growth_waits_until_the_requests_in_flight_at_the_last_move_have_ended() -> None:

@@ -113,8 +113,8 @@ def card_data(
 
 def _num(value: Any, fmt: str = ",.4g") -> str:
     """A count as an exact integer with separators (10,003, never 1e+04); other numbers to 4 figures."""
-    if value is None or (isinstance(value, (dict, list)) and not value):
-        return "-"  # nothing scored: an empty pass@k, no figure
+    if value is None:
+        return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, int):
@@ -179,6 +179,8 @@ def _tables(facts: dict[str, Any]) -> list[str]:
         if key == "pass_at_k" and value:
             out += [f"| pass@{k} | {v:.4f} |" for k, v in value.items()]
             out.append(f"| pass@k over | {pass_at_k_tasks(rewards)} |")
+        elif key == "pass_at_k":  # no task scored (every rollout failed): no figure
+            out.append("| pass at k | - |")
         else:
             out.append(f"| {key.replace('_', ' ')} | {_num(value)} |")
     rewards = facts["rewards"] or {}

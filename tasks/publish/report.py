@@ -219,7 +219,8 @@ def _collectors_line(report: dict[str, Any]) -> str:
     c = report["collectors"]
     line = f"Collector processes: {c['count']} ({c['why']})"
     if c["count"] > 1 and report.get("runner"):
-        line += f", as a local {report['runner'].capitalize()} cluster of {len(report.get('workers') or [])} workers"
+        ran = len(report.get("workers") or [])
+        line += f", as a local {report['runner'].capitalize()} cluster; {ran} of them collected chunks"
     return line + "."
 
 

@@ -11,7 +11,7 @@ rollouts to read:
   engine is full, so give back the excess, down to what it runs plus that queue at most; the small
   queue keeps it fed between replies;
 - nothing waiting, the KV cache below `kv_grow` and the limit used: grow, x2 while far from any limit,
-  else x`grow`, never past what the cache holds at `kv_high` by the most a running request held in one
+  else x`grow`, never past what the cache holds at `kv_high` by the most KV per running request in one
   sample (a few requests' use swings with their lengths: the peak share bounds a batch); only after
   `room_intervals` such intervals in a row, and not while a tenth of those in flight have not reached
   the engine (its API server holds them: more would only wait there);
@@ -142,17 +142,18 @@ def reading(
 
 
 def kv_share(samples: Sequence[EngineSample], in_flight: int) -> float | None:
-    """The most KV use one running request held on average in a sample of at least half those in flight.
-
-    The sum of a few requests' use swings with their lengths: the highest share seen bounds the next
-    batch, where the share at the highest use seen (a lucky sample of short replies) would overflow it."""
+    """The most KV use per running request in one sample of a batch (at least half those in flight
+    running); with no such sample, in any sample with one running (a bound from few is cautious, never
+    none). The sum of a few requests' use swings with their lengths: the highest share seen bounds the
+    next batch, where the share at the highest use seen (a lucky sample of short replies) overflows it."""
     least = max(1.0, in_flight / 2)
     shares = [
-        s.kv_cache_usage / s.running
+        (s.running >= least, s.kv_cache_usage / s.running)
         for s in samples
-        if s.kv_cache_usage is not None and s.running is not None and s.running >= least
+        if s.kv_cache_usage is not None and s.running
     ]
-    return max(shares) if shares else None
+    batch = [share for full, share in shares if full]
+    return max(batch or [share for _, share in shares], default=None)
 
 
 def footprint(first: EngineSample | None, last: EngineSample | None) -> float | None:
@@ -209,7 +210,7 @@ class EngineState:
         self.ended += r.ended
         if r.kv is not None:
             self.kv_peak = r.kv if self.kv_peak is None else max(self.kv_peak, r.kv)
-        if r.kv_share is not None:  # None: no sample of a batch (see kv_share), which judges nothing
+        if r.kv_share is not None:  # None: no sample with a request running
             self.share_peak = r.kv_share if self.share_peak is None else max(self.share_peak, r.kv_share)
 
     def new_turnover(self) -> None:
@@ -458,7 +459,8 @@ class EngineController:
                 else:
                     new, why = self.rule(state, r, opts)
                 entry.update(r.as_dict(), turnover={"ended": state.ended, "left": r.left,
-                             "kv_peak": _round(state.kv_peak, 3)})  # fmt: skip
+                             "kv_peak": _round(state.kv_peak, 3),
+                             "kv_share_peak": _round(state.share_peak, 4)})  # fmt: skip
             else:
                 new, why = adaptive.decide(latency, sample, self.fallback)
                 seen = self.sampler.seen_signal
