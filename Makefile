@@ -48,6 +48,7 @@ test: lint docs
 
 bench: $(STAMP)
 	$(PY) bench/client_ceiling.py
+	$(PY) bench/collectors.py
 	$(PY) bench/efficiency.py
 	$(PY) bench/memory.py
 	$(PY) bench/tuning.py
