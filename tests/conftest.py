@@ -22,6 +22,7 @@ pytest_plugins = [
 # A test of a listed module that times anything (a rate, a duration, a deadline, or a bound a loaded machine
 # could pass) is marked `alone` and runs one at a time with the rest; a module whose tests all do stays off.
 CONCURRENT = {
+    "test_barchart",
     "test_audit",
     "test_backends",
     "test_cancellation",

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.collect.percentiles import shown_share
-from rollflow.tasks.publish.plot import new_figure, png_bytes
+from rollflow.tasks.publish.barchart import GREY, PAPER, Bar, bar_chart
 
 BINS = 10
 BIN_EDGES: tuple[float, ...] = tuple(i / BINS for i in range(BINS + 1))
@@ -403,16 +403,9 @@ def rewards_png(d: dict[str, Any]) -> bytes:
     """Bars of the per-task mean reward histogram (the tails in grey), the task shares as title."""
     hist = d["task_mean_histogram"]
     width = hist["bins"][1] - hist["bins"][0]
-    fig, axes = new_figure((7, 4))
-    ax = axes[0, 0]
-    ax.bar(hist["bins"][:-1], hist["counts"], width=width, align="edge", edgecolor="white")
+    bars = [
+        Bar(x, width, count, edge=PAPER) for x, count in zip(hist["bins"][:-1], hist["counts"], strict=True)
+    ]
     tails = [(-width, hist["below_0"], "below 0"), (1.0, hist["above_1"], "above 1")]
-    for x, count, label in tails:
-        if count:
-            ax.bar(x, count, width=width, align="edge", color="tab:gray", label=label)
-    ax.set_xlabel("mean reward of a task's rollouts")
-    ax.set_ylabel("tasks")
-    ax.set_title(f"rollflow rewards: {_shares(d)}")
-    if hist["below_0"] or hist["above_1"]:
-        ax.legend(fontsize=8)
-    return png_bytes(fig)
+    bars += [Bar(x, width, count, GREY, label) for x, count, label in tails if count]
+    return bar_chart(bars, f"rollflow rewards: {_shares(d)}", "mean reward of a task's rollouts", "tasks")
