@@ -7,7 +7,8 @@ The agent server is rollflow's simulator in agent mode (`--latency-ms 0`), in it
 256. Each collector runs as a whole command in a subprocess: wall time, rollouts/s, CPU-s from
 RUSAGE_CHILDREN (the command and every process it waited for; servers that run detached from it, such as the
 simulator, the running `prefect server` and the head-server stand-in, are not counted), CPU ms/rollout.
-Rows: rollflow with a running `prefect server` (PREFECT_API_URL set), with Prefect's ephemeral server, with
+Rows (each kind of server first serves one 10-row warm-up run, as a server in use has): rollflow with a
+running `prefect server` (PREFECT_API_URL set), with Prefect's ephemeral server, with
 no server configured (the default: a kept local server, started by a warm-up run), and NeMo Gym 0.7.0's
 `ng_collect_rollouts`, found in the venv NG_VENV (default: where infra/nemo_gym/install.sh puts it,
 ROLLFLOW_NEMO_GYM_VENV or ~/.cache/rollflow/nemo-gym-0.7.0; the row is skipped with a message when there is
@@ -105,18 +106,18 @@ def rollflow_rows(inp: Path, tmp: Path, sim_url: str, base: dict[str, str]) -> l
            "ROLLFLOW_PREFECT__LOCAL_SERVER": "ephemeral",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # fmt: skip
     keep = {**base, "PREFECT_HOME": str(tmp / "keep-home"), "PREFECT_SERVER_API_PORT": str(free_port())}
-    # A first run pays one-off costs (bytecode, the database, starting the kept server) that users pay once.
-    for name, env in (("eph", eph), ("keep", keep)):
-        warm = tmp / f"warm-{name}"
-        timed(
-            "warm-up", [ROLLFLOW, *args, "--limit", "10", "--output", str(warm)], env, warm / "rollouts.jsonl"
-        )
+    # A first run pays one-off costs (bytecode, the database, starting the kept server, a just-started
+    # server's first requests and start-up work) that users pay once: each kind of server gets one first.
     try:
         prefect = spawn_prefect_server()
         try:
+            server = {**base, **prefect.env}
+            for name, env in (("eph", eph), ("keep", keep), ("server", server)):
+                warm = tmp / f"warm-{name}"
+                timed("warm-up", [ROLLFLOW, *args, "--limit", "10", "--output", str(warm)], env,
+                      warm / "rollouts.jsonl")  # fmt: skip
             out = tmp / "rf-server"
-            env = {**base, **prefect.env}
-            rows = [timed("rollflow, running prefect server", [ROLLFLOW, *args, "--output", str(out)], env,
+            rows = [timed("rollflow, running prefect server", [ROLLFLOW, *args, "--output", str(out)], server,
                           out / "rollouts.jsonl")]  # fmt: skip
         finally:
             prefect.stop()
