@@ -2,7 +2,7 @@
 
 Everything kept is a count, a sum or a fixed-bin histogram (plus Chan et al.'s mean and M2), so a
 chunk's statistics take constant memory and any chunks' statistics merge, in any order, into the run's.
-Pure Python: no I/O and no Prefect (matplotlib is imported only when a plot is drawn).
+Pure Python: no I/O and no Prefect (Pillow is imported only when rewards.png is drawn).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 import orjson
 
 from rollflow.tasks.collect.percentiles import shown_share
-from rollflow.tasks.publish.barchart import GREY, PAPER, Bar, bar_chart
 
 BINS = 10
 BIN_EDGES: tuple[float, ...] = tuple(i / BINS for i in range(BINS + 1))
@@ -401,6 +400,8 @@ def pass_at_k_tasks(d: dict[str, Any]) -> str:
 
 def rewards_png(d: dict[str, Any]) -> bytes:
     """Bars of the per-task mean reward histogram (the tails in grey), the task shares as title."""
+    from rollflow.tasks.publish.barchart import GREY, PAPER, Bar, bar_chart
+
     hist = d["task_mean_histogram"]
     width = hist["bins"][1] - hist["bins"][0]
     bars = [
