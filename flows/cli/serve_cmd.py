@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from rollflow.flows.cli.errors import UsageError, load_settings
+from rollflow.flows.cli.errors import Terminated, UsageError, load_settings
 
 DEPLOYMENT = "rollflow"  # the deployments' default name (flows.serve, loaded with Prefect only to serve)
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 366 * 24 * 3600.0
@@ -137,22 +137,27 @@ CHILD_TERM_S = 10.0  # then how long SIGTERM has before SIGKILL
 
 
 def _serve_until_stopped(served: list[Any], limit: int) -> None:
-    """Prefect's serve, whose stop after Ctrl-C is bounded: Prefect waits for every run process it
-    started, so one that does not stop on the terminal's Ctrl-C would hold serve for as long as it runs.
-    Here those processes get CHILD_STOP_S to stop, then SIGTERM, then SIGKILL."""
-    from prefect import aserve
+    """Prefect's serve, whose stop is bounded. Prefect waits for every run process it started, so one that
+    does not stop would hold serve for as long as it runs, and its own SIGTERM handler exits without
+    stopping them. After Ctrl-C (which a terminal sends to the runs too) they get CHILD_STOP_S to stop;
+    SIGTERM (sent to serve alone, as systemd, Kubernetes or kill do) is passed on to them at once; then
+    SIGKILL after CHILD_TERM_S. Either way the runs end Crashed or Cancelled, not Running."""
     from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
 
     from rollflow.flows.stops import RECANCEL_S
+
+    stopped_by: list[str] = []
 
     async def main() -> None:
         serving = asyncio.current_task()
         assert serving is not None
+        loop = asyncio.get_running_loop()
 
-        def on_ctrl_c() -> None:
-            if not stopping:
-                threading.Thread(target=_end_run_processes, daemon=True).start()
-            stopping.append(True)
+        def stop(name: str, grace_s: float) -> None:
+            if not stopped_by:
+                stopped_by.append(name)
+                threading.Thread(target=_end_run_processes, args=(name, grace_s), daemon=True).start()
             recancel()
 
         def recancel() -> None:  # one cancellation can be lost (see flows.stops): until serving ends
@@ -160,25 +165,35 @@ def _serve_until_stopped(served: list[Any], limit: int) -> None:
                 serving.cancel()
                 loop.call_later(RECANCEL_S, recancel)
 
-        stopping: list[bool] = []
-        loop = asyncio.get_running_loop()
+        class BoundedRunner(Runner):
+            def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:  # instead of exiting at once
+                loop.call_soon_threadsafe(stop, "SIGTERM", 0.0)
 
-        loop.add_signal_handler(signal.SIGINT, on_ctrl_c)
-        await aserve(*served, pause_on_shutdown=False, limit=limit)
+        loop.add_signal_handler(signal.SIGINT, stop, "Ctrl-C", CHILD_STOP_S)
+        runner = BoundedRunner(pause_on_shutdown=False, limit=limit)
+        for deployment in served:
+            await runner.add_deployment(deployment)
+        names = ", ".join(f"{d.flow_name}/{d.name}" for d in served)
+        print(f"rollflow serve: serving {names}; Ctrl-C or SIGTERM stops it.", file=sys.stderr, flush=True)
+        await runner.start()
 
     try:
         asyncio.run(main())
     except (asyncio.CancelledError, KeyboardInterrupt, TerminationSignal) as exc:
-        print(f"rollflow serve: stopped ({_stop_name(exc)}).", file=sys.stderr)
+        print(
+            f"rollflow serve: stopped ({stopped_by[0] if stopped_by else _stop_name(exc)}).", file=sys.stderr
+        )
 
 
 def _stop_name(exc: BaseException) -> str:
-    return "SIGTERM" if type(exc).__name__ == "TerminationSignal" else "Ctrl-C"
+    if type(exc).__name__ == "TerminationSignal" or isinstance(exc, Terminated):
+        return "SIGTERM"
+    return "Ctrl-C"
 
 
-def _end_run_processes() -> None:
-    """The flow-run processes this serve started that outlive CHILD_STOP_S, terminated, then killed."""
-    deadline = time.monotonic() + CHILD_STOP_S
+def _end_run_processes(stop: str, grace_s: float) -> None:
+    """The flow-run processes this serve started that outlive `grace_s`, terminated, then killed."""
+    deadline = time.monotonic() + grace_s
     while (left := _run_processes()) and time.monotonic() < deadline:
         time.sleep(0.5)
     for sig, wait_s in ((signal.SIGTERM, CHILD_TERM_S), (signal.SIGKILL, 0.0)):
@@ -186,7 +201,7 @@ def _end_run_processes() -> None:
         if not left:
             return
         print(
-            f"rollflow serve: {len(left)} run process(es) still running after Ctrl-C; sending "
+            f"rollflow serve: {len(left)} run process(es) still running after {stop}; sending "
             f"{sig.name} to {', '.join(map(str, left))}",
             file=sys.stderr,
         )
