@@ -7,6 +7,8 @@ could not name its run, runs had Prefect's random names, and a served usage erro
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import re
 import time
 from datetime import datetime
@@ -202,14 +204,15 @@ def test_a_placeholders_value_is_one_path_segment() -> None:
 
 
 @pytest.mark.alone  # the serve's stop is bounded by 60 s, which three loaded test files reached twice
-@pytest.mark.parametrize("to", ["group", "serve", "sigterm"])
+@pytest.mark.parametrize("to", ["group", "serve", "sigterm", "burst"])
 def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tmp_path, to) -> None:
     """Ctrl-C on `rollflow serve` (SIGINT to its process group, as a terminal sends it) ended the served
     run's process with it, and the run stayed RUNNING in the UI for ever. A run process the signal never
     reached (`kill -INT` to serve alone), or that went on after it, held serve until the run ended: now
     it has 20 s to stop, then SIGTERM, then SIGKILL. A SIGTERM to serve alone (systemd, Kubernetes, kill)
     held it until the run ended too (a CI run waited 30 s in vain): it is passed on to the run at once,
-    and serve is gone within Kubernetes' default grace of 30 s."""
+    and serve is gone within Kubernetes' default grace of 30 s. More signals while it stops (a burst of
+    SIGTERM and SIGINT) crashed it with a traceback and left the run Running: they wait for it now."""
     import os
     import signal
     import subprocess
@@ -236,8 +239,17 @@ def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tm
         while ok(api, f"/flow_runs/{run_id}")["state"]["type"] != "RUNNING" and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(3)  # well into its collection (every request takes 2 s)
-        sig, bound_s = (signal.SIGTERM, 30) if to == "sigterm" else (signal.SIGINT, 60)
+        term = to in ("sigterm", "burst")
+        sig, bound_s = (signal.SIGTERM, 30) if term else (signal.SIGINT, 60)
         (os.killpg if to == "group" else os.kill)(proc.pid, sig)
+        if to == "burst":  # a supervisor's repeats, a double Ctrl-C: every 50 ms until serve is gone
+            again = time.monotonic() + bound_s
+            for i in itertools.count():
+                if proc.poll() is not None or time.monotonic() > again:
+                    break
+                time.sleep(0.05)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, (signal.SIGINT, signal.SIGTERM)[i % 2])
         try:
             proc.wait(bound_s)
         except subprocess.TimeoutExpired:  # say where its stop was stuck
@@ -245,9 +257,12 @@ def test_ctrl_c_on_serve_ends_the_run_it_was_running(cli_env, prefect_server, tm
             said = proc.communicate(timeout=30)[1][-3000:]
             pytest.fail(f"serve still running {bound_s} s after {sig.name}; its stderr: {said!r}")
         said = proc.stderr.read().decode() if proc.stderr else ""
-        assert f"rollflow serve: stopped ({'SIGTERM' if to == 'sigterm' else 'Ctrl-C'})." in said, said[
-            -2000:
-        ]
+        assert f"rollflow serve: stopped ({'SIGTERM' if term else 'Ctrl-C'})." in said, said[-2000:]
+        assert "serve_cmd.py" not in said and "Event loop is closed" not in said, said[-3000:]  # its own
+        # a signal of the burst may land in the interpreter's exit, after the work, where the default
+        # handlers are back: the exit status is then the signal's, not a stop left half done
+        ended_by = (0, -signal.SIGTERM, -signal.SIGINT) if to == "burst" else (0,)
+        assert proc.returncode in ended_by, (proc.returncode, said[-2000:])
         run = wait_final(api, run_id, 60)
         assert run["state"]["type"] in ("CRASHED", "CANCELLED"), run["state"]
         assert (

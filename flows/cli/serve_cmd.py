@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,8 @@ def _serve_until_stopped(served: list[Any], limit: int) -> None:
 
         class BoundedRunner(Runner):
             def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:  # instead of exiting at once
-                loop.call_soon_threadsafe(stop, "SIGTERM", 0.0)
+                with contextlib.suppress(RuntimeError):  # the loop closed: serving has already stopped
+                    loop.call_soon_threadsafe(stop, "SIGTERM", 0.0)
 
         loop.add_signal_handler(signal.SIGINT, stop, "Ctrl-C", CHILD_STOP_S)
         runner = BoundedRunner(pause_on_shutdown=False, limit=limit)
@@ -236,15 +238,37 @@ ABANDONED = (
 def _end_abandoned_runs(flows: set[str], names: set[str], since: datetime, within_s: float = 10.0) -> None:
     """The runs this process started and left RUNNING or PENDING when it stopped (Ctrl-C ends their
     processes with it) are marked CRASHED, saying why, instead of showing as running for ever; bounded,
-    so a slow API never holds the stop."""
+    so a slow API never holds the stop. A second Ctrl-C or SIGTERM meanwhile (a double Ctrl-C, a
+    supervisor's repeat) waits for the marking: it left the runs Running, with a traceback."""
     marking = threading.Thread(target=_mark_abandoned, args=(flows, names, since), daemon=True)
     marking.start()
-    marking.join(within_s)
+    with _signals_held(f"rollflow serve: marking the runs it left (at most {within_s:g} s)"):
+        marking.join(within_s)
     if marking.is_alive():
         print(
             f"rollflow: the runs this serve left running were not marked within {within_s:g} s",
             file=sys.stderr,
         )
+
+
+@contextlib.contextmanager
+def _signals_held(said: str) -> Iterator[None]:
+    """SIGINT and SIGTERM say `said` (once) and are otherwise ignored for the block, then the handlers
+    before it come back: Prefect's runner and the event loop leave handlers that need a loop no longer
+    running."""
+    told: list[bool] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if not told:
+            told.append(True)
+            print(said, file=sys.stderr, flush=True)
+
+    before = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _mark_abandoned(flows: set[str], names: set[str], since: datetime) -> None:
