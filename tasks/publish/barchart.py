@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
-DPI = 110  # as the matplotlib figures: a 7 x 4 in chart is 770 x 440 pixels
+# the matplotlib figures' resolution and margins, so that every figure of a report has the same frame
+from rollflow.tasks.publish.plot import BOTTOM_IN, DPI, LEFT_IN, RIGHT_IN, TOP_IN
+
 BLUE, GREY = (31, 119, 180), (127, 127, 127)  # matplotlib's tab:blue and tab:gray, as the other figures
 INK, PAPER, KEY_FRAME = (0, 0, 0), (255, 255, 255), (204, 204, 204)
-# Margins in inches, as plot.py's: room for tick labels and the axis label (left, bottom) and the title.
-LEFT_IN, RIGHT_IN, BOTTOM_IN, TOP_IN = 0.85, 0.25, 0.6, 0.35
 TICK_PX, PAD_PX = 5, 4
 SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"))  # counts of a million and more: "1.5M", not nine digits
 Font = ImageFont.FreeTypeFont | ImageFont.ImageFont
@@ -80,7 +80,7 @@ def bar_chart(
         draw.line([(left - TICK_PX, y), (left, y)], fill=INK)
         beside = min(beside, _text(draw, (left - TICK_PX - PAD_PX, y), text, font, "right")[0])
     _text(draw, ((left + right) / 2, below + PAD_PX), xlabel, font, "top")
-    _vertical_text(image, (beside - PAD_PX, (top + bottom) / 2), ylabel, font)
+    _vertical_text(image, draw, (beside - PAD_PX, (top + bottom) / 2), ylabel, font)
     _title(draw, " ".join(title.split()), (left + right) / 2, top - PAD_PX, width)
     _key(draw, shown, boxes, (left + 2 * PAD_PX, right - 2 * PAD_PX, top + 2 * PAD_PX))
     buf = io.BytesIO()
@@ -172,11 +172,12 @@ def _text(
     return left, top, left + w, top + h
 
 
-def _vertical_text(image: Image.Image, at: tuple[float, float], text: str, font: Font) -> None:
+def _vertical_text(
+    image: Image.Image, draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font: Font
+) -> None:
     """`text` turned a quarter left (read bottom to top), its right edge at at[0] (inside the figure),
     centred on at[1]."""
-    probe = ImageDraw.Draw(image)
-    x0, y0, x1, y1 = probe.textbbox((0, 0), text, font=font)
+    x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
     if x1 <= x0:
         return
     strip = Image.new("L", (x1 - x0, y1 - y0), 0)
