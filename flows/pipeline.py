@@ -10,12 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 from prefect.runtime import deployment as runtime_deployment
 
 from rollflow.flows.artifacts import dataset_link, endpoints_table, rollout_progress, run_log
 from rollflow.flows.collectors import choose_collectors, collect_spec
+from rollflow.flows.flow_type import flow
 from rollflow.flows.messages import deadline_message, incomplete_message
 from rollflow.flows.parameters import (
     AS_SERVED_BACKEND,

@@ -15,10 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact
 
 from rollflow.flows.engines import open_engine
+from rollflow.flows.flow_type import flow
 from rollflow.flows.scale_out import EngineThread, RemoteChunks, settled
 from rollflow.flows.secrets import resolve_secret_blocks, worker_secrets
 from rollflow.flows.stops import cancelled_by_sigterm, chunk_error

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import orjson
-from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from rollflow.flows.artifacts import run_log
+from rollflow.flows.flow_type import flow
 from rollflow.flows.parameters import (
     AS_SERVED_BACKEND,
     AS_SERVED_COLLECTION,

@@ -23,6 +23,7 @@ pytest_plugins = [
 # could pass) is marked `alone` and runs one at a time with the rest; a module whose tests all do stays off.
 CONCURRENT = {
     "test_barchart",
+    "test_flow_type",
     "test_audit",
     "test_backends",
     "test_cancellation",

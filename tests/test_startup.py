@@ -57,7 +57,8 @@ def test_report_times_startup_and_shutdown(run_cli: RunCli, fast_sim: Service, t
 def test_a_jsonl_run_imports_only_what_it_uses(run_cli: RunCli, fast_sim: Service, tmp_path: Path) -> None:
     """A JSONL collect on the local runner imports no pyarrow (Parquet), huggingface_hub (the card is
     written without it), matplotlib (the reward histogram is drawn with Pillow; tuning and control plots,
-    not drawn here, keep it), Dask or Ray: Python's own import log (-X importtime) lists every module."""
+    not drawn here, keep it), FastAPI (the flow's parameters are encoded without it), Dask or Ray:
+    Python's own import log (-X importtime) lists every module."""
     done, out = _collect(run_cli, tmp_path, fast_sim, "--no-progress", env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "README.md").exists() and (out / "rewards.png").exists()
@@ -70,6 +71,7 @@ def test_a_jsonl_run_imports_only_what_it_uses(run_cli: RunCli, fast_sim: Servic
         "pyarrow",
         "huggingface_hub",
         "matplotlib",
+        "fastapi",
         "dask",
         "distributed",
         "ray",
