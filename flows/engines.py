@@ -248,7 +248,7 @@ def open_engine(
                 link = RayLink(name) if book else None
                 with _ray_calls(spec) as calls:
                     yield Engine(runner, channel, link, *calls)
-            finally:  # before Ray ends the job's workers: they take back their reports first
+            finally:  # after the run's own workers ended: none of them writes a report after this
                 if channel is not None:
                     with contextlib.suppress(Exception):
                         channel.close()

@@ -144,7 +144,6 @@ class DaskChannel:
             self.client.run_on_scheduler(scheduler_forget(self.key))
 
 
-DRAIN_S = 1.0  # a Ray run's end waits at most this long for its workers to delete their reports
 STALE_S = 600.0  # a run's board unwritten this long was left by a flow that was killed (hosts' clocks)
 
 
@@ -266,20 +265,9 @@ class RayChannel:
         RayStore().put(_ray_key(self.name, "board"), pickle.dumps({**board, "written_at": time.time()}))
 
     def close(self) -> None:
-        """Tell the workers the run ended, wait for them to take back their reports, then delete the run's
-        keys (even if telling them failed); a worker that reports after that deletes its report itself
-        (LinkState)."""
+        """Tell the workers the run ended, then delete the run's keys (even if telling them failed); a
+        worker that reports after that deletes its report itself (LinkState)."""
         try:
             self.publish(CLOSED)
-            self._drain()
         finally:
             RayStore().delete_under(_ray_key(self.name, ""))
-
-    def _drain(self) -> None:
-        """Ray ends the run's worker processes with its job, just after this: one ended between writing a
-        report and reading the closed board left that report for good. Each reads the board every POLL_S
-        and deletes its report when it finds it closed, so this waits (at most DRAIN_S: a report left by a
-        worker that died earlier never goes) until no report is left."""
-        end = time.monotonic() + DRAIN_S
-        while self.reports() and time.monotonic() < end:
-            time.sleep(0.02)
