@@ -247,8 +247,13 @@ def open_engine(
             try:
                 link = RayLink(name) if book else None
                 with _ray_calls(spec) as calls:
-                    yield Engine(runner, channel, link, *calls)
-            finally:  # after the run's own workers ended: none of them writes a report after this
+                    try:
+                        yield Engine(runner, channel, link, *calls)
+                    finally:  # while the run's own workers live: each reads the end, takes back its report
+                        if channel is not None:
+                            with contextlib.suppress(Exception):
+                                channel.end()
+            finally:  # after the run's own workers ended (_ray_calls waits): what is left is deleted
                 if channel is not None:
                     with contextlib.suppress(Exception):
                         channel.close()

@@ -2,9 +2,9 @@
 
 Prefect builds a flow's parameter schema (the UI form) when the flow is declared, and encodes a run's
 parameters with FastAPI's `jsonable_encoder`. For rollflow's flows, whose parameters are pydantic
-sections, that was about 0.1 s of schema building (and pydantic.v1's import) and 0.1 s of importing
+sections, that was about 0.07 s of schema building and 0.1 s of importing
 FastAPI in every command, for a schema only `serve` and the UI read. Here the schema is built when first
-read, and parameters of JSON values and pydantic sections are encoded here, with the same result.
+read, and parameters of JSON values and pydantic sections are encoded here, to the values Prefect gives.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import prefect.flows
 from prefect import Flow
 from prefect.utilities.callables import ParameterSchema, parameter_schema
 from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 
-_DEFERRED: Any = object()  # what Flow.__init__ stores while the schema is left for later
 _DECLARING = threading.Lock()
+_declaring: tuple[int, Callable[..., Any]] | None = None  # (thread, function) of the LeanFlow declared now
+_UNENCODABLE = (PydanticSerializationError, TypeError, ValueError, RecursionError)
 
 
 class LeanFlow(Flow[..., Any]):
@@ -28,23 +30,30 @@ class LeanFlow(Flow[..., Any]):
 
     @property
     def parameters(self) -> ParameterSchema:
-        schema = self.__dict__.get("_schema", _DEFERRED)
-        if schema is _DEFERRED:
+        schema = self.__dict__.get("_schema")
+        if schema is None:  # deferred at declaration (None survives pickling, as Prefect's runner does)
             schema = self.__dict__["_schema"] = parameter_schema(self.fn)
         return schema
 
     @parameters.setter
-    def parameters(self, schema: ParameterSchema) -> None:
+    def parameters(self, schema: ParameterSchema | None) -> None:
         self.__dict__["_schema"] = schema
 
     def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
         """JSON values for the API, as Prefect's own gives them: JSON values and pydantic sections are
-        encoded here; any other type by Prefect (`jsonable_encoder`, the only reason to import FastAPI)."""
-        prefects = super().serialize_parameters
-        return {
-            key: _encoded(value) if _plain(value) else prefects({key: value})[key]
-            for key, value in parameters.items()
-        }
+        encoded here; any other type by Prefect (`jsonable_encoder`, the only reason to import FastAPI).
+        One difference, on purpose: a key starting with `_sa` (in a section's `overrides`, say) is kept where
+        FastAPI drops it, so a run started again from the UI gets what this one was given."""
+        encoded: dict[str, Any] = {}
+        for key, value in parameters.items():
+            try:
+                if _plain(value):
+                    encoded[key] = _encoded(value)
+                    continue
+            except _UNENCODABLE:  # a model pydantic cannot dump, a list that holds itself: as Prefect does
+                pass
+            encoded[key] = super().serialize_parameters({key: value})[key]
+        return encoded
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -72,23 +81,32 @@ def _encoded(value: Any) -> Any:
     return value
 
 
+def _deferring(fn: Callable[..., Any]) -> ParameterSchema | None:
+    """prefect.flows.parameter_schema while a LeanFlow is declared: None (later) for that declaration,
+    the schema for any other flow, on this thread or another."""
+    if _declaring == (threading.get_ident(), fn):
+        return None
+    return parameter_schema(fn)
+
+
 @contextmanager
-def _schema_deferred() -> Iterator[None]:
-    """Flow.__init__ calls prefect.flows.parameter_schema: while a LeanFlow is declared, it defers."""
+def _schema_deferred(fn: Callable[..., Any]) -> Iterator[None]:
+    """Flow.__init__ calls prefect.flows.parameter_schema(fn): while `fn` is declared, it defers."""
+    global _declaring
     with _DECLARING:
-        eager = prefect.flows.parameter_schema
-        prefect.flows.parameter_schema = lambda fn: _DEFERRED
+        eager, _declaring = prefect.flows.parameter_schema, (threading.get_ident(), fn)
+        prefect.flows.parameter_schema = _deferring
         try:
             yield
         finally:
-            prefect.flows.parameter_schema = eager
+            prefect.flows.parameter_schema, _declaring = eager, None
 
 
 def flow(**options: Any) -> Callable[[Callable[..., Any]], LeanFlow]:
     """`@prefect.flow(**options)`, declaring a LeanFlow."""
 
     def declare(fn: Callable[..., Any]) -> LeanFlow:
-        with _schema_deferred():
+        with _schema_deferred(fn):
             return LeanFlow(fn=fn, **options)
 
     return declare

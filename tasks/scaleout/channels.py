@@ -144,6 +144,9 @@ class DaskChannel:
             self.client.run_on_scheduler(scheduler_forget(self.key))
 
 
+# A Ray run's end waits at most this long for its workers to take back their reports: they look every
+# POLL_S; one that died, or left the run after IDLE_S without a chunk, keeps its report until `close`.
+DRAIN_S = 0.5
 STALE_S = 600.0  # a run's board unwritten this long was left by a flow that was killed (hosts' clocks)
 
 
@@ -264,9 +267,19 @@ class RayChannel:
     def publish(self, board: dict[str, Any]) -> None:
         RayStore().put(_ray_key(self.name, "board"), pickle.dumps({**board, "written_at": time.time()}))
 
+    def end(self) -> None:
+        """Tell the workers the run ended, and wait (DRAIN_S at most) while they take back their reports,
+        as each does at its next look at the board (every POLL_S). Called while the run's own workers
+        live: Ray ends them next, and one ended between writing a report and reading the board could have
+        its report land after `close` deleted the run's keys; a worker that has read the end writes none."""
+        self.publish(CLOSED)
+        until = time.monotonic() + DRAIN_S
+        while self.reports() and time.monotonic() < until:
+            time.sleep(0.02)
+
     def close(self) -> None:
-        """Tell the workers the run ended, then delete the run's keys (even if telling them failed); a
-        worker that reports after that deletes its report itself (LinkState)."""
+        """Tell the workers the run ended (again, if `end` did), then delete the run's keys (even if
+        telling them failed); a worker that reports after that deletes its report itself (LinkState)."""
         try:
             self.publish(CLOSED)
         finally:
