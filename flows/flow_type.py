@@ -22,7 +22,6 @@ from pydantic_core import PydanticSerializationError
 
 _DECLARING = threading.Lock()
 _declaring: tuple[int, Callable[..., Any]] | None = None  # (thread, function) of the LeanFlow declared now
-_UNENCODABLE = (PydanticSerializationError, TypeError, ValueError, RecursionError)
 
 
 class LeanFlow(Flow[..., Any]):
@@ -47,38 +46,35 @@ class LeanFlow(Flow[..., Any]):
         encoded: dict[str, Any] = {}
         for key, value in parameters.items():
             try:
-                if _plain(value):
-                    encoded[key] = _encoded(value)
-                    continue
-            except _UNENCODABLE:  # a model pydantic cannot dump, a list that holds itself: as Prefect does
-                pass
-            encoded[key] = super().serialize_parameters({key: value})[key]
+                encoded[key] = _encoded(value)
+            except _UNENCODABLE:  # not plain, a model pydantic cannot dump, a list that holds itself
+                encoded[key] = super().serialize_parameters({key: value})[key]
         return encoded
 
 
 _SCALARS = (str, int, float, bool, type(None))
 
 
-def _plain(value: Any) -> bool:
-    """JSON values and pydantic models, all the way down (an enum or a subclass of str is not plain)."""
-    if type(value) in _SCALARS or isinstance(value, BaseModel):
-        return True
-    if type(value) is dict:
-        return all(type(k) is str and _plain(v) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return all(_plain(v) for v in value)
-    return False
+class _NotPlain(Exception):
+    """A value `_encoded` leaves to Prefect's encoder."""
 
 
 def _encoded(value: Any) -> Any:
-    """As `jsonable_encoder` encodes a plain value: a model by its JSON dump by alias, a tuple as a list."""
+    """As `jsonable_encoder` encodes JSON values and pydantic models, all the way down (a model by its JSON
+    dump by alias, a tuple as a list); anything else (an enum, a subclass of str, a key that is not a
+    str) raises _NotPlain."""
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json", by_alias=True)
-    if type(value) is dict:
+    if type(value) is dict and all(type(k) is str for k in value):
         return {k: _encoded(v) for k, v in value.items()}
     if type(value) in (list, tuple):
         return [_encoded(v) for v in value]
-    return value
+    raise _NotPlain(type(value).__name__)
+
+
+_UNENCODABLE = (_NotPlain, PydanticSerializationError, TypeError, ValueError, RecursionError)
 
 
 def _deferring(fn: Callable[..., Any]) -> ParameterSchema | None:
